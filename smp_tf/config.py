@@ -1,0 +1,288 @@
+"""The smp_tf configuration: the dict given to `smp.init` and its validation.
+
+The keys and their meaning follow the SageMaker model parallel library for
+TensorFlow, so that a script written for it runs unchanged:
+
+==================  =============  ==========================================
+key                 default        meaning
+==================  =============  ==========================================
+partitions          1              pipeline stages (one device each); alias
+                                   ``pipeline_parallel_degree``
+microbatches        1              micro-batches each batch is split into
+pipeline            "interleaved"  ``"interleaved"`` (1F1B) or ``"simple"``
+                                   (all forwards, then all backwards)
+optimize            "speed"        partitioner objective: ``"speed"`` or
+                                   ``"memory"``
+auto_partition      True           partition the model automatically
+default_partition   0 / required   partition of ops outside any
+                                   ``smp.partition`` scope; required when
+                                   ``auto_partition`` is False
+contiguous          True           each partition is one contiguous block of
+                                   the model
+placement_strategy  "cluster"      ``"cluster"`` or ``"spread"`` device order
+horovod             False          data parallelism across processes
+==================  =============  ==========================================
+
+As on SageMaker, the JSON object in the environment variable
+``SM_HP_MP_PARAMETERS`` (if set) overrides the keys of the dict given in code.
+
+This module does not import TensorFlow, so configs can be validated cheaply
+(for example by a launcher).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import json
+import numbers
+import os
+from dataclasses import dataclass
+from typing import Any, Dict, Mapping, Optional, Tuple
+
+__all__ = ["Config", "ENV_VAR", "parse_config"]
+
+#: Environment variable whose JSON object overrides the keys of the config dict.
+ENV_VAR = "SM_HP_MP_PARAMETERS"
+
+#: Alias of ``partitions`` (the name used by newer SageMaker releases).
+_PARTITIONS_ALIAS = "pipeline_parallel_degree"
+
+#: Allowed values of the string-valued keys.
+_CHOICES: Dict[str, Tuple[str, ...]] = {
+    "pipeline": ("interleaved", "simple"),
+    "optimize": ("speed", "memory"),
+    "placement_strategy": ("cluster", "spread"),
+}
+_INT_KEYS = ("partitions", "microbatches", "default_partition")
+_BOOL_KEYS = ("auto_partition", "contiguous", "horovod")
+
+
+@dataclass(frozen=True)
+class Config:
+    """A validated smp_tf configuration (see the module doc for the keys).
+
+    Build it with `parse_config` (or `smp.init`), which also accepts the alias
+    ``pipeline_parallel_degree`` and the environment override. Constructing
+    `Config` directly validates the values as well.
+
+    Attributes:
+        partitions: number of pipeline stages; each runs on its own device.
+        microbatches: number of micro-batches each batch is split into.
+        pipeline: ``"interleaved"`` or ``"simple"`` pipeline schedule.
+        optimize: ``"speed"`` or ``"memory"``: what the partitioner balances.
+        auto_partition: whether the model is partitioned automatically.
+        default_partition: partition of ops not placed explicitly. Resolved
+            to 0 when `auto_partition` is True and it is not given.
+        contiguous: whether each partition is a contiguous block of the model.
+        placement_strategy: ``"cluster"`` or ``"spread"``.
+        horovod: whether data parallelism across processes is enabled.
+
+    Raises:
+        ValueError: a value has the wrong type or is out of range.
+    """
+
+    partitions: int = 1
+    microbatches: int = 1
+    pipeline: str = "interleaved"
+    optimize: str = "speed"
+    auto_partition: bool = True
+    default_partition: Optional[int] = None
+    contiguous: bool = True
+    placement_strategy: str = "cluster"
+    horovod: bool = False
+
+    def __post_init__(self) -> None:
+        for key in _INT_KEYS:
+            value = getattr(self, key)
+            if key == "default_partition" and value is None:
+                continue
+            # numpy integers are accepted, but stored as Python ints so that
+            # the config stays hashable, comparable and JSON-serialisable.
+            object.__setattr__(self, key, _check_int(key, value))
+        for key in _BOOL_KEYS:
+            _check_bool(key, getattr(self, key))
+        for key, options in _CHOICES.items():
+            _check_choice(key, getattr(self, key), options)
+
+        for key in ("partitions", "microbatches"):
+            if getattr(self, key) < 1:
+                raise ValueError(
+                    f"Config parameter '{key}' must be at least 1. "
+                    f"Received: {key}={getattr(self, key)!r}"
+                )
+
+        if self.default_partition is None:
+            if not self.auto_partition:
+                raise ValueError(
+                    "Config parameter 'default_partition' is required when "
+                    "auto_partition is False: it is the partition of every op "
+                    "that is not inside an `smp.partition` scope. "
+                    "Received: auto_partition=False, default_partition=None"
+                )
+            object.__setattr__(self, "default_partition", 0)
+        elif self.default_partition < 0:
+            raise ValueError(
+                "Config parameter 'default_partition' must be non-negative. "
+                f"Received: default_partition={self.default_partition!r}"
+            )
+        elif self.default_partition >= self.partitions:
+            raise ValueError(
+                f"default_partition={self.default_partition!r} must be less than "
+                f"the number of partitions ({self.partitions}). Config parameter "
+                f"'default_partition' is a partition index in "
+                f"[0, {self.partitions})."
+            )
+
+    def to_dict(self) -> Dict[str, Any]:
+        """Returns the config as a plain dict (accepted back by `parse_config`).
+
+        Returns:
+            A dict mapping each config key to its value.
+        """
+        return dataclasses.asdict(self)
+
+
+def _valid_keys() -> Tuple[str, ...]:
+    return tuple(f.name for f in dataclasses.fields(Config)) + (_PARTITIONS_ALIAS,)
+
+
+def _check_int(key: str, value: Any) -> int:
+    # bool is a subclass of int, but `partitions=True` is certainly a mistake.
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise ValueError(
+            f"Config parameter '{key}' must be an integer. "
+            f"Received: {key}={value!r} (of type {type(value).__name__})"
+        )
+    return int(value)
+
+
+def _check_bool(key: str, value: Any) -> None:
+    # Strict: `contiguous=1` or `horovod="false"` are rejected rather than
+    # guessed at ("false" would be truthy).
+    if not isinstance(value, bool):
+        raise ValueError(
+            f"Config parameter '{key}' must be a boolean (True or False). "
+            f"Received: {key}={value!r} (of type {type(value).__name__})"
+        )
+
+
+def _check_choice(key: str, value: Any, options: Tuple[str, ...]) -> None:
+    if not isinstance(value, str) or value not in options:
+        raise ValueError(
+            f"Config parameter '{key}' must be one of "
+            f"{', '.join(repr(o) for o in options)}. Received: {key}={value!r}"
+        )
+
+
+def _read_environment(environ: Mapping[str, str]) -> Dict[str, Any]:
+    raw = environ.get(ENV_VAR)
+    # An empty value is how a variable is commonly "unset" in shell scripts
+    # (`export SM_HP_MP_PARAMETERS=`); treat it as no override.
+    if raw is None or not str(raw).strip():
+        return {}
+    try:
+        parsed = json.loads(raw)
+    except (TypeError, ValueError) as e:
+        raise ValueError(
+            f"The environment variable {ENV_VAR} must hold a JSON object such "
+            f'as {{"partitions": 2, "microbatches": 4}}, but it is not valid '
+            f"JSON ({e}). Received: {ENV_VAR}={raw!r}"
+        ) from None
+    if not isinstance(parsed, dict):
+        raise ValueError(
+            f"The environment variable {ENV_VAR} must hold a JSON object such "
+            f'as {{"partitions": 2, "microbatches": 4}}, but it holds a JSON '
+            f"{type(parsed).__name__}. Received: {ENV_VAR}={raw!r}"
+        )
+    return parsed
+
+
+def _check_keys(values: Mapping[Any, Any], source: str) -> None:
+    valid = _valid_keys()
+    for key in values:
+        if not isinstance(key, str):
+            raise ValueError(
+                f"Config parameter names must be strings. Received: {key!r} "
+                f"(of type {type(key).__name__}) {source}"
+            )
+    unknown = [k for k in values if k not in valid]
+    if not unknown:
+        return
+    key = unknown[0]
+    hint = difflib.get_close_matches(key, valid, n=1)
+    did_you_mean = f" Did you mean '{hint[0]}'?" if hint else ""
+    others = ""
+    if len(unknown) > 1:
+        others = f" Other unrecognized parameters: {', '.join(repr(k) for k in unknown[1:])}."
+    raise ValueError(
+        f"Unrecognized config parameter {key!r} {source}.{did_you_mean}{others} "
+        f"Valid parameters: {', '.join(valid)}."
+    )
+
+
+def parse_config(
+    config: Optional[Mapping[str, Any]] = None,
+    environ: Optional[Mapping[str, str]] = None,
+) -> Config:
+    """Validates a config dict and returns the resulting `Config`.
+
+    Args:
+        config: a mapping from config keys (see the module doc) to values, a
+            `Config`, or None for the defaults.
+        environ: the environment to read ``SM_HP_MP_PARAMETERS`` from;
+            defaults to `os.environ`. If the variable is set, its JSON object
+            overrides the keys of `config`. Setting either ``partitions`` or
+            ``pipeline_parallel_degree`` there overrides both names in
+            `config`.
+
+    Returns:
+        The validated `Config`.
+
+    Raises:
+        ValueError: `config` is not a mapping; the environment variable is not
+            a JSON object; a key is unknown; ``partitions`` and
+            ``pipeline_parallel_degree`` disagree; or a value has the wrong
+            type or is out of range.
+    """
+    if config is None:
+        values: Dict[Any, Any] = {}
+    elif isinstance(config, Config):
+        values = config.to_dict()
+    elif isinstance(config, Mapping):
+        values = dict(config)
+    else:
+        raise ValueError(
+            "Expected `config` to be a dict of smp_tf config parameters (for "
+            'example {"partitions": 2, "microbatches": 4}) or None. '
+            f"Received: config={config!r} (of type {type(config).__name__})"
+        )
+    _check_keys(values, "in the config dict")
+
+    env_values = _read_environment(os.environ if environ is None else environ)
+    _check_keys(env_values, f"in the environment variable {ENV_VAR}")
+    if "partitions" in env_values or _PARTITIONS_ALIAS in env_values:
+        # The environment sets the number of partitions under one name: it
+        # must win over the code's value under either name, not conflict.
+        values.pop("partitions", None)
+        values.pop(_PARTITIONS_ALIAS, None)
+    values.update(env_values)
+
+    if _PARTITIONS_ALIAS in values:
+        # Validated under its own name so that errors name what the user wrote.
+        alias_value = _check_int(_PARTITIONS_ALIAS, values.pop(_PARTITIONS_ALIAS))
+        if alias_value < 1:
+            raise ValueError(
+                f"Config parameter '{_PARTITIONS_ALIAS}' must be at least 1. "
+                f"Received: {_PARTITIONS_ALIAS}={alias_value!r}"
+            )
+        if "partitions" in values and values["partitions"] != alias_value:
+            raise ValueError(
+                f"Config parameters 'partitions' and '{_PARTITIONS_ALIAS}' are "
+                "aliases and must agree; give only one of them. Received: "
+                f"partitions={values['partitions']!r}, "
+                f"{_PARTITIONS_ALIAS}={alias_value!r}"
+            )
+        values["partitions"] = alias_value
+    # `default_partition: None` means "not given" (resolved by Config).
+    return Config(**values)

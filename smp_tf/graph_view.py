@@ -1,0 +1,456 @@
+"""A read-only view of a traced graph for the partitioner.
+
+`OpGraph` is plain Python data: ops in creation order (a topological order of
+the data edges), their input and output tensors with static byte sizes, an
+estimated flop count per op, which variables each op touches, which Keras
+layer created it, and for each gradient op the forward op it differentiates.
+The partitioner only ever sees an `OpGraph`, so it can be tested on graphs
+written by hand (`OpGraph.from_spec`).
+
+`from_tf_graph` reads a `tf.Graph` through its Python API (it never creates
+ops and does not import TensorFlow).
+
+Flop model (an estimate used only to balance partitions):
+
+* ``MatMul`` / ``BatchMatMul*``: ``2 * prod(output) * K`` (K the contracted size).
+* ``Conv*D`` and both of their back-propagation ops: ``2 * prod(out) * kh * kw * cin``,
+  where ``out`` is the forward output (the back-prop ops cost what the
+  forward costs); depthwise: ``2 * prod(out) * kh * kw``.
+* ``Einsum``: ``2 * prod(output) * sqrt(prod(a) * prod(b) / prod(output))``.
+* Reductions (``Sum``, ``Mean``, ``Max``, ...): ``prod(input)``.
+* Ops that only move or name data (``Identity``, ``Reshape``, ``ReadVariableOp``,
+  ``Const``, ``Placeholder``, ``Shape``, ...): 0.
+* Everything else (element-wise and the rest): ``prod(output)``.
+
+Unknown dimensions count as 1.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass, field
+from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
+
+__all__ = ["OpNode", "TensorInfo", "OpGraph", "estimate_flops", "from_tf_graph", "forward_name_of_gradient"]
+
+Shape = Optional[Tuple[Optional[int], ...]]
+
+_ZERO_COST = frozenset(
+    """Const Placeholder PlaceholderWithDefault Identity IdentityN Reshape ReadVariableOp
+    VarHandleOp VariableShape Shape ShapeN Size Rank NoOp StopGradient Squeeze ExpandDims
+    AssignVariableOp _Arg _Retval ZerosLike OnesLike Snapshot PreventGradient
+    EnsureShape BroadcastArgs BroadcastGradientArgs""".split()
+)
+_REDUCTIONS = frozenset("Sum Mean Max Min Prod All Any ArgMax ArgMin".split())
+_CONV = frozenset(["Conv2D", "Conv3D", "Conv1D"])
+_CONV_BACKPROP = frozenset(
+    ["Conv2DBackpropInput", "Conv2DBackpropFilter", "Conv3DBackpropInputV2", "Conv3DBackpropFilterV2"]
+)
+_DEPTHWISE = frozenset(
+    ["DepthwiseConv2dNative", "DepthwiseConv2dNativeBackpropInput", "DepthwiseConv2dNativeBackpropFilter"]
+)
+
+# Gradient ops are created by tf.GradientTape under "gradient_tape/<forward
+# op scope>/" and by tf.gradients under "gradients/<forward op>_grad/".
+_TAPE_PREFIX = re.compile(r"^gradient_tape(?:_\d+)?/")
+_GRADIENTS_PREFIX = re.compile(r"^gradients(?:_\d+)?/")
+
+
+def _prod(shape: Shape) -> int:
+    if shape is None:
+        return 1
+    n = 1
+    for d in shape:
+        n *= 1 if d is None or d < 0 else d
+    return n
+
+
+def estimate_flops(
+    op_type: str, input_shapes: Sequence[Shape], output_shapes: Sequence[Shape]
+) -> float:
+    """Estimated floating point operations of one op (see the module doc)."""
+    if op_type in _ZERO_COST:
+        return 0.0
+    out = output_shapes[0] if output_shapes else None
+    if op_type in ("MatMul", "BatchMatMul", "BatchMatMulV2", "BatchMatMulV3"):
+        a = input_shapes[0] if input_shapes else None
+        b = input_shapes[1] if len(input_shapes) > 1 else None
+        k = 1
+        # K is the dim of `a` that does not survive into the output: for a
+        # 2-d matmul it is prod(a) * prod(b) / prod(out) = K^2 (batch dims
+        # cancel for batched matmuls only when counted once), so take the
+        # square root on the non-batch part.
+        if a is not None and b is not None and out is not None and len(a) >= 2 and len(out) >= 2:
+            batch = _prod(out[:-2])
+            k = math.sqrt(max(_prod(a) * _prod(b) / max(_prod(out) * batch, 1), 1.0))
+        return 2.0 * _prod(out) * k
+    if op_type in _CONV:
+        f = input_shapes[1] if len(input_shapes) > 1 else None
+        per_out = _prod(f[:-1]) if f else 1
+        return 2.0 * _prod(out) * per_out
+    if op_type in _CONV_BACKPROP:
+        # Inputs: (input or input_sizes, filter or filter_sizes, out_backprop).
+        f = input_shapes[1] if op_type.endswith("Input") or op_type.endswith("InputV2") else output_shapes[0]
+        out_bp = input_shapes[2] if len(input_shapes) > 2 else None
+        per_out = _prod(f[:-1]) if f else 1
+        return 2.0 * _prod(out_bp) * per_out
+    if op_type in _DEPTHWISE:
+        if op_type == "DepthwiseConv2dNative":
+            f, o = (input_shapes[1] if len(input_shapes) > 1 else None), out
+        elif op_type.endswith("Input"):
+            f, o = input_shapes[1] if len(input_shapes) > 1 else None, (input_shapes[2] if len(input_shapes) > 2 else None)
+        else:
+            f, o = output_shapes[0], (input_shapes[2] if len(input_shapes) > 2 else None)
+        per_out = _prod(f[:2]) if f else 1
+        return 2.0 * _prod(o) * per_out
+    if op_type == "Einsum" and len(input_shapes) >= 2:
+        k = math.sqrt(max(_prod(input_shapes[0]) * _prod(input_shapes[1]) / max(_prod(out), 1), 1.0))
+        return 2.0 * _prod(out) * k
+    if op_type in _REDUCTIONS:
+        return float(_prod(input_shapes[0])) if input_shapes else 0.0
+    return float(sum(_prod(s) for s in output_shapes))
+
+
+@dataclass
+class TensorInfo:
+    """One tensor: produced by op `producer` at output `index`."""
+
+    id: int
+    producer: int
+    index: int
+    bytes: int
+    dtype: str = "float32"
+    shape: Shape = None
+    consumers: List[int] = field(default_factory=list)
+
+
+@dataclass
+class OpNode:
+    """One op of the traced graph.
+
+    Attributes:
+        index: position in creation order (a topological order).
+        inputs: tensor ids of the data inputs.
+        outputs: tensor ids of the outputs.
+        control_inputs: op indices this op has control edges from.
+        variables: keys of the variables whose handle this op takes.
+        layer: key of the Keras layer that created it (None if none).
+        forward: for a gradient op, the index of the forward op it belongs to.
+        colocate_with: op names TensorFlow asks to colocate with (``_class``).
+        manual_partition: partition of the enclosing `smp.partition` block.
+        kind: ``"op"``, ``"arg"`` (step argument) or ``"capture"``
+            (captured tensor or variable handle).
+    """
+
+    index: int
+    name: str
+    type: str
+    inputs: List[int] = field(default_factory=list)
+    outputs: List[int] = field(default_factory=list)
+    control_inputs: List[int] = field(default_factory=list)
+    flops: float = 0.0
+    variables: Tuple[str, ...] = ()
+    layer: Optional[str] = None
+    forward: Optional[int] = None
+    is_gradient: bool = False
+    stateful: bool = False
+    colocate_with: Tuple[str, ...] = ()
+    manual_partition: Optional[int] = None
+    kind: str = "op"
+
+
+class OpGraph:
+    """Plain-data view of a traced graph (see the module doc)."""
+
+    def __init__(
+        self,
+        ops: List[OpNode],
+        tensors: List[TensorInfo],
+        variable_bytes: Mapping[str, int],
+        trainable: Optional[Mapping[str, bool]] = None,
+    ) -> None:
+        self.ops = ops
+        self.tensors = tensors
+        self.variable_bytes: Dict[str, int] = dict(variable_bytes)
+        self.trainable: Dict[str, bool] = dict(trainable or {k: True for k in variable_bytes})
+        self.op_index: Dict[str, int] = {op.name: op.index for op in ops}
+        self._consumers_of_op: Optional[List[List[int]]] = None
+
+    def __len__(self) -> int:
+        return len(self.ops)
+
+    def op(self, name: str) -> OpNode:
+        """Returns the op called `name`."""
+        try:
+            return self.ops[self.op_index[name]]
+        except KeyError:
+            raise KeyError(f"No op named {name!r} in this graph.") from None
+
+    def input_ops(self, index: int) -> List[int]:
+        """Producer op indices of op `index`'s data inputs."""
+        return [self.tensors[t].producer for t in self.ops[index].inputs]
+
+    def consumer_ops(self, index: int) -> List[int]:
+        """Op indices that consume any output of op `index`."""
+        if self._consumers_of_op is None:
+            cons: List[List[int]] = [[] for _ in self.ops]
+            for t in self.tensors:
+                cons[t.producer].extend(t.consumers)
+            self._consumers_of_op = cons
+        return self._consumers_of_op[index]
+
+    def tensor_name(self, tid: int) -> str:
+        t = self.tensors[tid]
+        return f"{self.ops[t.producer].name}:{t.index}"
+
+    @property
+    def total_flops(self) -> float:
+        return float(sum(op.flops for op in self.ops))
+
+    @classmethod
+    def from_spec(
+        cls,
+        spec: Sequence[Mapping[str, Any]],
+        variable_bytes: Optional[Mapping[str, int]] = None,
+    ) -> "OpGraph":
+        """Builds a graph by hand, for tests and examples.
+
+        Each entry is a dict with ``name`` and optional ``type`` (default
+        ``"Op"``), ``inputs`` (op names; each op has one output tensor),
+        ``bytes`` (size of its output, default 4), ``flops`` (default 1),
+        ``variables``, ``layer``, ``forward`` (name of the forward op, marks a
+        gradient op), ``colocate_with``, ``manual_partition``, ``kind``,
+        ``stateful``, ``control_inputs``.
+        """
+        ops: List[OpNode] = []
+        tensors: List[TensorInfo] = []
+        index: Dict[str, int] = {}
+        for i, s in enumerate(spec):
+            name = s["name"]
+            if name in index:
+                raise ValueError(f"Duplicate op name {name!r} in graph spec.")
+            missing = [n for n in s.get("inputs", ()) if n not in index]
+            if missing:
+                raise ValueError(
+                    f"Op {name!r} uses {missing} before they are defined; list ops in creation order."
+                )
+            op = OpNode(
+                index=i,
+                name=name,
+                type=s.get("type", "Op"),
+                inputs=[index[n] for n in s.get("inputs", ())],  # output tensor id == op index
+                outputs=[i],
+                control_inputs=[index[n] for n in s.get("control_inputs", ())],
+                flops=float(s.get("flops", 1.0)),
+                variables=tuple(s.get("variables", ())),
+                layer=s.get("layer"),
+                forward=index[s["forward"]] if s.get("forward") else None,
+                is_gradient=bool(s.get("forward")) or bool(s.get("is_gradient", False)),
+                stateful=bool(s.get("stateful", False)),
+                colocate_with=tuple(s.get("colocate_with", ())),
+                manual_partition=s.get("manual_partition"),
+                kind=s.get("kind", "op"),
+            )
+            ops.append(op)
+            tensors.append(TensorInfo(id=i, producer=i, index=0, bytes=int(s.get("bytes", 4))))
+            for t in op.inputs:
+                tensors[t].consumers.append(i)
+            index[name] = i
+        vb = dict(variable_bytes or {})
+        for op in ops:
+            for v in op.variables:
+                vb.setdefault(v, 4)
+        return cls(ops, tensors, vb)
+
+
+def forward_name_of_gradient(name: str) -> Optional[str]:
+    """The forward scope a gradient op name points at, or None for forward ops.
+
+    ``gradient_tape/model/dense/MatMul/MatMul_1`` -> ``model/dense/MatMul``;
+    ``gradients/dense/MatMul_grad/MatMul`` -> ``dense/MatMul``.
+    """
+    m = _TAPE_PREFIX.match(name)
+    if m:
+        rest = name[m.end():]
+        return rest.rsplit("/", 1)[0] if "/" in rest else ""
+    m = _GRADIENTS_PREFIX.match(name)
+    if m:
+        parts = name[m.end():].split("/")[:-1]
+        return "/".join(p[: -len("_grad")] if p.endswith("_grad") else p for p in parts)
+    return None
+
+
+def _link_gradients(ops: List[OpNode], tensors: List[TensorInfo]) -> None:
+    """Marks gradient ops and sets their `forward` op (see module doc).
+
+    Gradient ops are found by name. The tape also sums the gradients that
+    reach one forward tensor from several consumers (``AddN``) outside any
+    gradient scope; an op created after the first gradient op, in no layer,
+    whose inputs are all gradient ops, is such a sum: it differentiates what
+    its consumer differentiates.
+    """
+    by_name: Dict[str, int] = {}
+    by_scope: Dict[str, List[int]] = {}
+    first_gradient = None
+    for op in ops:
+        if forward_name_of_gradient(op.name) is None:
+            by_name[op.name] = op.index
+            by_scope.setdefault(op.name.rsplit("/", 1)[0] if "/" in op.name else "", []).append(op.index)
+        elif first_gradient is None:
+            first_gradient = op.index
+    for op in ops:
+        scope = forward_name_of_gradient(op.name)
+        if scope is None:
+            continue
+        op.is_gradient = True
+        producers = {tensors[t].producer for t in op.inputs}
+        while True:
+            if scope in by_name and by_name[scope] < op.index:
+                op.forward = by_name[scope]
+                break
+            # Only ops created before the gradient op can be what it differentiates.
+            cands = [c for c in by_scope.get(scope, ()) if c < op.index]
+            if cands:
+                direct = [c for c in cands if c in producers]
+                op.forward = direct[-1] if direct else cands[-1]
+                break
+            if not scope:
+                break
+            scope = scope.rsplit("/", 1)[0] if "/" in scope else ""
+    if first_gradient is None:
+        return
+    consumers: Dict[int, List[int]] = {}
+    for op in ops:
+        for t in op.inputs:
+            consumers.setdefault(tensors[t].producer, []).append(op.index)
+    for op in reversed(ops[first_gradient:]):
+        if op.is_gradient or op.layer is not None or not op.inputs:
+            continue
+        if all(ops[tensors[t].producer].is_gradient for t in op.inputs):
+            op.is_gradient = True
+            fwd = [ops[c].forward for c in consumers.get(op.index, ()) if ops[c].forward is not None]
+            op.forward = fwd[0] if fwd else None
+
+
+def _shape_of(t: Any) -> Shape:
+    try:
+        dims = t.shape.as_list()
+    except ValueError:  # unknown rank
+        return None
+    return tuple(dims)
+
+
+def _bytes_of(dtype: Any, shape: Shape) -> int:
+    if dtype.name in ("resource", "variant", "string"):
+        return 0
+    return _prod(shape) * dtype.size
+
+
+def from_tf_graph(
+    graph: Any,
+    *,
+    arg_ops: Iterable[str] = (),
+    captured_variables: Optional[Mapping[str, Tuple[str, int, bool]]] = None,
+    layer_of: Optional[Callable[[Any], Optional[str]]] = None,
+    manual_partition_of: Optional[Callable[[Any], Optional[int]]] = None,
+) -> OpGraph:
+    """Reads a `tf.Graph` (or `FuncGraph`) into an `OpGraph`.
+
+    Args:
+        graph: the traced graph.
+        arg_ops: names of the placeholders of the step's arguments.
+        captured_variables: placeholder op name -> (variable key, bytes,
+            trainable) for captured variable handles.
+        layer_of: op -> key of the Keras layer that created it.
+        manual_partition_of: op -> partition of its `smp.partition` block.
+    """
+    arg_ops = set(arg_ops)
+    captured_variables = dict(captured_variables or {})
+    tf_ops = graph.get_operations()
+    op_index = {op.name: i for i, op in enumerate(tf_ops)}
+    ops: List[OpNode] = []
+    tensors: List[TensorInfo] = []
+    tensor_id: Dict[str, int] = {}
+    variable_bytes: Dict[str, int] = {}
+    trainable: Dict[str, bool] = {}
+    # Resource tensors are followed through Identity-like ops to the variable.
+    var_of_tensor: Dict[int, str] = {}
+
+    for i, op in enumerate(tf_ops):
+        in_ids = [tensor_id[t.name] for t in op.inputs]
+        out_ids = []
+        out_shapes = []
+        for j, t in enumerate(op.outputs):
+            shape = _shape_of(t)
+            tid = len(tensors)
+            tensors.append(TensorInfo(tid, i, j, _bytes_of(t.dtype, shape), t.dtype.name, shape))
+            tensor_id[t.name] = tid
+            out_ids.append(tid)
+            out_shapes.append(shape)
+        for tid in in_ids:
+            tensors[tid].consumers.append(i)
+
+        kind = "op"
+        variables: List[str] = []
+        if op.type == "Placeholder":
+            if op.name in captured_variables:
+                key, nbytes, train = captured_variables[op.name]
+                variable_bytes[key] = nbytes
+                trainable[key] = train
+                var_of_tensor[out_ids[0]] = key
+                variables.append(key)
+                kind = "capture"
+            elif op.name in arg_ops:
+                kind = "arg"
+            else:
+                kind = "capture"
+        elif op.type in ("VarHandleOp",):
+            key = op.get_attr("shared_name").decode() or op.name
+            try:
+                shape = tuple(op.get_attr("shape").dim[k].size for k in range(len(op.get_attr("shape").dim)))
+            except Exception:  # pragma: no cover - exotic shape attrs
+                shape = None
+            variable_bytes[key] = _bytes_of(op.get_attr("dtype"), shape)
+            trainable[key] = True
+            var_of_tensor[out_ids[0]] = key
+            variables.append(key)
+        for tid in in_ids:
+            key = var_of_tensor.get(tid)
+            if key is not None and key not in variables:
+                variables.append(key)
+        if op.type in ("Identity", "IdentityN") and op.outputs and variables:
+            for tid in out_ids:
+                if tensors[tid].dtype == "resource":
+                    var_of_tensor[tid] = variables[0]
+
+        try:
+            stateful = bool(op.op_def.is_stateful)
+        except Exception:  # function call ops may have no registered op_def
+            stateful = True
+        try:
+            coloc = tuple(
+                c.decode()[len("loc:@"):] for c in op.get_attr("_class") if c.decode().startswith("loc:@")
+            )
+        except ValueError:
+            coloc = ()
+        coloc = tuple(c for c in coloc if c in op_index and c != op.name)
+        ops.append(
+            OpNode(
+                index=i,
+                name=op.name,
+                type=op.type,
+                inputs=in_ids,
+                outputs=out_ids,
+                control_inputs=[op_index[c.name] for c in op.control_inputs if c.name in op_index],
+                flops=estimate_flops(op.type, [tensors[t].shape for t in in_ids], out_shapes),
+                variables=tuple(variables),
+                layer=layer_of(op) if layer_of else None,
+                stateful=stateful,
+                colocate_with=coloc,
+                manual_partition=manual_partition_of(op) if manual_partition_of else None,
+                kind=kind,
+            )
+        )
+    _link_gradients(ops, tensors)
+    return OpGraph(ops, tensors, variable_bytes, trainable)

@@ -1,0 +1,256 @@
+"""Lowering: the only place that builds the pipeline's TensorFlow ops.
+
+`CompiledStep` holds everything built once per traced signature: the tasks,
+the schedule, one concrete function per task (its ops placed on the
+partition's device, variables captured from their new devices), and the
+global emission order. `CompiledStep.emit` then writes one graph for a batch:
+for every action of the schedule, in an order that respects both the data
+dependencies and every device's action order, it calls the task's function
+for that micro-batch on the partition's device. Each call is made under a
+control dependency on the previous action of the same device, and the
+tensors entering from other partitions pass through ``SMPInput`` ops created
+under the same dependency; tensors leaving for other partitions pass through
+``SMPOutput`` ops. Control dependencies on a function call hold back every op
+of its body, so the device runs its actions exactly in schedule order.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+import tensorflow as tf
+
+from smp_tf import state
+from smp_tf.boundary import raw_input, raw_output
+from smp_tf.config import Config
+from smp_tf.partitioner.plan import PartitionPlan
+from smp_tf.rewrite import Task, build_tasks, task_graph_def, task_specs
+from smp_tf.schedule import Action, Schedule, make_schedule, validate
+
+logger = logging.getLogger("smp_tf")
+
+__all__ = ["CompiledStep", "place_variables", "move_variable"]
+
+
+def move_variable(keras_variable: Any, device: str) -> bool:
+    """Moves a Keras variable's storage to `device`, keeping the Keras object.
+
+    The Keras variable (what models, optimizers and checkpoints hold) stays
+    the same Python object; only the `tf.Variable` behind it is recreated on
+    the new device with the same value, name and attributes.
+
+    Returns:
+        True if the variable was moved, False if it already lived there.
+    """
+    old = keras_variable.value
+    if _same_device(old.device, device):
+        return False
+    with tf.init_scope(), tf.device(device):
+        new = tf.Variable(
+            old.read_value(),
+            trainable=old.trainable,
+            name=old.name.split(":")[0],
+            dtype=old.dtype,
+            aggregation=old.aggregation,
+            synchronization=old.synchronization,
+        )
+    keras_variable._value = new
+    return True
+
+
+def _same_device(a: str, b: str) -> bool:
+    da, db = tf.DeviceSpec.from_string(a), tf.DeviceSpec.from_string(b)
+    return (da.device_type or "").upper() == (db.device_type or "").upper() and (da.device_index or 0) == (db.device_index or 0)
+
+
+def _slots_of(optimizer: Any, keras_variable: Any) -> List[Any]:
+    """Keras 3 names slots after their variable's path (``add_variable_from_reference``)."""
+    prefix = keras_variable.path.replace("/", "_") + "_"
+    out = []
+    for v in getattr(optimizer, "variables", []):
+        if v is keras_variable:
+            continue
+        if getattr(v, "name", "").startswith(prefix) and tuple(v.shape) == tuple(keras_variable.shape):
+            out.append(v)
+    return out
+
+
+def place_variables(captures: Dict[str, Any], plan: PartitionPlan, devices: Sequence[str], optimizers: Sequence[Any] = ()) -> Dict[str, str]:
+    """Moves every captured variable to the device of its partition.
+
+    Optimizer slot variables that already exist follow their variable; slots
+    created later are colocated with it by the Keras optimizer.
+
+    Returns:
+        Variable key -> device it lives on now.
+    """
+    from smp_tf.step import CapturedVariable
+
+    where: Dict[str, str] = {}
+    unmovable = []
+    for placeholder, cap in captures.items():
+        if not isinstance(cap, CapturedVariable):
+            continue
+        device = devices[plan.partition_of_op[plan.op_graph.op_index[placeholder]]]
+        if cap.owner is None:
+            if not _same_device(cap.variable.device or "/device:CPU:0", device):
+                unmovable.append(cap.key)
+            where[cap.key] = cap.variable.device
+            continue
+        move_variable(cap.owner, device)
+        for opt in optimizers:
+            for slot in _slots_of(opt, cap.owner):
+                move_variable(slot, device)
+        where[cap.key] = cap.owner.value.device
+    if unmovable:
+        logger.warning(
+            "smp_tf: %d variable(s) are plain tf.Variables not owned by a Keras "
+            "layer and stay where they are (they are read across devices): %s",
+            len(unmovable), unmovable[:10],
+        )
+    return where
+
+
+def _task_body(sub, input_names, captured, outputs, captures):
+    """The Python body of a task function: imports the task's GraphDef."""
+    from smp_tf.step import CapturedVariable
+
+    def body(*xs):
+        fg = tf.compat.v1.get_default_graph()
+        input_map = dict(zip(input_names, xs))
+        for name in captured:
+            cap = captures[name]
+            # Variables are captured from where they live now (after placement).
+            handle = cap.current.handle if isinstance(cap, CapturedVariable) else cap
+            input_map[f"{name}:0"] = fg.capture(handle)
+        outs = tf.graph_util.import_graph_def(sub, input_map=input_map, return_elements=outputs, name="")
+        # A last output gives every call a handle to depend on.
+        return list(outs) + [tf.constant(True)]
+
+    return body
+
+
+class CompiledStep:
+    """Everything built once per traced signature (see the module doc).
+
+    Attributes:
+        tasks: the tasks, in (wave, partition) order.
+        schedule: the validated `Schedule`.
+        simulation: its simulation on the tasks' estimated costs.
+        plan: the `PartitionPlan`.
+        variable_devices: variable key -> device after placement.
+    """
+
+    def __init__(self, traced: Any, plan: PartitionPlan, cfg: Config, optimizers: Sequence[Any] = ()) -> None:
+        self.traced = traced
+        self.plan = plan
+        self.num_microbatches = cfg.microbatches
+        g = plan.op_graph
+        self.output_tensors: List[Optional[int]] = []
+        tensor_ids = {g.tensor_name(t.id): t.id for t in g.tensors}
+        for name in traced.output_names:
+            self.output_tensors.append(None if name is None else tensor_ids[name])
+        self.tasks: List[Task] = build_tasks(g, plan.partition_of_op, [t for t in self.output_tensors if t is not None])
+        self._task_by_key = {t.key: t for t in self.tasks}
+        specs = task_specs(self.tasks)
+        self.schedule: Schedule = make_schedule(specs, cfg.microbatches, cfg.pipeline)
+        validate(self.schedule)
+        self.simulation = self.schedule.simulate()
+        # Emit in simulated start order: it respects dependencies and every
+        # device's order, so each control dependency points at an op that
+        # already exists.
+        self.emit_order: List[Action] = sorted(
+            self.simulation.start, key=lambda a: (self.simulation.start[a], a.partition, a.wave, a.microbatch)
+        )
+        self.devices = list(plan.devices)
+        self.variable_devices = place_variables(traced.captures, plan, self.devices, optimizers)
+        self._arg_index = {name: i for i, name in enumerate(traced.arg_names)}
+        self._functions = self._build_functions()
+
+    # -- task functions ------------------------------------------------------
+    def _build_functions(self) -> Dict[Tuple[int, int], Any]:
+        g = self.plan.op_graph
+        graph_def = self.traced.graph.as_graph_def()
+        nodes = {n.name: n for n in graph_def.node}
+        functions = {}
+        for task in self.tasks:
+            device = self.devices[task.partition]
+            sub = task_graph_def(graph_def, g, task, device, nodes)
+            in_specs = []
+            for t in task.inputs:
+                info = g.tensors[t]
+                in_specs.append(tf.TensorSpec(info.shape, tf.as_dtype(info.dtype)))
+            args = [g.ops[i].name for i in task.copies if g.ops[i].kind == "arg"]
+            for name in args:
+                info = g.tensors[g.ops[g.op_index[name]].outputs[0]]
+                in_specs.append(tf.TensorSpec(info.shape, tf.as_dtype(info.dtype)))
+            captured = [g.ops[i].name for i in task.copies if g.ops[i].kind == "capture"]
+            outputs = [g.tensor_name(t) for t in task.outputs]
+            input_names = [g.tensor_name(t) for t in task.inputs] + [f"{a}:0" for a in args]
+            body = _task_body(sub, input_names, captured, outputs, self.traced.captures)
+            fn = tf.function(body, autograph=False)
+            with tf.device(device):
+                functions[task.key] = fn.get_concrete_function(*in_specs)
+            task.arg_names = args
+        return functions
+
+    # -- emission ------------------------------------------------------------
+    def emit(self, flat_microbatches: Sequence[Sequence[Any]]) -> List[Any]:
+        """Writes the pipelined step into the current graph.
+
+        Args:
+            flat_microbatches: for each micro-batch, the flattened leaves of its
+                (args, kwargs), in the layout of the trace.
+
+        Returns:
+            For each micro-batch, the step's output structure.
+        """
+        g = self.plan.op_graph
+        M = self.num_microbatches
+        if len(flat_microbatches) != M:
+            raise ValueError(f"Expected {M} micro-batches, got {len(flat_microbatches)}.")
+        arg_values = []
+        for leaves in flat_microbatches:
+            tensors = [x for x in leaves if isinstance(x, tf.Tensor)]
+            arg_values.append(tensors)
+        raw: Dict[Tuple[int, int], tf.Tensor] = {}
+        sent: Dict[Tuple[int, int], tf.Tensor] = {}
+        last: Dict[int, Any] = {}
+        for action in self.emit_order:
+            task = self._task_by_key[(action.partition, action.wave)]
+            m = action.microbatch
+            device = self.devices[task.partition]
+            prev = last.get(task.partition)
+            deps = [prev] if prev is not None else []
+            scope = f"smp/mb{m}/p{task.partition}w{task.wave}"
+            with tf.name_scope(scope), tf.device(device), tf.control_dependencies(deps):
+                inputs = []
+                for t in task.inputs:
+                    if task.producer_of_input[t][0] != task.partition:
+                        inputs.append(raw_input(sent[(m, t)]))
+                    else:
+                        inputs.append(raw[(m, t)])
+                for name in task.arg_names:
+                    inputs.append(arg_values[m][self._arg_index[name]])
+                outs = self._functions[task.key](*inputs)
+            last[task.partition] = outs[-1].op
+            with tf.name_scope(scope), tf.device(device):
+                for t, value in zip(task.outputs, outs[:-1]):
+                    raw[(m, t)] = value
+                    if any(c_part != task.partition for c_part in self._consumer_partitions(t)):
+                        sent[(m, t)] = raw_output(value)
+        results = []
+        for m in range(M):
+            flat = [None if t is None else raw[(m, t)] for t in self.output_tensors]
+            results.append(tf.nest.pack_sequence_as(self.traced.output_structure, flat, expand_composites=True))
+        return results
+
+    def _consumer_partitions(self, t: int) -> List[int]:
+        cache = getattr(self, "_cp_cache", None)
+        if cache is None:
+            cache = self._cp_cache = {}
+            for task in self.tasks:
+                for tin in task.inputs:
+                    cache.setdefault(tin, []).append(task.partition)
+        return cache.get(t, [])

@@ -1,0 +1,684 @@
+"""Load-balancing algorithms over a sequence of *units* (plain Python, no TensorFlow).
+
+A unit is an indivisible piece of the model (a colocation group). The caller
+supplies, in forward order:
+
+* ``costs[i]``: the non-negative cost of unit ``i`` (time or memory);
+* ``cut_costs[i]``: for contiguous splits, what a boundary between unit ``i``
+  and unit ``i + 1`` costs (e.g. bytes sent across it);
+* ``edges``: for non-contiguous assignments, ``(u, v, weight)`` pairs paid
+  when ``u`` and ``v`` land in different parts.
+
+Contiguous splits are exact and run in two stages:
+
+1. `min_bottleneck`: the smallest achievable maximum segment cost ``B*``.
+   It uses Nicol's probe-based search: every probe is a greedy feasibility
+   test done with binary searches over prefix sums (``O(k log n)``), and
+   ``O(k log n)`` probes pin ``B*`` down exactly, so the whole search is
+   ``O(n + k^2 log^2 n)``.
+2. `contiguous_split`: among the splits whose segments all cost at most
+   ``(1 + tolerance) * B*``, one with the smallest total cut cost. A DP over
+   prefix positions whose admissible predecessors form a sliding window, so a
+   monotone deque gives ``O(k n)``.
+
+`balanced_assignment` is the non-contiguous counterpart: LPT greedy for the
+load, then bounded single-move / swap refinement that lowers the cut weight
+without letting any part exceed a load cap.
+
+`equal_count_split` and `equal_cost_greedy_split` are naive baselines kept for
+benchmarks; `brute_force_contiguous` is an exhaustive reference for tests.
+
+Boundaries are lists ``[b0 = 0, b1, ..., bk = n]``; segment ``j`` holds units
+``b_j .. b_{j+1} - 1``.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import math
+import operator
+from bisect import bisect_left, bisect_right
+from collections import deque
+from typing import Dict, List, Mapping, Optional, Sequence, Tuple
+
+__all__ = [
+    "min_bottleneck",
+    "contiguous_split",
+    "balanced_assignment",
+    "lpt_assignment",
+    "assignment_cut",
+    "split_cut_cost",
+    "segment_costs",
+    "brute_force_contiguous",
+    "equal_count_split",
+    "equal_cost_greedy_split",
+]
+
+#: Relative slack (times the total cost) used in every "sum <= bound" test, so
+#: that prefix-sum rounding never turns an achievable bound into an infeasible one.
+REL_EPS = 1e-12
+#: Refinement sweeps over all units in `balanced_assignment`.
+REFINE_PASSES = 3
+#: Blocked units remembered per (from, to) part pair as swap partners (bounds
+#: the work per blocked move).
+MAX_SWAP_CANDIDATES = 8
+
+_INF = float("inf")
+
+
+# --------------------------------------------------------------------------- validation
+
+
+def _check_k(k: int) -> int:
+    try:
+        k_int = operator.index(k)
+    except TypeError:
+        raise ValueError(f"k must be an integer >= 1. Received: {k!r}") from None
+    if isinstance(k, bool) or k_int < 1:
+        raise ValueError(f"k must be an integer >= 1. Received: {k!r}")
+    return k_int
+
+
+def _check_costs(costs: Sequence[float], name: str = "costs") -> List[float]:
+    out = []
+    for i, c in enumerate(costs):
+        try:
+            f = float(c)
+        except (TypeError, ValueError):
+            raise ValueError(f"{name}[{i}] must be a finite number >= 0. Received: {c!r}") from None
+        # `not f >= 0` also catches NaN.
+        if not (f >= 0.0) or f == _INF:
+            raise ValueError(f"{name}[{i}] must be a finite number >= 0. Received: {c!r}")
+        out.append(f)
+    return out
+
+
+def _check_tolerance(tolerance: float) -> float:
+    t = float(tolerance)
+    if not (t >= 0.0):  # rejects NaN too
+        raise ValueError(f"tolerance must be >= 0. Received: {tolerance!r}")
+    return t
+
+
+def _check_cut_costs(cut_costs: Sequence[float], n: int) -> List[float]:
+    if len(cut_costs) != max(n - 1, 0):
+        raise ValueError(
+            f"cut_costs must have len(costs) - 1 = {max(n - 1, 0)} entries. "
+            f"Received: {len(cut_costs)} entries"
+        )
+    return _check_costs(cut_costs, "cut_costs")
+
+
+def _check_boundaries(boundaries: Sequence[int], n: Optional[int] = None) -> List[int]:
+    try:
+        b = [operator.index(x) for x in boundaries]
+    except TypeError:
+        raise ValueError(f"boundaries must be integers. Received: {list(boundaries)}") from None
+    if len(b) < 2 or b[0] != 0 or any(b[i] > b[i + 1] for i in range(len(b) - 1)):
+        raise ValueError(
+            f"boundaries must be non-decreasing, start at 0 and have >= 2 entries. Received: {list(boundaries)}"
+        )
+    if n is not None and b[-1] != n:
+        raise ValueError(f"boundaries must end at n = {n}. Received: {list(boundaries)}")
+    return b
+
+
+def _prefix(costs: Sequence[float]) -> List[float]:
+    s = [0.0] * (len(costs) + 1)
+    acc = 0.0
+    for i, c in enumerate(costs):
+        acc += c
+        s[i + 1] = acc
+    return s
+
+
+def _eps(total: float) -> float:
+    return REL_EPS * total
+
+
+# --------------------------------------------------------------------------- contiguous
+
+
+def _feasible(s: List[float], start: int, parts: int, bound: float) -> bool:
+    """Greedy test: can units ``start..n-1`` be covered by `parts` segments of sum <= bound?
+
+    Taking the longest admissible segment each time is optimal, and each jump
+    is one binary search, so a probe costs O(parts log n).
+    """
+    n = len(s) - 1
+    pos = start
+    for _ in range(parts):
+        if pos == n:
+            return True
+        pos = bisect_right(s, s[pos] + bound, pos) - 1
+    return pos == n
+
+
+def _min_bottleneck(s: List[float], k: int) -> float:
+    n = len(s) - 1
+    if n == 0:
+        return 0.0
+    eps = _eps(s[n])
+    # Nicol's search. With the first segment starting at `i`, let j be the
+    # smallest end such that bound S[j]-S[i] is feasible. Then either the
+    # optimum equals S[j]-S[i], or the optimal greedy first segment is [i, j-1)
+    # and the optimum is that of the rest with one part fewer. Unrolling gives
+    # B* = min over p of max(lo_p, cand_p), with lo_p the committed prefix max.
+    best = _INF
+    lo = 0.0
+    i = 0
+    for p in range(k - 1):
+        parts = k - p
+        a, b = i, n  # S[n]-S[i] with one segment is always feasible
+        while a < b:
+            m = (a + b) // 2
+            if _feasible(s, i, parts, s[m] - s[i] + eps):
+                b = m
+            else:
+                a = m + 1
+        j = a
+        best = min(best, max(lo, s[j] - s[i]))
+        if j == i:  # bound 0 works: the rest is all zeros
+            return best
+        lo = max(lo, s[j - 1] - s[i])
+        i = j - 1
+    return min(best, max(lo, s[n] - s[i]))
+
+
+def min_bottleneck(costs: Sequence[float], k: int) -> float:
+    """Smallest achievable maximum segment cost over splits into k contiguous segments.
+
+    Segments may be empty (this only matters when ``len(costs) < k``; with
+    non-negative costs an empty segment never helps otherwise).
+
+    Args:
+        costs: non-negative cost of each unit, in order.
+        k: number of segments (>= 1).
+
+    Returns:
+        The optimal bottleneck ``B*`` (0.0 for no units). Exact up to the
+        rounding of prefix sums.
+
+    Raises:
+        ValueError: `k` < 1 or a cost is negative, NaN or infinite.
+    """
+    k = _check_k(k)
+    c = _check_costs(costs)
+    if k >= len(c):  # one unit per segment is optimal
+        return max(c, default=0.0)
+    return _min_bottleneck(_prefix(c), k)
+
+
+def contiguous_split(
+    costs: Sequence[float], cut_costs: Sequence[float], k: int, tolerance: float = 0.0
+) -> List[int]:
+    """Exact two-stage contiguous split: bottleneck first, then cut cost.
+
+    Among all splits of the units (in order) into k non-empty contiguous
+    segments whose costs are all at most ``(1 + tolerance) * min_bottleneck``,
+    returns one with the smallest sum of ``cut_costs`` at its boundaries.
+    With fewer units than segments, returns n singletons followed by empty
+    segments.
+
+    Args:
+        costs: non-negative cost of each of the n units, in order.
+        cut_costs: ``cut_costs[i]`` is paid when a boundary falls between unit
+            i and unit i + 1; exactly ``max(n - 1, 0)`` entries.
+        k: number of segments (>= 1).
+        tolerance: allowed relative excess over the optimal bottleneck.
+
+    Returns:
+        Boundaries ``[0, b1, ..., n]`` (k + 1 non-decreasing entries).
+
+    Raises:
+        ValueError: `k` < 1, a negative / NaN / infinite cost or cut cost, a
+            `cut_costs` of the wrong length, or a negative / NaN `tolerance`.
+    """
+    k = _check_k(k)
+    c = _check_costs(costs)
+    n = len(c)
+    cut = _check_cut_costs(cut_costs, n)
+    tol = _check_tolerance(tolerance)
+    if n <= k:  # no choice: every unit alone, the rest empty
+        return list(range(n + 1)) + [n] * (k - n)
+    if k == 1:
+        return [0, n]
+
+    s = _prefix(c)
+    eps = _eps(s[n])
+    bound = (1.0 + tol) * _min_bottleneck(s, k) + eps
+
+    # left[i]: first j with S[i] - S[j] <= bound, i.e. segment [j, i) admissible.
+    left = [bisect_left(s, si - bound) for si in s]
+    # reach[t]: furthest prefix coverable by t segments (greedy forward);
+    # back[t]: smallest start whose suffix is coverable by t segments. They
+    # prune the DP to positions that can lie on a feasible split.
+    reach = [0] * (k + 1)
+    for t in range(1, k + 1):
+        reach[t] = bisect_right(s, s[reach[t - 1]] + bound) - 1
+    back = [n] * (k + 1)
+    for t in range(1, k + 1):
+        back[t] = left[back[t - 1]]
+
+    # dp[i]: min cut cost of covering units [0, i) with s segments; args[s][i]
+    # is the start of the last segment of that optimum.
+    dp = [_INF] * (n + 1)
+    for i in range(1, min(reach[1], n - k + 1) + 1):
+        dp[i] = 0.0  # left[i] == 0 for i <= reach[1]
+    args: List[Optional[List[int]]] = [None, None]
+    for seg in range(2, k + 1):
+        lo_i = max(seg, back[k - seg])
+        hi_i = min(n - (k - seg), reach[seg])
+        if seg == k:
+            lo_i = hi_i = n
+        # w[j]: cost of the best (seg-1)-split of [0, j) plus a boundary at j.
+        cur = [_INF] * (n + 1)
+        arg = [-1] * (n + 1)
+        window: deque = deque()
+        j_next = max(seg - 1, left[lo_i])
+        for i in range(lo_i, hi_i + 1):
+            while j_next < i:  # admit j = i-1 (non-empty last segment)
+                v = dp[j_next]
+                if v < _INF:
+                    v += cut[j_next - 1]
+                    # Strict '>' keeps the earliest j among equal values (deterministic).
+                    while window and window[-1][0] > v:
+                        window.pop()
+                    window.append((v, j_next))
+                j_next += 1
+            li = left[i]
+            while window and window[0][1] < li:
+                window.popleft()
+            if window:
+                cur[i], arg[i] = window[0]
+        dp = cur
+        args.append(arg)
+
+    if dp[n] == _INF:  # cannot happen: the bound is achievable by construction
+        raise RuntimeError(f"contiguous_split found no split within bound {bound} (n={n}, k={k}).")
+    bounds = [n]
+    i = n
+    for seg in range(k, 1, -1):
+        i = args[seg][i]
+        bounds.append(i)
+    bounds.append(0)
+    bounds.reverse()
+    return bounds
+
+
+def segment_costs(costs: Sequence[float], boundaries: Sequence[int]) -> List[float]:
+    """Cost of each segment of a split.
+
+    Args:
+        costs: cost of each unit.
+        boundaries: ``[0, ..., len(costs)]``, non-decreasing.
+
+    Returns:
+        One sum per segment (``len(boundaries) - 1`` entries).
+
+    Raises:
+        ValueError: malformed boundaries.
+    """
+    b = _check_boundaries(boundaries, len(costs))
+    s = _prefix([float(x) for x in costs])
+    return [s[b[j + 1]] - s[b[j]] for j in range(len(b) - 1)]
+
+
+def split_cut_cost(boundaries: Sequence[int], cut_costs: Sequence[float]) -> float:
+    """Total cut cost of a split: ``cut_costs[b - 1]`` for each distinct inner boundary b.
+
+    Args:
+        boundaries: ``[0, ..., n]``, non-decreasing; repeated entries (empty
+            segments) count once, and 0 and n are no cut.
+        cut_costs: ``max(n - 1, 0)`` boundary costs.
+
+    Returns:
+        The summed cost.
+
+    Raises:
+        ValueError: malformed boundaries or a `cut_costs` of the wrong length.
+    """
+    b = _check_boundaries(boundaries)
+    n = b[-1]
+    if len(cut_costs) != max(n - 1, 0):
+        raise ValueError(
+            f"cut_costs must have {max(n - 1, 0)} entries for n = {n}. Received: {len(cut_costs)} entries"
+        )
+    return float(sum(float(cut_costs[x - 1]) for x in sorted(set(b)) if 0 < x < n))
+
+
+def brute_force_contiguous(
+    costs: Sequence[float], cut_costs: Sequence[float], k: int, tolerance: float = 0.0
+) -> Tuple[float, float]:
+    """Exhaustive reference for `min_bottleneck` / `contiguous_split` (tests, small n only).
+
+    Enumerates every split into k non-empty segments (or the forced split
+    when ``n < k``) and sums segments directly rather than through prefix sums.
+
+    Args:
+        costs: unit costs.
+        cut_costs: boundary costs (``max(n - 1, 0)`` entries).
+        k: number of segments (>= 1).
+        tolerance: allowed relative excess over the optimal bottleneck.
+
+    Returns:
+        ``(optimal bottleneck, minimal cut cost among splits within
+        (1 + tolerance) * bottleneck)``.
+
+    Raises:
+        ValueError: as `contiguous_split`.
+    """
+    k = _check_k(k)
+    c = _check_costs(costs)
+    n = len(c)
+    cut = _check_cut_costs(cut_costs, n)
+    tol = _check_tolerance(tolerance)
+    if n <= k:
+        splits = [list(range(n + 1)) + [n] * (k - n)]
+    else:
+        splits = [[0, *inner, n] for inner in itertools.combinations(range(1, n), k - 1)]
+    scored = []
+    for b in splits:
+        peak = max(sum(c[b[j]:b[j + 1]]) for j in range(k))
+        scored.append((peak, sum(cut[x - 1] for x in set(b) if 0 < x < n)))
+    best = min(p for p, _ in scored)
+    bound = (1.0 + tol) * best + _eps(sum(c))
+    return best, min(q for p, q in scored if p <= bound)
+
+
+# --------------------------------------------------------------------------- baselines
+
+
+def equal_count_split(n: int, k: int) -> List[int]:
+    """Baseline: boundaries giving each segment the same number of units (+-1).
+
+    The first ``n % k`` segments get one extra unit; with ``n < k`` that is n
+    singletons followed by empty segments. Costs are ignored.
+
+    Args:
+        n: number of units (>= 0).
+        k: number of segments (>= 1).
+
+    Returns:
+        Boundaries ``[0, ..., n]``.
+
+    Raises:
+        ValueError: `n` < 0 or `k` < 1.
+    """
+    k = _check_k(k)
+    if not hasattr(n, "__index__") or operator.index(n) < 0:
+        raise ValueError(f"n must be an integer >= 0. Received: {n!r}")
+    q, r = divmod(operator.index(n), k)
+    return [j * q + min(j, r) for j in range(k + 1)]
+
+
+def equal_cost_greedy_split(costs: Sequence[float], k: int) -> List[int]:
+    """Baseline: fill each segment, in order, until its cost reaches ``total / k``.
+
+    Each segment takes at least one unit and leaves at least one unit per
+    remaining segment (when ``n >= k``); the last segment takes the rest. This
+    is the naive split the exact `contiguous_split` is measured against: it
+    ignores cut costs and can overshoot badly on heavy units.
+
+    Args:
+        costs: non-negative unit costs.
+        k: number of segments (>= 1).
+
+    Returns:
+        Boundaries ``[0, ..., n]``.
+
+    Raises:
+        ValueError: `k` < 1 or an invalid cost.
+    """
+    k = _check_k(k)
+    c = _check_costs(costs)
+    n = len(c)
+    if n <= k:
+        return list(range(n + 1)) + [n] * (k - n)
+    target = sum(c) / k
+    bounds = [0]
+    pos = 0
+    for seg in range(k - 1):
+        last_start = n - (k - 1 - seg)  # keep one unit for each later segment
+        acc = c[pos]
+        pos += 1
+        while pos < last_start and acc < target:
+            acc += c[pos]
+            pos += 1
+        bounds.append(pos)
+    bounds.append(n)
+    return bounds
+
+
+# --------------------------------------------------------------------------- non-contiguous
+
+
+def _check_fixed(fixed: Optional[Mapping[int, int]], n: int, k: int) -> Dict[int, int]:
+    out: Dict[int, int] = {}
+    for u, p in (fixed or {}).items():
+        if not hasattr(u, "__index__") or not 0 <= operator.index(u) < n:
+            raise ValueError(f"fixed unit must be an integer in [0, {n}). Received: {u!r}")
+        if not hasattr(p, "__index__") or not 0 <= operator.index(p) < k:
+            raise ValueError(f"fixed part of unit {u} must be an integer in [0, {k}). Received: {p!r}")
+        out[operator.index(u)] = operator.index(p)
+    return out
+
+
+def lpt_assignment(costs: Sequence[float], k: int, fixed: Optional[Mapping[int, int]] = None) -> List[int]:
+    """LPT greedy: pinned units first, then largest unit first to the least loaded part.
+
+    Ties on load go to the part with fewer units (so zero-cost units still
+    fill empty parts), then to the lower index.
+
+    Args:
+        costs: non-negative unit costs.
+        k: number of parts (>= 1).
+        fixed: unit -> part pins.
+
+    Returns:
+        The part of each unit.
+
+    Raises:
+        ValueError: `k` < 1, an invalid cost or an out-of-range pin.
+    """
+    k = _check_k(k)
+    c = _check_costs(costs)
+    return _lpt(c, k, _check_fixed(fixed, len(c), k))
+
+
+def _lpt(c: List[float], k: int, fixed: Dict[int, int]) -> List[int]:
+    n = len(c)
+    parts = [-1] * n
+    load = [0.0] * k
+    count = [0] * k
+    for u in sorted(fixed):
+        p = fixed[u]
+        parts[u] = p
+        load[p] += c[u]
+        count[p] += 1
+    heap = [(load[p], count[p], p) for p in range(k)]
+    heapq.heapify(heap)
+    for u in sorted((u for u in range(n) if parts[u] < 0), key=lambda u: (-c[u], u)):
+        ld, cnt, p = heapq.heappop(heap)
+        parts[u] = p
+        heapq.heappush(heap, (ld + c[u], cnt + 1, p))
+    return parts
+
+
+def _check_edges(edges: Sequence[Tuple[int, int, float]], n: int) -> List[Tuple[int, int, float]]:
+    out = []
+    for e in edges:
+        try:
+            u, v, w = e
+        except (TypeError, ValueError):
+            raise ValueError(f"edges must be (u, v, weight) triples. Received: {e!r}") from None
+        try:
+            u, v, wf = operator.index(u), operator.index(v), float(w)
+        except (TypeError, ValueError):
+            raise ValueError(f"edges must be (int, int, number) triples. Received: {e!r}") from None
+        if not (0 <= u < n and 0 <= v < n):
+            raise ValueError(f"edge endpoints must be in [0, {n}). Received: {e!r}")
+        if not (wf >= 0.0) or wf == _INF:
+            raise ValueError(f"edge weight must be a finite number >= 0. Received: {e!r}")
+        out.append((u, v, wf))
+    return out
+
+
+def assignment_cut(parts: Sequence[int], edges: Sequence[Tuple[int, int, float]]) -> float:
+    """Total weight of the edges whose endpoints are in different parts.
+
+    Args:
+        parts: the part of each unit.
+        edges: ``(u, v, weight)`` triples.
+
+    Returns:
+        The cut weight.
+
+    Raises:
+        ValueError: a malformed edge.
+    """
+    return float(sum(w for u, v, w in _check_edges(edges, len(parts)) if parts[u] != parts[v]))
+
+
+def balanced_assignment(
+    costs: Sequence[float],
+    k: int,
+    edges: Sequence[Tuple[int, int, float]] = (),
+    tolerance: float = 0.05,
+    fixed: Optional[Mapping[int, int]] = None,
+) -> List[int]:
+    """Non-contiguous assignment: balanced loads, then fewer cut edges.
+
+    Starts from `lpt_assignment`, then runs up to `REFINE_PASSES` sweeps over
+    the units in index order. Each unpinned unit moves to the neighbouring part
+    that lowers the cut weight the most; if the load cap blocks the move, it
+    is swapped with a recently blocked unit that wanted the opposite move,
+    when the pair together lowers the cut. Only moves
+    with a positive gain are taken, so the cut never grows, and no move may
+    push a part above ``cap = max(LPT max load, (1 + tolerance) *
+    max(total / k, largest unit cost))`` or empty a part.
+
+    Args:
+        costs: non-negative unit costs (n units).
+        k: number of parts (>= 1).
+        edges: ``(u, v, weight)`` communication costs paid when u and v are in
+            different parts; duplicates add up, self-loops are ignored.
+        tolerance: relative load slack the refinement may use.
+        fixed: unit -> part pins; pinned units never move.
+
+    Returns:
+        The part of each unit. Every part is non-empty when ``n >= k``, unless
+        the pins leave fewer free units than unpinned parts.
+
+    Raises:
+        ValueError: `k` < 1, an invalid cost, edge, pin or `tolerance`.
+    """
+    k = _check_k(k)
+    c = _check_costs(costs)
+    n = len(c)
+    tol = _check_tolerance(tolerance)
+    pins = _check_fixed(fixed, n, k)
+    es = _check_edges(edges, n)
+    parts = _lpt(c, k, pins)
+    if k == 1 or not es:
+        return parts
+
+    load = [0.0] * k
+    count = [0] * k
+    for u, p in enumerate(parts):
+        load[p] += c[u]
+        count[p] += 1
+    total = sum(c)
+    cap = max(max(load), (1.0 + tol) * max(total / k, max(c, default=0.0))) + _eps(total)
+
+    nbrs: List[List[int]] = [[] for _ in range(n)]
+    wts: List[List[float]] = [[] for _ in range(n)]
+    wsum = 0.0
+    for u, v, w in es:
+        if u != v and w > 0.0:
+            nbrs[u].append(v)
+            wts[u].append(w)
+            nbrs[v].append(u)
+            wts[v].append(w)
+            wsum += w
+    # Gains below this are rounding noise; requiring more keeps the cut strictly falling.
+    min_gain = REL_EPS * wsum
+
+    def connections(u: int) -> Dict[int, float]:
+        conn: Dict[int, float] = {}
+        for v, w in zip(nbrs[u], wts[u]):
+            q = parts[v]
+            conn[q] = conn.get(q, 0.0) + w
+        return conn
+
+    for _ in range(REFINE_PASSES):
+        moved = 0
+        # (a, b) -> recent units of part a whose move to b was blocked.
+        pending: Dict[Tuple[int, int], deque] = {}
+        for u in range(n):
+            if u in pins or not nbrs[u]:
+                continue
+            a = parts[u]
+            conn = connections(u)
+            inside = conn.get(a, 0.0)
+            cu = c[u]
+            best_q, best_gain = -1, min_gain
+            blocked_q, blocked_gain = -1, min_gain
+            for q, wq in conn.items():
+                gain = wq - inside
+                if q == a or gain <= min_gain:
+                    continue
+                if load[q] + cu <= cap and count[a] > 1:
+                    if gain > best_gain or (gain == best_gain and (load[q], q) < (load[best_q], best_q)):
+                        best_q, best_gain = q, gain
+                elif gain > blocked_gain or (gain == blocked_gain and q < blocked_q):
+                    blocked_q, blocked_gain = q, gain
+            if best_q >= 0:
+                parts[u] = best_q
+                load[a] -= cu
+                load[best_q] += cu
+                count[a] -= 1
+                count[best_q] += 1
+                moved += 1
+                continue
+            if blocked_q < 0:
+                continue
+            # The cap (or a part that would become empty) blocks u: a -> b.
+            # Pair it with an earlier unit v that was blocked going b -> a; a
+            # swap keeps the part sizes and may fit under the cap.
+            b = blocked_q
+            partners = pending.get((b, a))
+            swapped = False
+            for idx, v in enumerate(partners or ()):
+                cv = c[v]
+                if parts[v] != b or load[b] - cv + cu > cap or load[a] - cu + cv > cap:
+                    continue
+                # v's gain is recomputed (parts changed since it was queued).
+                # The edge u-v stays cut although both gains counted it as
+                # becoming internal, hence -2 w_uv.
+                to_a = to_b = w_uv = 0.0
+                for x, w in zip(nbrs[v], wts[v]):
+                    q = parts[x]
+                    if x == u:
+                        w_uv += w  # sums duplicate u-v edges
+                    if q == a:
+                        to_a += w
+                    elif q == b:
+                        to_b += w
+                if blocked_gain + to_a - to_b - 2.0 * w_uv > min_gain:
+                    parts[u], parts[v] = b, a
+                    load[a] += cv - cu
+                    load[b] += cu - cv
+                    del partners[idx]
+                    moved += 1
+                    swapped = True
+                    break
+            if not swapped:
+                queue = pending.get((a, b))
+                if queue is None:
+                    queue = pending[(a, b)] = deque(maxlen=MAX_SWAP_CANDIDATES)
+                queue.append(u)
+        if not moved:
+            break
+    return parts

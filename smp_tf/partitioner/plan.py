@@ -1,0 +1,365 @@
+"""From an `OpGraph` to an op -> partition assignment, and the `PartitionPlan`.
+
+The pipeline of `assign_partitions`:
+
+1. colocation groups (`groups.py`); free ops are set aside;
+2. the groups that hold forward ops become *units*, ordered by their first
+   forward op (the forward order);
+3. each unit gets a cost: ``speed`` -> its share of the estimated flops plus
+   a tenth of its share of the variables; ``memory`` -> bytes of its
+   variables times (1 + optimizer slots) plus the forward activations its
+   gradient ops keep alive;
+4. ``contiguous=True``: an exact split of the unit sequence into contiguous
+   ranges (minimum bottleneck, then minimum bytes cut); otherwise a balanced
+   non-contiguous assignment that keeps heavy edges inside partitions;
+5. the remaining groups (gradient ops with no forward op, pass-through ops)
+   follow their heaviest neighbour, and free ops follow their first consumer.
+
+Everything here is plain Python over `OpGraph`.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Dict, List, Optional, Sequence
+
+from smp_tf.graph_view import OpGraph
+from smp_tf.partitioner import balance
+from smp_tf.partitioner.groups import Groups, colocation_groups
+
+__all__ = ["assign_partitions", "check_assignment", "PartitionPlan", "unit_costs"]
+
+#: Optimizer slot variables per trainable variable assumed by ``optimize="memory"``
+#: (Adam keeps two).
+DEFAULT_SLOTS = 2.0
+#: Weight of the variable-count share next to the flop share for ``optimize="speed"``.
+VARIABLE_COUNT_WEIGHT = 0.1
+
+_PASS_THROUGH = frozenset(["Identity", "IdentityN", "Snapshot", "NoOp"])
+
+
+def _group_positions(graph: OpGraph, groups: Groups) -> List[Optional[int]]:
+    """First forward op of each group (None for groups of gradient ops only)."""
+    pos: List[Optional[int]] = [None] * len(groups)
+    for g, ms in enumerate(groups.members):
+        if len(ms) == 1 and graph.ops[ms[0]].type in _PASS_THROUGH:
+            continue  # pass-through ops (the step's output identities) follow neighbours
+        for i in ms:
+            if not graph.ops[i].is_gradient:
+                pos[g] = i
+                break
+    return pos
+
+
+def unit_costs(graph: OpGraph, groups: Groups, optimize: str, slots: float = DEFAULT_SLOTS) -> List[float]:
+    """Cost of each group under the `optimize` objective (see the module doc)."""
+    n = len(groups)
+    if optimize == "speed":
+        flops = [0.0] * n
+        nvars = [0.0] * n
+        seen = set()
+        for g, ms in enumerate(groups.members):
+            for i in ms:
+                flops[g] += graph.ops[i].flops
+                for v in graph.ops[i].variables:
+                    if v not in seen:
+                        seen.add(v)
+                        nvars[g] += 1
+        tf_ = sum(flops) or 1.0
+        tv = sum(nvars) or 1.0
+        return [flops[g] / tf_ + VARIABLE_COUNT_WEIGHT * nvars[g] / tv for g in range(n)]
+    if optimize == "memory":
+        cost = [0.0] * n
+        seen = set()
+        for g, ms in enumerate(groups.members):
+            for i in ms:
+                op = graph.ops[i]
+                for v in op.variables:
+                    if v not in seen:
+                        seen.add(v)
+                        factor = 1.0 + (slots if graph.trainable.get(v, True) else 0.0)
+                        cost[g] += graph.variable_bytes.get(v, 0) * factor
+                if not op.is_gradient:
+                    # Activations kept for the backward: outputs read by gradient ops.
+                    for t in op.outputs:
+                        tensor = graph.tensors[t]
+                        if any(graph.ops[c].is_gradient for c in tensor.consumers):
+                            cost[g] += tensor.bytes
+        return cost
+    raise ValueError(f"optimize must be 'speed' or 'memory'. Received: optimize={optimize!r}")
+
+
+def _cut_costs(graph: OpGraph, groups: Groups, unit_of_group: Dict[int, int], n_units: int) -> List[float]:
+    """Bytes crossing the boundary between unit i and i+1, for every i.
+
+    A tensor whose producer and consumers span units [lo, hi] crosses every
+    boundary in between once (difference array, linear time).
+    """
+    diff = [0.0] * (n_units + 1)
+    for t in graph.tensors:
+        if t.bytes == 0 or not t.consumers:
+            continue
+        gp = groups.group_of[t.producer]
+        up = unit_of_group.get(gp) if gp >= 0 else None
+        if up is None:
+            continue
+        lo = hi = up
+        for c in t.consumers:
+            uc = unit_of_group.get(groups.group_of[c])
+            if uc is not None:
+                lo = min(lo, uc)
+                hi = max(hi, uc)
+        if hi > lo:
+            diff[lo] += t.bytes
+            diff[hi] -= t.bytes
+    cuts = []
+    acc = 0.0
+    for i in range(n_units - 1):
+        acc += diff[i]
+        cuts.append(acc)
+    return cuts
+
+
+def _unit_edges(graph: OpGraph, groups: Groups, unit_of_group: Dict[int, int]) -> List[tuple]:
+    weights: Dict[tuple, float] = {}
+    for t in graph.tensors:
+        if t.bytes == 0:
+            continue
+        gp = groups.group_of[t.producer]
+        up = unit_of_group.get(gp) if gp >= 0 else None
+        if up is None:
+            continue
+        for uc in {unit_of_group.get(groups.group_of[c]) for c in t.consumers}:
+            if uc is not None and uc != up:
+                key = (up, uc) if up < uc else (uc, up)
+                weights[key] = weights.get(key, 0.0) + t.bytes
+    return [(a, b, w) for (a, b), w in weights.items()]
+
+
+def _follow_neighbours(graph: OpGraph, groups: Groups, part_of_group: List[Optional[int]], default: int) -> None:
+    """Assigns unplaced groups to the partition they exchange most bytes with."""
+    pending = [g for g, p in enumerate(part_of_group) if p is None]
+    for _ in range(2):  # second sweep picks up groups whose neighbours were pending
+        still = []
+        for g in pending:
+            score: Dict[int, float] = {}
+            for i in groups.members[g]:
+                op = graph.ops[i]
+                for t in op.inputs:
+                    pg = groups.group_of[graph.tensors[t].producer]
+                    if pg >= 0 and part_of_group[pg] is not None:
+                        p = part_of_group[pg]
+                        score[p] = score.get(p, 0.0) + graph.tensors[t].bytes + 1e-9
+                for t in op.outputs:
+                    for c in graph.tensors[t].consumers:
+                        cg = groups.group_of[c]
+                        if cg >= 0 and part_of_group[cg] is not None:
+                            p = part_of_group[cg]
+                            score[p] = score.get(p, 0.0) + graph.tensors[t].bytes + 1e-9
+            if score:
+                part_of_group[g] = max(sorted(score), key=lambda p: score[p])
+            else:
+                still.append(g)
+        pending = still
+    for g in pending:
+        part_of_group[g] = default
+
+
+def assign_partitions(
+    graph: OpGraph,
+    num_partitions: int,
+    *,
+    optimize: str = "speed",
+    contiguous: bool = True,
+    auto_partition: bool = True,
+    default_partition: int = 0,
+    slots: float = DEFAULT_SLOTS,
+    tolerance: float = 0.0,
+    groups: Optional[Groups] = None,
+) -> List[int]:
+    """Assigns every op of `graph` to a partition.
+
+    Args:
+        graph: the traced graph.
+        num_partitions: number of partitions (>= 1).
+        optimize: ``"speed"`` or ``"memory"`` (the unit cost, module doc).
+        contiguous: each partition is one contiguous range of the forward order.
+        auto_partition: False places ops where `smp.partition` put them and
+            everything else on `default_partition`.
+        default_partition: see `auto_partition`.
+        slots: optimizer slots per trainable variable for ``memory``.
+        tolerance: for contiguous splits, the bottleneck may exceed the optimum
+            by this fraction if that lowers the bytes cut.
+        groups: precomputed colocation groups.
+
+    Returns:
+        The partition of each op, indexed like ``graph.ops``.
+    """
+    if num_partitions < 1:
+        raise ValueError(f"num_partitions must be >= 1. Received: {num_partitions}")
+    groups = colocation_groups(graph) if groups is None else groups
+    part_of_group: List[Optional[int]] = [None] * len(groups)
+
+    if num_partitions == 1:
+        part_of_group = [0] * len(groups)
+    elif not auto_partition:
+        for g in range(len(groups)):
+            part_of_group[g] = groups.manual.get(g, default_partition)
+    else:
+        pos = _group_positions(graph, groups)
+        units = sorted((p, g) for g, p in enumerate(pos) if p is not None)
+        unit_groups = [g for _, g in units]
+        unit_of_group = {g: u for u, g in enumerate(unit_groups)}
+        all_costs = unit_costs(graph, groups, optimize, slots)
+        costs = [all_costs[g] for g in unit_groups]
+        if contiguous:
+            cuts = _cut_costs(graph, groups, unit_of_group, len(unit_groups))
+            bounds = balance.contiguous_split(costs, cuts, num_partitions, tolerance=tolerance)
+            for p in range(num_partitions):
+                for u in range(bounds[p], bounds[p + 1]):
+                    part_of_group[unit_groups[u]] = p
+        else:
+            edges = _unit_edges(graph, groups, unit_of_group)
+            parts = balance.balanced_assignment(costs, num_partitions, edges, tolerance=max(tolerance, 0.05))
+            for u, p in enumerate(parts):
+                part_of_group[unit_groups[u]] = p
+        _follow_neighbours(graph, groups, part_of_group, num_partitions - 1)
+
+    assignment = [-1] * len(graph.ops)
+    for g, ms in enumerate(groups.members):
+        for i in ms:
+            assignment[i] = part_of_group[g]
+    # Free ops follow their first placed consumer; reverse creation order
+    # visits consumers before producers.
+    for op in reversed(graph.ops):
+        if assignment[op.index] != -1:
+            continue
+        p = None
+        for c in graph.consumer_ops(op.index):
+            if assignment[c] != -1:
+                p = assignment[c] if p is None else min(p, assignment[c])
+        assignment[op.index] = default_partition if p is None else p
+    check_assignment(graph, assignment, num_partitions)
+    return assignment
+
+
+def check_assignment(graph: OpGraph, assignment: Sequence[int], num_partitions: int) -> None:
+    """Invariant: every op of the graph is in exactly one partition.
+
+    Raises:
+        RuntimeError: an op is missing or has a partition out of range.
+    """
+    if len(assignment) != len(graph.ops):
+        raise RuntimeError(
+            f"Partition invariant violated: {len(assignment)} assignments for {len(graph.ops)} ops."
+        )
+    bad = [graph.ops[i].name for i, p in enumerate(assignment) if not (isinstance(p, int) and 0 <= p < num_partitions)]
+    if bad:
+        raise RuntimeError(
+            f"Partition invariant violated: {len(bad)} ops have no partition in "
+            f"[0, {num_partitions}), e.g. {bad[:5]}. Please report this with the model."
+        )
+
+
+class PartitionPlan:
+    """The result of partitioning one traced step.
+
+    Attributes:
+        num_partitions: number of partitions.
+        graph: the traced `tf.Graph` (forward, loss and backward of one micro-batch).
+        op_graph: the `OpGraph` view of `graph`.
+        assignment: op name -> partition index, for every op of `graph`.
+        devices: device of each partition.
+        seconds: time spent partitioning (view + groups + assignment).
+    """
+
+    def __init__(
+        self,
+        graph: Any,
+        op_graph: OpGraph,
+        partition_of_op: Sequence[int],
+        num_partitions: int,
+        devices: Sequence[str] = (),
+        seconds: float = 0.0,
+    ) -> None:
+        check_assignment(op_graph, partition_of_op, num_partitions)
+        self.graph = graph
+        self.op_graph = op_graph
+        self.partition_of_op: List[int] = list(partition_of_op)
+        self.num_partitions = num_partitions
+        self.devices = list(devices)
+        self.seconds = seconds
+        self.assignment: Dict[str, int] = {
+            op.name: p for op, p in zip(op_graph.ops, self.partition_of_op)
+        }
+
+    def partition_of_variable(self) -> Dict[str, int]:
+        """Variable key -> partition of the ops that use it."""
+        out: Dict[str, int] = {}
+        for op, p in zip(self.op_graph.ops, self.partition_of_op):
+            for v in op.variables:
+                out.setdefault(v, p)
+        return out
+
+    @property
+    def cut_bytes(self) -> int:
+        """Bytes sent between partitions per micro-batch (forward and backward).
+
+        A tensor consumed on k other partitions counts k times; tensors of
+        free ops (constants, step arguments) are not sent, they are fed or
+        duplicated where needed.
+        """
+        from smp_tf.partitioner.groups import free_ops
+
+        free = free_ops(self.op_graph)
+        total = 0
+        for t in self.op_graph.tensors:
+            if free[t.producer] or t.bytes == 0:
+                continue
+            src = self.partition_of_op[t.producer]
+            dst = {self.partition_of_op[c] for c in t.consumers} - {src}
+            total += t.bytes * len(dst)
+        return total
+
+    def summary(self) -> List[Dict[str, Any]]:
+        """One dict per partition: ``ops``, ``variables``, ``variable_bytes``, ``flops``."""
+        rows = [
+            {"partition": p, "device": self.devices[p] if p < len(self.devices) else None,
+             "ops": 0, "variables": 0, "variable_bytes": 0, "flops": 0.0}
+            for p in range(self.num_partitions)
+        ]
+        for op, p in zip(self.op_graph.ops, self.partition_of_op):
+            rows[p]["ops"] += 1
+            rows[p]["flops"] += op.flops
+        for v, p in self.partition_of_variable().items():
+            rows[p]["variables"] += 1
+            rows[p]["variable_bytes"] += self.op_graph.variable_bytes.get(v, 0)
+        return rows
+
+    def report(self) -> str:
+        """A readable table of the partitions."""
+        rows = self.summary()
+        tot_f = sum(r["flops"] for r in rows) or 1.0
+        tot_v = sum(r["variable_bytes"] for r in rows) or 1
+        lines = [
+            f"PartitionPlan: {self.num_partitions} partitions, {len(self.op_graph)} ops, "
+            f"{_fmt_bytes(self.cut_bytes)} cut per micro-batch, {self.seconds:.2f} s",
+            f"{'part':>4}  {'device':<16} {'ops':>7} {'vars':>5} {'var bytes':>10} {'share':>6} {'GFLOP':>9} {'share':>6}",
+        ]
+        for r in rows:
+            lines.append(
+                f"{r['partition']:>4}  {str(r['device'] or '-'):<16} {r['ops']:>7} {r['variables']:>5} "
+                f"{_fmt_bytes(r['variable_bytes']):>10} {100 * r['variable_bytes'] / tot_v:>5.1f}% "
+                f"{r['flops'] / 1e9:>9.3f} {100 * r['flops'] / tot_f:>5.1f}%"
+            )
+        return "\n".join(lines)
+
+    def __repr__(self) -> str:
+        return self.report()
+
+
+def _fmt_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} GiB"

@@ -1,0 +1,259 @@
+"""`StepOutput`: one value returned by an `smp.step` function.
+
+An `smp.step` function runs once per micro-batch, so each value it returns
+exists ``M`` times. `StepOutput` holds those ``M`` values (in micro-batch
+order) and combines them: `reduce_mean` (e.g. a loss), `accumulate` (e.g.
+gradients), `merge` (e.g. predictions, back in the original row order) and
+the lower-level `reduce_sum`, `concat` and `stack`. All of them build
+TensorFlow ops, so they work eagerly and inside `tf.function`.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterator, List, Optional, Sequence
+
+import tensorflow as tf
+
+from smp_tf.split import merge_microbatches
+
+__all__ = ["StepOutput"]
+
+
+def _describe(value: Any) -> str:
+    if isinstance(value, tf.IndexedSlices):
+        return f"tf.IndexedSlices(dtype={value.dtype.name}, dense_shape={value.dense_shape})"
+    if isinstance(value, (tf.Tensor, tf.Variable)):
+        return f"dtype={value.dtype.name}, shape={tuple(value.shape) if value.shape.rank is not None else None}"
+    return f"type={type(value).__name__}"
+
+
+class StepOutput:
+    """One value returned by an `smp.step` function: its ``M`` per-micro-batch values.
+
+    Example:
+
+    ```python
+    @smp.step
+    def train_step(x, y):
+        pred = model(x)
+        loss = loss_fn(y, pred)
+        return loss, tape.gradient(loss, model.trainable_variables), pred
+
+    loss, grads, pred = train_step(x, y)
+    optimizer.apply_gradients(zip([g.accumulate() for g in grads], variables))
+    loss.reduce_mean(), pred.merge()
+    ```
+
+    Args:
+        outputs: the per-micro-batch values, in micro-batch order.
+
+    Raises:
+        ValueError: `outputs` is not a sequence or is empty.
+    """
+
+    def __init__(self, outputs: Sequence[Any]) -> None:
+        if isinstance(outputs, (str, bytes)) or not isinstance(outputs, Sequence):
+            raise ValueError(
+                "StepOutput expects a list with one value per micro-batch. "
+                f"Received: outputs={outputs!r} (of type {type(outputs).__name__})"
+            )
+        if len(outputs) == 0:
+            raise ValueError(
+                "StepOutput expects at least one value (one per micro-batch). "
+                "Received: outputs=[]"
+            )
+        self._outputs: List[Any] = list(outputs)
+
+    # -- container protocol -------------------------------------------------
+    @property
+    def outputs(self) -> List[Any]:
+        """The per-micro-batch values (a new list), in micro-batch order."""
+        return list(self._outputs)
+
+    def __len__(self) -> int:
+        return len(self._outputs)
+
+    def __iter__(self) -> Iterator[Any]:
+        return iter(self._outputs)
+
+    def __getitem__(self, microbatch: int) -> Any:
+        return self._outputs[microbatch]
+
+    def __repr__(self) -> str:
+        return f"StepOutput(microbatches={len(self._outputs)}, {_describe(self._outputs[0])})"
+
+    # -- helpers ------------------------------------------------------------
+    def _tensors(self, method: str, densify: bool = True) -> List[Any]:
+        """The outputs as tensors, after checking they can be combined."""
+        nones = [m for m, o in enumerate(self._outputs) if o is None]
+        if nones:
+            raise ValueError(
+                f"StepOutput.{method}() cannot combine None values (micro-batches "
+                f"{nones} are None; a gradient is None when the loss does not "
+                f"depend on the variable). Received: {self!r}"
+            )
+        tensors = []
+        for o in self._outputs:
+            if isinstance(o, tf.IndexedSlices):
+                # Sparse gradients are densified: a dense result is what a
+                # mean/sum/concat of micro-batch values means. `accumulate`
+                # keeps them sparse instead.
+                tensors.append(tf.convert_to_tensor(o) if densify else o)
+            else:
+                tensors.append(tf.convert_to_tensor(o))
+        dtypes = {t.dtype for t in tensors}
+        if len(dtypes) > 1:
+            raise ValueError(
+                f"StepOutput.{method}() needs all micro-batch values to have the "
+                f"same dtype. Received dtypes: {[t.dtype.name for t in tensors]}"
+            )
+        return tensors
+
+    @staticmethod
+    def _check_numeric(tensors: List[Any], method: str) -> None:
+        dtype = tensors[0].dtype
+        if dtype == tf.bool or dtype == tf.string or not (
+            dtype.is_floating or dtype.is_integer or dtype.is_complex
+        ):
+            raise ValueError(
+                f"StepOutput.{method}() needs numeric values. Received values of "
+                f"dtype {dtype.name}; cast them (e.g. with tf.cast) inside the "
+                "step function or combine them with concat()/stack()."
+            )
+
+    def _divide(self, total: Any) -> Any:
+        count = len(self._outputs)
+        if total.dtype.is_floating or total.dtype.is_complex:
+            # Divide in the values' own dtype (no float32 -> float64 upcast).
+            return total / tf.cast(count, total.dtype)
+        # Integers: true division, as `tf.add_n(outputs) / M` does (int32 and
+        # int64 give float64).
+        return tf.math.truediv(total, tf.cast(count, total.dtype))
+
+    # -- combinations -------------------------------------------------------
+    def reduce_sum(self) -> tf.Tensor:
+        """Sum of the per-micro-batch values.
+
+        `tf.IndexedSlices` values are converted to dense tensors first.
+
+        Returns:
+            A tensor with the shape and dtype of one micro-batch value.
+
+        Raises:
+            ValueError: a value is None, the values are not numeric, or their
+                dtypes differ.
+        """
+        tensors = self._tensors("reduce_sum")
+        self._check_numeric(tensors, "reduce_sum")
+        return tf.add_n(tensors)
+
+    def reduce_mean(self) -> tf.Tensor:
+        """Mean of the per-micro-batch values (e.g. the loss of the batch).
+
+        Floating-point values keep their dtype; integer values give the dtype
+        of `tf.math.truediv` (float64 for int32/int64). `tf.IndexedSlices`
+        values are converted to dense tensors first (use `accumulate` to keep
+        them sparse).
+
+        Returns:
+            A tensor with the shape of one micro-batch value.
+
+        Raises:
+            ValueError: a value is None, the values are not numeric, or their
+                dtypes differ.
+        """
+        tensors = self._tensors("reduce_mean")
+        self._check_numeric(tensors, "reduce_mean")
+        return self._divide(tf.add_n(tensors))
+
+    def concat(self, axis: int = 0) -> tf.Tensor:
+        """Concatenates the per-micro-batch values along `axis`.
+
+        The result is in micro-batch order (all rows of micro-batch 0, then of
+        micro-batch 1, ...), not in the original row order of the batch, since
+        the split is strided; use `merge` for the original order.
+
+        Args:
+            axis: the axis to concatenate along.
+
+        Returns:
+            The concatenated tensor.
+
+        Raises:
+            ValueError: a value is None or 0-d, or the dtypes differ.
+        """
+        tensors = self._tensors("concat")
+        if tensors[0].shape.rank == 0:
+            raise ValueError(
+                "StepOutput.concat() cannot concatenate 0-d (scalar) values; use "
+                f"stack() or reduce_mean(). Received: {self!r}"
+            )
+        return tf.concat(tensors, axis=axis)
+
+    def stack(self, axis: int = 0) -> tf.Tensor:
+        """Stacks the per-micro-batch values along a new axis `axis`.
+
+        Args:
+            axis: the position of the new micro-batch axis.
+
+        Returns:
+            A tensor with one more dimension, of size ``M`` at `axis`.
+
+        Raises:
+            ValueError: a value is None or the dtypes differ.
+        """
+        return tf.stack(self._tensors("stack"), axis=axis)
+
+    def merge(self, axis: int = 0) -> tf.Tensor:
+        """Merges the per-micro-batch values back into the original row order.
+
+        The inverse of the strided split of the inputs: for per-row outputs
+        such as predictions, row ``r`` of the result belongs to row ``r`` of
+        the input batch.
+
+        Args:
+            axis: the axis the inputs were split along.
+
+        Returns:
+            The merged tensor, ``M`` times larger along `axis`.
+
+        Raises:
+            ValueError: a value is None or 0-d, or the dtypes differ.
+        """
+        return merge_microbatches(self._tensors("merge"), axis=axis)
+
+    def accumulate(self) -> Optional[Any]:
+        """Mean of the per-micro-batch values, built as a running sum.
+
+        Meant for gradients: the value equals `reduce_mean`, but it is summed
+        one micro-batch at a time (``acc = o0; acc += o1; ...``) so that at
+        most one partial sum is alive besides the micro-batch values.
+        When every value is a `tf.IndexedSlices` (e.g. an embedding gradient)
+        the result stays sparse: the values (scaled by ``1/M``) and indices
+        are concatenated and the dense shape kept. When every value is None
+        (a variable the loss does not depend on) the result is None, which
+        `optimizer.apply_gradients` skips.
+
+        Returns:
+            A tensor, a `tf.IndexedSlices`, or None.
+
+        Raises:
+            ValueError: only some values are None, the values are not numeric,
+                or their dtypes differ.
+        """
+        if all(o is None for o in self._outputs):
+            return None
+        if all(isinstance(o, tf.IndexedSlices) for o in self._outputs):
+            slices = self._tensors("accumulate", densify=False)
+            self._check_numeric(slices, "accumulate")
+            index_dtypes = {s.indices.dtype for s in slices}
+            index_dtype = tf.int64 if len(index_dtypes) > 1 else slices[0].indices.dtype
+            values = tf.concat([s.values for s in slices], axis=0)
+            indices = tf.concat([tf.cast(s.indices, index_dtype) for s in slices], axis=0)
+            return tf.IndexedSlices(self._divide(values), indices, slices[0].dense_shape)
+        tensors = self._tensors("accumulate")
+        self._check_numeric(tensors, "accumulate")
+        total = tensors[0]
+        for t in tensors[1:]:
+            total = total + t
+        return self._divide(total)

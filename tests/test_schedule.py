@@ -1,0 +1,444 @@
+"""Tests for smp_tf.schedule (pure Python, no TensorFlow)."""
+
+from __future__ import annotations
+
+import random
+from collections import defaultdict
+
+import pytest
+
+from smp_tf.schedule import (
+    Action,
+    Schedule,
+    ScheduleError,
+    TaskSpec,
+    chain_tasks,
+    custom_schedule,
+    make_schedule,
+    simulate,
+    validate,
+)
+
+KINDS = ("simple", "interleaved")
+PM = [(p, m) for p in (1, 2, 3, 4, 5, 8) for m in (1, 2, 3, 4, 7, 8, 16)]
+
+
+def _all_actions(tasks, m):
+    return {Action(t.partition, t.wave, mb) for t in tasks for mb in range(m)}
+
+
+def _check_every_action_once(schedule):
+    seen = [a for acts in schedule.order.values() for a in acts]
+    assert len(seen) == len(set(seen))
+    assert set(seen) == _all_actions(schedule.tasks, schedule.num_microbatches)
+    for dev, acts in schedule.order.items():
+        assert all(a.partition == dev for a in acts)
+
+
+def _check_deps(schedule, sim):
+    by_key = {t.key: t for t in schedule.tasks}
+    for a, s in sim.start.items():
+        for d in by_key[a.task].deps:
+            assert sim.end[Action(d[0], d[1], a.microbatch)] <= s + 1e-9
+    # Devices run one action at a time, in their order.
+    for acts in schedule.order.values():
+        for x, y in zip(acts, acts[1:]):
+            assert sim.end[x] <= sim.start[y] + 1e-9
+
+
+def _random_tasks(rng: random.Random, num_parts: int):
+    """A task set cut from a random op graph, the way the tracer builds one.
+
+    Forward ops form a chain with random skip connections and a random (not
+    necessarily monotone) placement; the loss follows the last op; each
+    forward op has a gradient op on its own partition needing the gradients of
+    its users and its own forward op; sometimes a metric op on another
+    partition reads the loss. Waves count partition boundaries on the longest
+    path into each op; ops are grouped by (partition, wave).
+    """
+    n = rng.randint(1, 3 * num_parts + 2)
+    parts = sorted(rng.randrange(num_parts) for _ in range(n))
+    for _ in range(rng.randint(0, 2)):  # a few out-of-order placements
+        i, j = rng.randrange(n), rng.randrange(n)
+        parts[i], parts[j] = parts[j], parts[i]
+    preds = {i: ([i - 1] if i else []) for i in range(n)}
+    for i in range(2, n):
+        if rng.random() < 0.4:
+            preds[i].append(rng.randrange(i - 1))
+    ops = []  # (name, partition, preds, is_grad, cost)
+    for i in range(n):
+        ops.append((("f", i), parts[i], [("f", j) for j in preds[i]], False))
+    loss_part = rng.choice([parts[-1], rng.randrange(num_parts)])
+    ops.append((("f", n), loss_part, [("f", n - 1)], False))
+    preds[n] = [n - 1]
+    if num_parts > 1 and rng.random() < 0.3:
+        ops.append((("metric", 0), rng.randrange(num_parts), [("f", n)], False))
+    part_of = {name: p for name, p, _, _ in ops}
+    users = defaultdict(list)
+    for j in range(n + 1):
+        for i in preds[j]:
+            users[i].append(j)
+    for i in range(n, -1, -1):
+        gp = [("g", j) for j in users[i]] + [("f", i)]
+        ops.append((("g", i), part_of[("f", i)], gp, True))
+        part_of[("g", i)] = part_of[("f", i)]
+    wave = {}
+    for name, p, pr, _ in ops:
+        wave[name] = max([wave[q] + (part_of[q] != p) for q in pr] + [0])
+    groups = {}
+    for name, p, pr, grad in ops:
+        g = groups.setdefault((p, wave[name]), {"deps": set(), "fwd": False, "grad": False, "cost": 0.0})
+        g["grad" if grad else "fwd"] = True
+        g["cost"] += rng.choice([0.0, rng.uniform(0.1, 3.0), rng.uniform(0.1, 3.0)])
+        for q in pr:
+            k = (part_of[q], wave[q])
+            if k != (p, wave[name]):
+                g["deps"].add(k)
+    return [
+        TaskSpec(
+            k[0],
+            k[1],
+            deps=tuple(sorted(g["deps"])),
+            cost=g["cost"],
+            backward=g["grad"],
+            fused=g["grad"] and g["fwd"],
+        )
+        for k, g in sorted(groups.items())
+    ]
+
+
+# --- structure -------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("p,m", PM)
+def test_every_action_once_and_deps_hold(kind, p, m):
+    s = make_schedule(chain_tasks(p), m, kind)
+    assert s.kind == kind and s.num_microbatches == m
+    assert sorted(s.order) == list(range(p))
+    _check_every_action_once(s)
+    sim = s.simulate()
+    _check_deps(s, sim)
+    validate(s)
+
+
+def test_chain_tasks_shape():
+    t = chain_tasks(4, forward_cost=1.0, backward_cost=3.0)
+    by_key = {x.key: x for x in t}
+    assert sorted(by_key) == [(0, 0), (0, 6), (1, 1), (1, 5), (2, 2), (2, 4), (3, 3)]
+    assert by_key[(3, 3)].fused and by_key[(3, 3)].label == "FB" and by_key[(3, 3)].cost == 4.0
+    assert by_key[(2, 4)].deps == ((3, 3), (2, 2)) and by_key[(2, 4)].label == "B"
+    assert by_key[(1, 1)].deps == ((0, 0),) and by_key[(1, 1)].label == "F"
+    (only,) = chain_tasks(1)
+    assert only.key == (0, 0) and only.fused and only.deps == ()
+
+
+def test_action_str_roundtrip_and_display():
+    a = Action(2, 5, 13)
+    assert str(a) == "p2w5m13"
+    assert Action.from_str("p2w5m13") == a
+    tasks = chain_tasks(3)
+    assert Action(2, 2, 3).display(tasks) == "FB3"
+    assert Action(0, 4, 1).display(tasks) == "B1"
+    # Two forward tasks on device 0: the wave disambiguates.
+    skip = [
+        TaskSpec(0, 0),
+        TaskSpec(1, 1, deps=((0, 0),)),
+        TaskSpec(0, 2, deps=((1, 1), (0, 0))),
+        TaskSpec(1, 3, deps=((0, 2),), backward=True, fused=True),
+        TaskSpec(0, 4, deps=((1, 3),), backward=True),
+    ]
+    assert Action(0, 2, 7).display(skip) == "F7w2"
+    assert Action(0, 4, 7).display(skip) == "B7"
+    s = make_schedule(skip, 2, "interleaved")
+    assert "F0w0" in s.table() and "F1w2" in s.table()
+
+
+# --- 1F1B ------------------------------------------------------------------
+
+
+def _classic_1f1b(p, num_stages, m):
+    """Warm-up forwards, then forward/backward pairs, then cool-down backwards."""
+    if p == num_stages - 1:
+        return [f"FB{i}" for i in range(m)]
+    warm = min(num_stages - 1 - p, m)
+    seq = [f"F{i}" for i in range(warm)]
+    for i in range(m - warm):
+        seq += [f"F{warm + i}", f"B{i}"]
+    seq += [f"B{i}" for i in range(m - warm, m)]
+    return seq
+
+
+def test_1f1b_p4_m8_exact():
+    s = make_schedule(chain_tasks(4), 8, "interleaved")
+    got = {d: [s.display(a) for a in acts] for d, acts in s.order.items()}
+    assert got[0] == (
+        "F0 F1 F2 F3 B0 F4 B1 F5 B2 F6 B3 F7 B4 B5 B6 B7".split()
+    )
+    assert got[3] == "FB0 FB1 FB2 FB3 FB4 FB5 FB6 FB7".split()
+    assert got[2] == "F0 F1 B0 F2 B1 F3 B2 F4 B3 F5 B4 F6 B5 F7 B6 B7".split()
+    # Same order whatever the (uniform per kind) costs.
+    for f, b in [(1.0, 1.0), (1.0, 2.0), (2.0, 1.0), (0.5, 3.0)]:
+        s2 = make_schedule(chain_tasks(4, f, b), 8, "interleaved")
+        assert s2.order == s.order
+
+
+def test_1f1b_chain_order_ignores_unbalanced_costs():
+    rng = random.Random(7)
+    for _ in range(30):
+        p, m = rng.randint(2, 8), rng.randint(1, 16)
+        tasks = [
+            TaskSpec(t.partition, t.wave, t.deps, rng.uniform(0.05, 5), t.backward, t.fused)
+            for t in chain_tasks(p)
+        ]
+        s = make_schedule(tasks, m, "interleaved")
+        assert s.order == make_schedule(chain_tasks(p), m, "interleaved").order
+
+
+def test_list_scheduler_matches_classic_1f1b_on_balanced_chains():
+    # make_schedule writes chains out directly; the general builder must
+    # agree with it when stage costs are balanced.
+    from smp_tf.schedule import _check_tasks, _interleaved_order
+
+    rng = random.Random(11)
+    for p, m in PM:
+        f, b = rng.uniform(0.1, 3), rng.uniform(0.1, 3)
+        order = _interleaved_order(_check_tasks(chain_tasks(p, f, b)), m)
+        assert order == make_schedule(chain_tasks(p), m, "interleaved").order
+
+
+@pytest.mark.parametrize("p,m", PM)
+def test_1f1b_classic_order_and_peak_live(p, m):
+    s = make_schedule(chain_tasks(p), m, "interleaved")
+    for d, acts in s.order.items():
+        assert [s.display(a) for a in acts] == _classic_1f1b(d, p, m)
+    sim = s.simulate()
+    for d in range(p):
+        assert sim.peak_live[d] <= p - d
+        assert sim.peak_live[d] == min(m, p - d)
+
+
+def test_interleaved_peak_live_random_chain_costs():
+    rng = random.Random(1)
+    for _ in range(60):
+        p, m = rng.randint(1, 8), rng.randint(1, 16)
+        s = make_schedule(chain_tasks(p, rng.uniform(0.1, 3), rng.uniform(0.1, 3)), m, "interleaved")
+        costs = {t.key: rng.uniform(0.1, 3) for t in s.tasks}
+        sim = s.simulate(costs)
+        _check_deps(s, sim)
+        for d in range(p):
+            assert sim.peak_live[d] <= p - d
+
+
+@pytest.mark.parametrize("p,m", [(p, m) for p, m in PM if p > 1])
+def test_simple_keeps_every_microbatch_live(p, m):
+    sim = make_schedule(chain_tasks(p), m, "simple").simulate()
+    assert sim.peak_live[0] == m
+    assert sim.peak_live[p - 1] == 1  # the fused task finishes what it starts
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("p,m", PM)
+def test_bubble_uniform_costs(kind, p, m):
+    # Forward 1 and backward 1 per stage (fused last stage 2): every device
+    # works M*(f+b) and the step takes (M+P-1)*(f+b) (micro-batch 0 needs P-1
+    # forward and P-1 backward steps of fill/drain before and after the M
+    # steps of the busiest device), so bubble = (P-1)/(M+P-1).
+    sim = make_schedule(chain_tasks(p, 1.0, 1.0), m, kind).simulate()
+    assert sim.makespan == pytest.approx((m + p - 1) * 2.0, abs=1e-9)
+    assert sim.bubble == pytest.approx((p - 1) / (m + p - 1), abs=1e-9)
+    assert all(v == pytest.approx(2.0 * m) for v in sim.busy.values())
+
+
+def test_simulate_costs_override_and_function_form():
+    s = make_schedule(chain_tasks(3), 4, "interleaved")
+    a = s.simulate()
+    b = simulate(s.order, s.tasks, 4)
+    assert a.start == b.start and a.makespan == b.makespan
+    c = s.simulate({(2, 2): 10.0})
+    assert c.makespan > a.makespan
+    with pytest.raises(ValueError, match=r"\(9, 9\)"):
+        s.simulate({(9, 9): 1.0})
+    with pytest.raises(ValueError, match="-1"):
+        s.simulate({(0, 0): -1})
+
+
+# --- fuzz ------------------------------------------------------------------
+
+
+def test_fuzz_random_task_graphs_never_deadlock():
+    rng = random.Random(12345)
+    several = 0
+    for _ in range(300):
+        p, m = rng.randint(1, 8), rng.randint(1, 16)
+        tasks = _random_tasks(rng, p)
+        counts = defaultdict(int)
+        for t in tasks:
+            counts[(t.partition, t.label)] += 1
+        several += any(v > 1 for v in counts.values())
+        for kind in KINDS:
+            s = make_schedule(tasks, m, kind)
+            validate(s)
+            _check_every_action_once(s)
+            costs = {t.key: rng.uniform(0.0, 2.0) for t in tasks}
+            for c in (None, costs):
+                sim = s.simulate(c)
+                _check_deps(s, sim)
+                assert 0.0 <= sim.bubble <= 1.0
+            str(s)
+            s.simulate().table()
+    # The generator must actually produce skip-connection-style task sets.
+    assert several > 50
+
+
+# --- errors ----------------------------------------------------------------
+
+
+def test_deadlock_raises_with_marked_table():
+    tasks = chain_tasks(3)
+    good = make_schedule(tasks, 2, "simple")
+    order = {d: list(v) for d, v in good.order.items()}
+    # Stage 0 runs backward m0 before forward m0: B0 needs F0 of its own device.
+    order[0].remove(Action(0, 4, 0))
+    order[0].insert(0, Action(0, 4, 0))
+    bad = Schedule("custom", 2, good.tasks, order)
+    with pytest.raises(ScheduleError) as ei:
+        validate(bad)
+    msg = str(ei.value)
+    assert "deadlock" in msg
+    assert "[B0]" in msg and "[F0]" in msg and "[FB0]" in msg
+    assert "device 0 is stuck at B0 (p0w4m0)" in msg
+    assert "p0w0m0" in msg  # the missing dependency
+    assert ei.value.table in msg and ei.value.stuck[0] == Action(0, 4, 0)
+    assert isinstance(ei.value, ValueError)
+    # The table of a deadlocking schedule renders instead of raising.
+    assert "[B0]" in bad.table()
+    with pytest.raises(ScheduleError):
+        custom_schedule(tasks, 2, order)
+
+
+def test_deadlock_after_progress_is_marked():
+    tasks = chain_tasks(2)
+    # Device 1 wants FB1 first, device 0 runs F0 B0 F1 B1: F0 runs, then stuck.
+    order = {0: ["p0w0m0", "p0w2m0", "p0w0m1", "p0w2m1"], 1: ["p1w1m1", "p1w1m0"]}
+    with pytest.raises(ScheduleError) as ei:
+        custom_schedule(tasks, 2, order)
+    msg = str(ei.value)
+    assert "[B0]" in msg and "[FB1]" in msg
+    assert "F0" in ei.value.table.splitlines()[1]
+
+
+def test_custom_schedule_ok():
+    tasks = chain_tasks(2)
+    order = [["p0w0m0", "p0w0m1", "p0w2m0", "p0w2m1"], ["p1w1m0", "p1w1m1"]]
+    s = custom_schedule(tasks, 2, order)
+    assert s.kind == "custom"
+    assert s.order[1] == [Action(1, 1, 0), Action(1, 1, 1)]
+
+
+@pytest.mark.parametrize("kind", ["foo", "custom", "", None])
+def test_bad_kind(kind):
+    with pytest.raises(ValueError, match=repr(kind) if kind != "custom" else "custom"):
+        make_schedule(chain_tasks(2), 2, kind)
+
+
+@pytest.mark.parametrize("m", [0, -1, 1.5, True, "2"])
+def test_bad_num_microbatches(m):
+    with pytest.raises(ValueError, match="num_microbatches"):
+        make_schedule(chain_tasks(2), m, "simple")
+
+
+def test_bad_orders_name_the_action():
+    tasks = chain_tasks(2)
+    base = {0: ["p0w0m0", "p0w0m1", "p0w2m0", "p0w2m1"], 1: ["p1w1m0", "p1w1m1"]}
+    dup = {0: base[0] + ["p0w0m0"], 1: base[1]}
+    with pytest.raises(ValueError, match="p0w0m0.*more than once"):
+        custom_schedule(tasks, 2, dup)
+    missing = {0: base[0][:-1], 1: base[1]}
+    with pytest.raises(ValueError, match="missing.*p0w2m1"):
+        custom_schedule(tasks, 2, missing)
+    wrong_dev = {0: base[0] + ["p1w1m1"], 1: base[1][:-1]}
+    with pytest.raises(ValueError, match="p1w1m1 is on device 0"):
+        custom_schedule(tasks, 2, wrong_dev)
+    unknown = {0: base[0] + ["p0w7m0"], 1: base[1]}
+    with pytest.raises(ValueError, match=r"p0w7m0.*unknown task \(0, 7\)"):
+        custom_schedule(tasks, 2, unknown)
+    out_of_range = {0: base[0] + ["p0w0m5"], 1: base[1]}
+    with pytest.raises(ValueError, match="p0w0m5.*microbatch 5"):
+        custom_schedule(tasks, 2, out_of_range)
+    with pytest.raises(ValueError, match="'nonsense'"):
+        custom_schedule(tasks, 2, {0: ["nonsense"]})
+    # validate() on a hand-built Schedule checks the same things.
+    with pytest.raises(ValueError, match="more than once"):
+        validate(Schedule("custom", 2, tuple(tasks), {d: [Action.from_str(x) for x in v] for d, v in dup.items()}))
+    with pytest.raises(ValueError, match="'bar'"):
+        validate(Schedule("bar", 2, tuple(tasks), {}))
+
+
+def test_bad_tasks():
+    with pytest.raises(ValueError, match="duplicate task .*\\(0, 0\\)"):
+        make_schedule([TaskSpec(0, 0), TaskSpec(0, 0)], 1, "simple")
+    with pytest.raises(ValueError, match=r"unknown task \(3, 3\)"):
+        make_schedule([TaskSpec(0, 0, deps=((3, 3),))], 1, "simple")
+    with pytest.raises(ValueError, match="cycle"):
+        make_schedule([TaskSpec(0, 0, deps=((1, 1),)), TaskSpec(1, 1, deps=((0, 0),))], 1, "simple")
+    with pytest.raises(ValueError, match="empty"):
+        make_schedule([], 1, "simple")
+    with pytest.raises(ValueError, match="-1"):
+        TaskSpec(-1, 0)
+    with pytest.raises(ValueError, match="nan"):
+        TaskSpec(0, 0, cost=float("nan"))
+    with pytest.raises(ValueError, match="fused"):
+        TaskSpec(0, 0, fused=True)
+    with pytest.raises(ValueError, match="itself"):
+        TaskSpec(0, 0, deps=((0, 0),))
+    with pytest.raises(ValueError, match="'x'"):
+        TaskSpec(0, 1, deps=("x",))
+    with pytest.raises(ValueError, match="num_stages"):
+        chain_tasks(0)
+
+
+# --- tables ----------------------------------------------------------------
+
+
+def test_table_p3_m4():
+    simple = make_schedule(chain_tasks(3), 4, "simple")
+    assert str(simple) == simple.table() == "\n".join(
+        [
+            "slot  0  1   2   3   4   5  6  7  8  9",
+            "dev0 F0 F1  F2  F3   .   . B0 B1 B2 B3",
+            "dev1  . F0  F1  F2  F3  B0 B1 B2 B3  .",
+            "dev2  .  . FB0 FB1 FB2 FB3  .  .  .  .",
+        ]
+    )
+    inter = make_schedule(chain_tasks(3), 4, "interleaved")
+    assert inter.table() == "\n".join(
+        [
+            "slot  0  1   2   3  4   5  6   7  8  9",
+            "dev0 F0 F1  F2   . B0  F3 B1   . B2 B3",
+            "dev1  . F0  F1  B0 F2  B1 F3  B2 B3  .",
+            "dev2  .  . FB0 FB1  . FB2  . FB3  .  .",
+        ]
+    )
+
+
+def test_simulation_table_uses_costs():
+    sim = make_schedule(chain_tasks(2, 1.0, 2.0), 2, "simple").simulate()
+    lines = sim.table().splitlines()
+    # F costs 1 slot, B 2, the fused task 3; '-' continues an action.
+    assert lines[1].split() == ["dev0", "F0", "F1", ".", ".", "B0", "-", ".", "B1", "-"]
+    assert lines[2].split() == ["dev1", ".", "FB0", "-", "-", "FB1", "-", "-", ".", "."]
+    frac = make_schedule(chain_tasks(2, 0.5, 1.25), 2, "interleaved").simulate()
+    assert "0.5" in frac.table().splitlines()[0]
+    assert "makespan" in repr(frac)
+    # Flop-sized integer costs give one column per start/end time, not per unit.
+    big = make_schedule(chain_tasks(3, 1e9, 2e9), 4, "simple").simulate()
+    assert len(big.table().splitlines()[0].split()) < 40
+
+
+def test_large_table_is_compact():
+    s = make_schedule(chain_tasks(8), 16, "interleaved")
+    lines = s.table().splitlines()
+    assert len(lines) == 9
+    # Columns are as wide as their widest cell: under 4 characters a slot.
+    assert max(len(x) for x in lines) < 4 * len(lines[0].split())
