@@ -76,6 +76,38 @@ def _slots_of(optimizer: Any, keras_variable: Any) -> List[Any]:
     return out
 
 
+_SLOT_PATCH_INSTALLED = False
+
+
+def install_slot_placement() -> None:
+    """Makes Keras optimizer slots live on the device of their variable.
+
+    Keras creates a slot with ``add_variable_from_reference(variable)``; under
+    the default distribution strategy nothing places it, so a slot of a moved
+    variable would stay on the first device. This wraps that method (once per
+    process) to create the slot on the reference variable's device.
+    """
+    global _SLOT_PATCH_INSTALLED
+    if _SLOT_PATCH_INSTALLED:
+        return
+    try:
+        from keras.src.backend.tensorflow.optimizer import TFOptimizer
+    except ImportError:  # pragma: no cover - another Keras layout
+        logger.warning("smp_tf: cannot place optimizer slots on their variables' devices.")
+        return
+    original = TFOptimizer.add_variable_from_reference
+
+    def add_variable_from_reference(self, reference_variable, *args, **kwargs):
+        value = getattr(reference_variable, "value", reference_variable)
+        device = getattr(value, "device", "") or ""
+        with tf.init_scope(), tf.device(device or None):
+            return original(self, reference_variable, *args, **kwargs)
+
+    add_variable_from_reference.__wrapped__ = original
+    TFOptimizer.add_variable_from_reference = add_variable_from_reference
+    _SLOT_PATCH_INSTALLED = True
+
+
 def place_variables(captures: Dict[str, Any], plan: PartitionPlan, devices: Sequence[str], optimizers: Sequence[Any] = ()) -> Dict[str, str]:
     """Moves every captured variable to the device of its partition.
 
@@ -164,6 +196,7 @@ class CompiledStep:
             self.simulation.start, key=lambda a: (self.simulation.start[a], a.partition, a.wave, a.microbatch)
         )
         self.devices = list(plan.devices)
+        install_slot_placement()
         self.variable_devices = place_variables(traced.captures, plan, self.devices, optimizers)
         self._arg_index = {name: i for i, name in enumerate(traced.arg_names)}
         self._functions = self._build_functions()
@@ -216,6 +249,9 @@ class CompiledStep:
             arg_values.append(tensors)
         raw: Dict[Tuple[int, int], tf.Tensor] = {}
         sent: Dict[Tuple[int, int], tf.Tensor] = {}
+        # A tensor crosses to a partition once per micro-batch: later tasks
+        # of that partition (e.g. its backward) reuse the received copy.
+        received: Dict[Tuple[int, int, int], tf.Tensor] = {}
         last: Dict[int, Any] = {}
         for action in self.emit_order:
             task = self._task_by_key[(action.partition, action.wave)]
@@ -228,7 +264,10 @@ class CompiledStep:
                 inputs = []
                 for t in task.inputs:
                     if task.producer_of_input[t][0] != task.partition:
-                        inputs.append(raw_input(sent[(m, t)]))
+                        key = (m, t, task.partition)
+                        if key not in received:
+                            received[key] = raw_input(sent[(m, t)])
+                        inputs.append(received[key])
                     else:
                         inputs.append(raw[(m, t)])
                 for name in task.arg_names:
@@ -242,9 +281,17 @@ class CompiledStep:
                         sent[(m, t)] = raw_output(value)
         results = []
         for m in range(M):
-            flat = [None if t is None else raw[(m, t)] for t in self.output_tensors]
+            flat = [None if t is None else self._output_value(raw, arg_values[m], m, t) for t in self.output_tensors]
             results.append(tf.nest.pack_sequence_as(self.traced.output_structure, flat, expand_composites=True))
         return results
+
+    def _output_value(self, raw, args, m: int, t: int) -> tf.Tensor:
+        """A step output: a task's output, or a step argument returned as is."""
+        value = raw.get((m, t))
+        if value is not None:
+            return value
+        op = self.plan.op_graph.ops[self.plan.op_graph.tensors[t].producer]
+        return args[self._arg_index[op.name]]
 
     def _consumer_partitions(self, t: int) -> List[int]:
         cache = getattr(self, "_cp_cache", None)

@@ -136,6 +136,8 @@ def _split_tensor(t: tf.Tensor, m_count: int, axis: int, what: str) -> List[tf.T
         return [t] * m_count  # a scalar has no batch axis
     axis = _normalize_axis(axis, rank, what, t.shape)
     size = t.shape[axis] if rank is not None else None
+    if m_count == 1:
+        return [t]  # no ops for an unsplit batch (axis still validated)
     _check_static_size(size, what, axis, m_count)
     if size is None:
         # Only in graph mode (eager tensors have fully known shapes).
@@ -149,6 +151,8 @@ def _split_numpy(a: np.ndarray, m_count: int, axis: int, what: str) -> List[np.n
     if a.ndim == 0:
         return [a] * m_count
     axis = _normalize_axis(axis, a.ndim, what, a.shape)
+    if m_count == 1:
+        return [a]
     _check_static_size(a.shape[axis], what, axis, m_count)
     return [a[_axis_slices(axis, slice(m, None, m_count))] for m in range(m_count)]
 
@@ -240,6 +244,9 @@ def _split_value(value: Any, m_count: int, axis: int, what: str) -> List[Any]:
 # --------------------------------------------------------------------------
 # public API
 # --------------------------------------------------------------------------
+# The public functions build ops with plain Python control flow over Python
+# values; AutoGraph must not rewrite them when called from a tf.function.
+@tf.autograph.experimental.do_not_convert
 def split_arguments(
     signature: inspect.Signature,
     args: tuple,
@@ -394,6 +401,7 @@ def microbatch_indices(batch_size: int, num_microbatches: int, microbatch: int) 
     return np.arange(int(microbatch), int(batch_size), m_count, dtype=np.int64)
 
 
+@tf.autograph.experimental.do_not_convert
 def merge_microbatches(parts: Sequence[Any], axis: int = 0) -> tf.Tensor:
     """Merges micro-batches back into one batch in the original row order.
 

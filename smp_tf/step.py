@@ -73,6 +73,7 @@ class Traced:
         captures: placeholder name -> `CapturedVariable`, or -> the external
             tensor for captured non-variable tensors.
         layers: the Keras layers called during the trace.
+        view_seconds: time spent building `op_graph`.
     """
 
     graph: tf.Graph
@@ -82,6 +83,7 @@ class Traced:
     output_structure: Any
     captures: Dict[str, Any]
     layers: List[Any] = field(default_factory=list)
+    view_seconds: float = 0.0
 
 
 def _keras_variables_of(layers: Sequence[Any]) -> Dict[int, Any]:
@@ -159,6 +161,7 @@ def trace_microbatch(
         nbytes = int(np.prod(var.shape.as_list() or [1])) * var.dtype.size if var.shape.is_fully_defined() else 0
         captured_vars[name] = (key, nbytes, bool(var.trainable))
 
+    t_view = time.perf_counter()
     op_graph = from_tf_graph(
         fg,
         arg_ops=arg_names,
@@ -166,6 +169,7 @@ def trace_microbatch(
         layer_of=record.layer_name_of if record is not None else None,
         manual_partition_of=record.partition_of if record is not None else None,
     )
+    view_seconds = time.perf_counter() - t_view
     outputs = tf.nest.flatten(fg.structured_outputs, expand_composites=True)
     output_names = [None if t is None else t.name for t in outputs]
 
@@ -173,7 +177,7 @@ def trace_microbatch(
     graph = tf.Graph()
     with graph.as_default():
         tf.graph_util.import_graph_def(fg.as_graph_def(), name="")
-    return Traced(graph, op_graph, arg_names, output_names, fg.structured_outputs, captures, layers)
+    return Traced(graph, op_graph, arg_names, output_names, fg.structured_outputs, captures, layers, view_seconds)
 
 
 def register_post_partition_hook(fn: Callable[[], Any]) -> Callable[[], Any]:
@@ -270,10 +274,12 @@ class StepFunction:
             auto_partition=cfg.auto_partition,
             default_partition=cfg.default_partition or 0,
         )
+        # Partitioning time: the graph view, the groups and the assignment.
         plan = PartitionPlan(
-            traced.graph, traced.op_graph, assignment, cfg.partitions, topo.devices, time.perf_counter() - t1
+            traced.graph, traced.op_graph, assignment, cfg.partitions, topo.devices,
+            traced.view_seconds + time.perf_counter() - t1,
         )
-        plan.trace_seconds = t1 - t0
+        plan.trace_seconds = t1 - t0 - traced.view_seconds
         return traced, plan
 
     def get_plan(self, *args: Any, **kwargs: Any) -> PartitionPlan:

@@ -18,6 +18,10 @@ from smp_tf.split import merge_microbatches
 
 __all__ = ["StepOutput"]
 
+# The combinations use plain Python control flow over Python values; AutoGraph
+# must not rewrite them when they are called inside a tf.function.
+_no_autograph = tf.autograph.experimental.do_not_convert
+
 
 def _describe(value: Any) -> str:
     if isinstance(value, tf.IndexedSlices):
@@ -131,6 +135,7 @@ class StepOutput:
         return tf.math.truediv(total, tf.cast(count, total.dtype))
 
     # -- combinations -------------------------------------------------------
+    @_no_autograph
     def reduce_sum(self) -> tf.Tensor:
         """Sum of the per-micro-batch values.
 
@@ -147,6 +152,7 @@ class StepOutput:
         self._check_numeric(tensors, "reduce_sum")
         return tf.add_n(tensors)
 
+    @_no_autograph
     def reduce_mean(self) -> tf.Tensor:
         """Mean of the per-micro-batch values (e.g. the loss of the batch).
 
@@ -166,6 +172,7 @@ class StepOutput:
         self._check_numeric(tensors, "reduce_mean")
         return self._divide(tf.add_n(tensors))
 
+    @_no_autograph
     def concat(self, axis: int = 0) -> tf.Tensor:
         """Concatenates the per-micro-batch values along `axis`.
 
@@ -190,6 +197,7 @@ class StepOutput:
             )
         return tf.concat(tensors, axis=axis)
 
+    @_no_autograph
     def stack(self, axis: int = 0) -> tf.Tensor:
         """Stacks the per-micro-batch values along a new axis `axis`.
 
@@ -204,6 +212,7 @@ class StepOutput:
         """
         return tf.stack(self._tensors("stack"), axis=axis)
 
+    @_no_autograph
     def merge(self, axis: int = 0) -> tf.Tensor:
         """Merges the per-micro-batch values back into the original row order.
 
@@ -222,6 +231,7 @@ class StepOutput:
         """
         return merge_microbatches(self._tensors("merge"), axis=axis)
 
+    @_no_autograph
     def accumulate(self) -> Optional[Any]:
         """Mean of the per-micro-batch values, built as a running sum.
 

@@ -44,6 +44,8 @@ def test_strided_order(M):
     x = arange(12, 2)
     parts = split_arguments(sig(step_x), (x,), {}, M)
     assert len(parts) == M
+    if M == 1:
+        assert x_of(parts, 0) is x  # an unsplit batch is passed as is
     for m in range(M):
         np.testing.assert_array_equal(x_of(parts, m), x.numpy()[m::M])
         np.testing.assert_array_equal(x_of(parts, m), x.numpy()[microbatch_indices(12, M, m)])

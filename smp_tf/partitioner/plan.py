@@ -269,7 +269,8 @@ class PartitionPlan:
         op_graph: the `OpGraph` view of `graph`.
         assignment: op name -> partition index, for every op of `graph`.
         devices: device of each partition.
-        seconds: time spent partitioning (view + groups + assignment).
+        seconds: time spent partitioning (graph view + groups + assignment).
+        trace_seconds: time spent tracing the step (set by `smp.step`).
     """
 
     def __init__(
@@ -288,6 +289,7 @@ class PartitionPlan:
         self.num_partitions = num_partitions
         self.devices = list(devices)
         self.seconds = seconds
+        self.trace_seconds = 0.0
         self.assignment: Dict[str, int] = {
             op.name: p for op, p in zip(op_graph.ops, self.partition_of_op)
         }

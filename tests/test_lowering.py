@@ -1,0 +1,175 @@
+"""The lowered graph: boundary ops per micro-batch, placement of variables."""
+
+import logging
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import smp_tf as smp
+from smp_tf.boundary import is_smp_input, is_smp_output
+from smp_tf.partitioner.groups import free_ops
+from tests import models
+
+
+def _lowered_ops(step, x, y):
+    @tf.function
+    def run(x, y):
+        loss, _, _ = step(x, y)
+        return loss.reduce_mean()
+
+    return run.get_concrete_function(tf.constant(x), tf.constant(y)).graph.get_operations()
+
+
+def _crossing_tensors(plan):
+    """Tensors sent to another partition, computed from the plan alone."""
+    g = plan.op_graph
+    free = free_ops(g)
+    out = []
+    for t in g.tensors:
+        if free[t.producer]:
+            continue
+        src = plan.partition_of_op[t.producer]
+        if any(plan.partition_of_op[c] != src for c in t.consumers):
+            out.append(t.id)
+    return out
+
+
+@pytest.mark.parametrize("partitions,microbatches", [(2, 1), (2, 4), (3, 2), (4, 3)])
+def test_one_boundary_pair_per_crossing_tensor_per_microbatch(partitions, microbatches):
+    import keras
+
+    keras.utils.set_random_seed(0)
+    model = models.mlp()
+    smp.init({"partitions": partitions, "microbatches": microbatches})
+    step = smp.step(models.make_body(model, "mlp"))
+    x, y = models.data("mlp")
+    ops = _lowered_ops(step, x, y)
+    plan = step.last_plan
+    crossing = _crossing_tensors(plan)
+    # A chain of P stages sends one activation forward and one gradient
+    # backward across each of its P-1 boundaries.
+    assert len(crossing) == 2 * (partitions - 1)
+    n_out = sum(is_smp_output(op) for op in ops)
+    n_in = sum(is_smp_input(op) for op in ops)
+    assert n_out == microbatches * len(crossing)
+    # Each crossing tensor is received once per micro-batch by its partition,
+    # even when a later task there (the backward) needs it again.
+    assert n_in == microbatches * len(crossing)
+    # Every SMPInput reads an SMPOutput on another device.
+    for op in ops:
+        if is_smp_input(op):
+            src = op.inputs[0].op
+            assert is_smp_output(src)
+            assert src.device != op.device
+
+
+def test_skip_connection_crossing_two_partitions():
+    """A residual tensor consumed on two other partitions: one SMPOutput, two SMPInputs."""
+    import keras
+
+    keras.utils.set_random_seed(0)
+    inp = keras.Input((8,))
+    a = keras.layers.Dense(8, name="a")(inp)
+    b = keras.layers.Dense(8, name="b")(a)
+    c = keras.layers.Dense(8, name="c")(keras.layers.Add(name="ab")([a, b]))
+    out = keras.layers.Dense(2, name="out")(keras.layers.Add(name="ac")([a, c]))
+    model = smp.DistributedModel(inp, out)
+    smp.init({"partitions": 3, "microbatches": 2, "optimize": "speed"})
+
+    def body(x, y):
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_mean(tf.square(model(x) - y))
+        return loss, tape.gradient(loss, model.trainable_variables), loss
+
+    step = smp.step(body)
+    x = np.random.rand(4, 8).astype("float32")
+    y = np.random.rand(4, 2).astype("float32")
+    ops = _lowered_ops(step, x, y)
+    entry = next(iter(step._compiled.values()))
+    consumers = {}
+    for t in entry.tasks:
+        for tin in t.boundary_inputs():
+            consumers.setdefault(tin, set()).add(t.partition)
+    # Some tensor is consumed on two different partitions.
+    assert any(len(parts) >= 2 for parts in consumers.values())
+    # One SMPOutput per crossing tensor, one SMPInput per receiving partition.
+    assert sum(is_smp_output(op) for op in ops) == 2 * len(consumers)
+    assert sum(is_smp_input(op) for op in ops) == 2 * sum(len(p) for p in consumers.values())
+
+
+def test_variables_and_optimizer_slots_live_on_their_partition():
+    import keras
+
+    keras.utils.set_random_seed(0)
+    model = models.mlp()
+    smp.init({"partitions": 3, "microbatches": 2})
+    step = smp.step(models.make_body(model, "mlp"))
+    opt = keras.optimizers.Adam(1e-3)
+    x, y = models.data("mlp")
+    before = list(model.variables)
+
+    @tf.function
+    def train(x, y):
+        _, grads, _ = step(x, y)
+        opt.apply_gradients(zip([g.accumulate() for g in grads], model.trainable_variables))
+
+    train(x, y)
+    plan = step.last_plan
+    part_of_var = plan.partition_of_variable()
+    assert [id(v) for v in model.variables] == [id(v) for v in before]  # same Keras objects
+    seen_partitions = set()
+    for v in model.variables:
+        p = part_of_var[v.path]
+        seen_partitions.add(p)
+        assert v.value.device.endswith(f"CPU:{p}"), (v.path, v.value.device, p)
+        prefix = v.path.replace("/", "_") + "_"
+        slots = [s for s in opt.variables if s.name.startswith(prefix)]
+        if v.trainable:
+            assert len(slots) == 2  # Adam: momentum and velocity
+        for s in slots:
+            assert s.value.device.endswith(f"CPU:{p}"), (s.name, s.value.device, p)
+    assert seen_partitions == {0, 1, 2}
+
+
+def test_already_built_optimizer_slots_are_moved():
+    import keras
+
+    keras.utils.set_random_seed(0)
+    model = models.mlp()
+    model.compile(optimizer=keras.optimizers.Adam(1e-3))
+    model.optimizer.build(model.trainable_variables)  # slots exist on CPU:0
+    smp.init({"partitions": 2, "microbatches": 2})
+    step = smp.step(models.make_body(model, "mlp"))
+    step(*models.data("mlp"))
+    part_of_var = step.last_plan.partition_of_variable()
+    moved = 0
+    for v in model.trainable_variables:
+        p = part_of_var[v.path]
+        prefix = v.path.replace("/", "_") + "_"
+        for s in model.optimizer.variables:
+            if s.name.startswith(prefix):
+                assert s.value.device.endswith(f"CPU:{p}")
+                moved += p == 1
+    assert moved > 0
+
+
+def test_plain_tf_variable_stays_with_a_warning(caplog):
+    smp.init({"partitions": 2, "microbatches": 2})
+    w0 = tf.Variable(tf.ones([4, 4]), name="w0")
+    w1 = tf.Variable(tf.ones([4, 1]), name="w1")
+
+    def body(x):
+        with tf.GradientTape() as tape:
+            h = tf.nn.relu(tf.matmul(x, w0))
+            loss = tf.reduce_sum(tf.matmul(h, w1))
+        return loss, tape.gradient(loss, [w0, w1])
+
+    step = smp.step(body)
+    with caplog.at_level(logging.WARNING, logger="smp_tf"):
+        loss, grads = step(tf.ones([4, 4]))
+    np.testing.assert_allclose(loss.reduce_sum(), 64.0)
+    part = step.last_plan.partition_of_variable()
+    if set(part.values()) != {0}:
+        assert "plain tf.Variables" in caplog.text
+    assert w0.device.endswith("CPU:0") and w1.device.endswith("CPU:0")

@@ -1,0 +1,53 @@
+"""smp.init, devices and ranks."""
+
+import pytest
+import tensorflow as tf
+
+import smp_tf as smp
+
+
+def test_init_returns_config_and_sets_devices():
+    cfg = smp.init({"partitions": 3, "microbatches": 6, "pipeline": "simple"})
+    assert cfg.partitions == 3 and cfg.microbatches == 6 and cfg.pipeline == "simple"
+    assert smp.current_config() == cfg
+    assert smp.topology().devices == ("/device:CPU:0", "/device:CPU:1", "/device:CPU:2")
+    assert smp.topology().logical_cpu
+    assert len(tf.config.list_logical_devices("CPU")) >= 3
+
+
+def test_ranks_single_process():
+    smp.init({"partitions": 2, "microbatches": 4})
+    assert (smp.rank(), smp.size(), smp.local_rank(), smp.local_size()) == (0, 1, 0, 1)
+    assert (smp.mp_rank(), smp.mp_size(), smp.pp_rank(), smp.pp_size()) == (0, 2, 0, 2)
+    assert (smp.dp_rank(), smp.dp_size()) == (0, 1)
+    assert smp.num_microbatches() == 4
+
+
+def test_reinit_replaces_config():
+    smp.init({"partitions": 2, "microbatches": 2})
+    smp.init({"partitions": 4, "microbatches": 8})
+    assert smp.pp_size() == 4 and smp.num_microbatches() == 8
+
+
+def test_more_partitions_than_devices_after_tf_started_is_a_clear_error():
+    # The test session created 4 logical devices before TensorFlow started.
+    with pytest.raises(RuntimeError, match=r"(?s)partitions=5.*smp\.init"):
+        smp.init({"partitions": 5})
+    smp.init({"partitions": 2})  # still usable afterwards
+
+
+def test_invalid_config_names_key_and_value():
+    with pytest.raises(ValueError, match="microbatches"):
+        smp.init({"microbatches": 0})
+    with pytest.raises(ValueError, match="Unrecognized config parameter"):
+        smp.init({"partitons": 2})
+
+
+def test_partition_context_validates_index():
+    smp.init({"partitions": 2})
+    with pytest.raises(ValueError, match="less than the number of partitions"):
+        smp.partition(2)
+    with pytest.raises(ValueError, match="int"):
+        smp.partition("1")
+    with smp.partition(1):  # outside a traced step it has no effect
+        tf.constant(1.0)

@@ -1,0 +1,199 @@
+"""`smp.step`: arguments, splitting, caching, tf.function embedding, hooks."""
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import smp_tf as smp
+from smp_tf import state
+from tests import models
+
+
+@pytest.fixture
+def mlp():
+    import keras
+
+    keras.utils.set_random_seed(3)
+    return models.mlp()
+
+
+def test_step_before_init_is_a_clear_error(monkeypatch):
+    monkeypatch.setattr(state._STATE, "config", None)
+    step = smp.step(lambda x: x * 2)
+    with pytest.raises(RuntimeError, match=r"smp\.init"):
+        step(tf.ones([4, 2]))
+
+
+def test_decorator_forms_and_unknown_names():
+    smp.init({"partitions": 1, "microbatches": 2})
+
+    @smp.step
+    def plain(x):
+        return x + 1
+
+    @smp.step(non_split_inputs=["w"])
+    def with_args(x, w):
+        return x * w
+
+    assert isinstance(plain, smp.StepFunction)
+    out = with_args(tf.ones([4, 3]), tf.constant(2.0))
+    np.testing.assert_allclose(out.concat(), 2 * np.ones([4, 3]))
+    with pytest.raises(ValueError, match="'y'"):
+        smp.step(non_split_inputs=["y"])(lambda x: x)
+    with pytest.raises(ValueError, match="'z'"):
+        smp.step(input_split_axes={"z": 1})(lambda x: x)
+
+
+def test_strided_split_and_merge():
+    """Micro-batch m gets rows m, m+M, ...; merge() restores the order."""
+    smp.init({"partitions": 2, "microbatches": 3})
+    step = smp.step(lambda x: x * 10.0)
+    x = tf.reshape(tf.range(12, dtype=tf.float32), [6, 2])
+    out = step(x)
+    np.testing.assert_allclose(out.outputs[0], x.numpy()[0::3] * 10)
+    np.testing.assert_allclose(out.outputs[2], x.numpy()[2::3] * 10)
+    np.testing.assert_allclose(out.merge(), x.numpy() * 10)
+
+
+def test_indivisible_batch_names_both_numbers():
+    smp.init({"partitions": 1, "microbatches": 4})
+    step = smp.step(lambda x: x)
+    with pytest.raises(ValueError, match=r"(?s)(10.*4|4.*10)"):
+        step(tf.ones([10, 2]))
+
+
+def test_input_split_axes():
+    smp.init({"partitions": 1, "microbatches": 2})
+    step = smp.step(input_split_axes={"x": 1})(lambda x: tf.reduce_sum(x, axis=0))
+    x = tf.reshape(tf.range(8, dtype=tf.float32), [2, 4])
+    out = step(x)
+    np.testing.assert_allclose(out.outputs[0], tf.reduce_sum(x[:, 0::2], axis=0))
+    np.testing.assert_allclose(out.outputs[1], tf.reduce_sum(x[:, 1::2], axis=0))
+
+
+def test_returning_an_argument_and_nested_structures():
+    smp.init({"partitions": 2, "microbatches": 2})
+
+    @smp.step
+    def body(batch):
+        return {"same": batch["a"], "double": batch["b"] * 2.0}
+
+    a = tf.reshape(tf.range(8, dtype=tf.float32), [4, 2])
+    b = tf.ones([4, 1])
+    out = body({"a": a, "b": b})
+    np.testing.assert_allclose(out["same"].merge(), a)
+    np.testing.assert_allclose(out["double"].merge(), 2 * b)
+
+
+def test_smp_slice_objects():
+    calls = []
+
+    class Batch:
+        def __init__(self, t):
+            self.t = t
+
+        def smp_slice(self, num_mb, mb, axis):
+            calls.append((num_mb, mb, axis))
+            return self.t[mb::num_mb]
+
+    smp.init({"partitions": 1, "microbatches": 2})
+    step = smp.step(lambda b: b * 3.0)
+    out = step(Batch(tf.ones([4, 2])))
+    np.testing.assert_allclose(out.concat(), 3 * np.ones([4, 2]))
+    assert (2, 0, 0) in calls and (2, 1, 0) in calls
+
+
+def test_cached_per_signature_and_one_graph_in_tf_function(mlp):
+    """The body is traced once per signature; later calls run the built graph."""
+    smp.init({"partitions": 2, "microbatches": 4})
+    traces = []
+    body = models.make_body(mlp, "mlp")
+
+    def counted(x, y):
+        traces.append(1)
+        return body(x, y)
+
+    step = smp.step(counted)
+    x, y = models.data("mlp")
+    step(x, y)
+    step(x, y)
+    assert len(traces) == 1
+    step(x[:8], y[:8])  # new signature -> new trace
+    assert len(traces) == 2
+
+    @tf.function
+    def train(x, y):
+        loss, _, _ = step(x, y)
+        return loss.reduce_mean()
+
+    train(x, y)
+    train(x, y)
+    # One more trace for the graph built inside train (same micro-batch
+    # signature, but a new emission); no Python runs per micro-batch or call.
+    assert len(traces) <= 3
+
+
+def test_input_signature_with_unknown_batch(mlp):
+    smp.init({"partitions": 2, "microbatches": 2})
+    body = models.make_body(mlp, "mlp")
+    step = smp.step(
+        body,
+        input_signature=[tf.TensorSpec([None, 16], tf.float32), tf.TensorSpec([None, 4], tf.float32)],
+    )
+    x, y = models.data("mlp")
+    loss, _, pred = step(x, y)
+    ref = models.reference(body, x, y, 2)
+    np.testing.assert_allclose(loss.outputs[1], ref[1][0], rtol=1e-5)
+    assert pred.merge().shape == (models.BATCH, 4)
+
+
+def test_get_plan_and_schedule(mlp):
+    smp.init({"partitions": 2, "microbatches": 4, "pipeline": "simple"})
+    step = smp.step(models.make_body(mlp, "mlp"))
+    x, y = models.data("mlp")
+    plan = step.get_plan(x, y)
+    assert isinstance(plan, smp.PartitionPlan)
+    assert plan.num_partitions == 2
+    assert set(plan.assignment) == {op.name for op in plan.graph.get_operations()}
+    assert set(plan.assignment.values()) == {0, 1}
+    rows = plan.summary()
+    assert [r["partition"] for r in rows] == [0, 1]
+    assert all(r["ops"] > 0 and r["variables"] > 0 and r["flops"] > 0 for r in rows)
+    assert "PartitionPlan" in plan.report()
+    assert step.schedule is None  # get_plan does not run the pipeline
+    step(x, y)
+    assert isinstance(step.schedule, smp.Schedule)
+    assert step.schedule.kind == "simple"
+    table = str(step.schedule)
+    assert "dev0" in table and "dev1" in table
+    sim = step.schedule.simulate()
+    assert 0 <= sim.bubble < 1
+
+
+def test_post_partition_hook_runs_once_before_first_execution(mlp, monkeypatch):
+    monkeypatch.setattr(state._STATE, "post_partition_hooks", [])
+    seen = []
+
+    @smp.register_post_partition_hook
+    def hook():
+        # Runs after partitioning: the variables are already on their devices.
+        seen.append({v.value.device.split(":")[-1] for v in mlp.variables})
+
+    smp.init({"partitions": 2, "microbatches": 2})
+    step = smp.step(models.make_body(mlp, "mlp"))
+    x, y = models.data("mlp")
+    step(x, y)
+    step(x, y)
+    assert len(seen) == 1
+    assert seen[0] == {"0", "1"}
+
+
+def test_reinit_discards_cached_pipelines(mlp):
+    smp.init({"partitions": 2, "microbatches": 2})
+    step = smp.step(models.make_body(mlp, "mlp"))
+    x, y = models.data("mlp")
+    assert len(step(x, y)[0].outputs) == 2
+    smp.init({"partitions": 3, "microbatches": 4})
+    loss = step(x, y)[0]
+    assert len(loss.outputs) == 4
+    assert step.last_plan.num_partitions == 3
