@@ -118,6 +118,9 @@ def test_baselines():
     # target 3: [2, 2] reaches 4 >= 3, then [3] reaches 3, the rest is last.
     assert equal_cost_greedy_split([2, 2, 3, 1, 1], 3) == [0, 2, 3, 5]
     assert equal_cost_greedy_split([1], 3) == [0, 1, 1, 1]
+    # target 6: 4 + 1 = 5 < 6 so the 4 joins too (9 | 3); the exact split is 5 | 7.
+    assert equal_cost_greedy_split([4, 1, 4, 3], 2) == [0, 3, 4]
+    assert contiguous_split([4, 1, 4, 3], [0, 0, 0], 2) == [0, 2, 4]
     rng = random.Random(3)
     for _ in range(50):
         n, k = rng.randint(0, 20), rng.randint(1, 6)
@@ -208,7 +211,8 @@ def test_balanced_assignment_random_properties():
     for _ in range(150):
         n, k = rng.randint(1, 40), rng.randint(1, 6)
         costs = [rng.choice([0, 1, 2, 3, 5, 10]) for _ in range(n)]
-        edges = [(rng.randrange(n), rng.randrange(n), rng.choice([0.5, 1.0, 4.0])) for _ in range(rng.randint(0, 3 * n))]
+        n_edges = rng.randint(0, 3 * n)
+        edges = [(rng.randrange(n), rng.randrange(n), rng.choice([0.5, 1.0, 4.0])) for _ in range(n_edges)]
         tol = rng.choice([0.0, 0.05, 0.3])
         fixed = {u: rng.randrange(k) for u in rng.sample(range(n), rng.randint(0, min(3, n)))}
         start = lpt_assignment(costs, k, fixed)

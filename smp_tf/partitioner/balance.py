@@ -19,7 +19,7 @@ Contiguous splits are exact and run in two stages:
 2. `contiguous_split`: among the splits whose segments all cost at most
    ``(1 + tolerance) * B*``, one with the smallest total cut cost. A DP over
    prefix positions whose admissible predecessors form a sliding window, so a
-   monotone deque gives ``O(k n)``.
+   monotone deque gives ``O(k n)`` (plus ``O(n log n)`` to locate the windows).
 
 `balanced_assignment` is the non-contiguous counterpart: LPT greedy for the
 load, then bounded single-move / swap refinement that lowers the cut weight
@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import heapq
 import itertools
-import math
 import operator
 from bisect import bisect_left, bisect_right
 from collections import deque
@@ -96,8 +95,8 @@ def _check_costs(costs: Sequence[float], name: str = "costs") -> List[float]:
 
 def _check_tolerance(tolerance: float) -> float:
     t = float(tolerance)
-    if not (t >= 0.0):  # rejects NaN too
-        raise ValueError(f"tolerance must be >= 0. Received: {tolerance!r}")
+    if not (t >= 0.0) or t == _INF:  # rejects NaN too
+        raise ValueError(f"tolerance must be a finite number >= 0. Received: {tolerance!r}")
     return t
 
 
@@ -261,8 +260,9 @@ def contiguous_split(
     for t in range(1, k + 1):
         back[t] = left[back[t - 1]]
 
-    # dp[i]: min cut cost of covering units [0, i) with s segments; args[s][i]
-    # is the start of the last segment of that optimum.
+    # dp[i]: min cut cost of covering units [0, i) with `seg` non-empty
+    # segments; args[seg][i] is where the last segment of that optimum starts.
+    # Only positions that can lie on a feasible split are visited.
     dp = [_INF] * (n + 1)
     for i in range(1, min(reach[1], n - k + 1) + 1):
         dp[i] = 0.0  # left[i] == 0 for i <= reach[1]
@@ -272,7 +272,8 @@ def contiguous_split(
         hi_i = min(n - (k - seg), reach[seg])
         if seg == k:
             lo_i = hi_i = n
-        # w[j]: cost of the best (seg-1)-split of [0, j) plus a boundary at j.
+        # The window holds (dp[j] + cut at j, j) for admissible predecessors j,
+        # increasing in value: both window ends only move right as i grows.
         cur = [_INF] * (n + 1)
         arg = [-1] * (n + 1)
         window: deque = deque()
@@ -554,9 +555,9 @@ def balanced_assignment(
     the units in index order. Each unpinned unit moves to the neighbouring part
     that lowers the cut weight the most; if the load cap blocks the move, it
     is swapped with a recently blocked unit that wanted the opposite move,
-    when the pair together lowers the cut. Only moves
-    with a positive gain are taken, so the cut never grows, and no move may
-    push a part above ``cap = max(LPT max load, (1 + tolerance) *
+    when the pair together lowers the cut. Only positive-gain moves are
+    taken, so the cut never grows (it is a local search, not an optimum), and
+    no move may push a part above ``cap = max(LPT max load, (1 + tolerance) *
     max(total / k, largest unit cost))`` or empty a part.
 
     Args:

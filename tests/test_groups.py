@@ -1,0 +1,500 @@
+"""Tests for smp_tf.partitioner.groups and smp_tf.partitioner.plan.
+
+Each test builds a few ops by hand with `OpGraph.from_spec` (one output
+tensor per op) and explains the expected answer before asserting it.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from smp_tf.graph_view import OpGraph
+from smp_tf.partitioner.groups import colocation_groups, free_ops
+
+
+def _names(graph, indices):
+    return sorted(graph.ops[i].name for i in indices)
+
+
+def _same_group(groups, graph, *names):
+    ids = {groups.group_of[graph.op_index[n]] for n in names}
+    return len(ids) == 1 and -1 not in ids
+
+
+# --------------------------------------------------------------------------
+# free_ops
+# --------------------------------------------------------------------------
+
+
+def test_free_ops_are_constants_arguments_and_what_they_compute():
+    g = OpGraph.from_spec(
+        [
+            {"name": "x", "type": "Placeholder", "kind": "arg"},
+            {"name": "c", "type": "Const"},
+            {"name": "shape", "type": "Shape", "inputs": ["x"]},
+            {"name": "scaled", "type": "Mul", "inputs": ["x", "c"]},
+            {"name": "captured_const", "type": "Placeholder", "kind": "capture"},
+            {"name": "h", "type": "Placeholder", "kind": "capture", "variables": ["w"]},
+            {"name": "read", "type": "ReadVariableOp", "inputs": ["h"], "variables": ["w"]},
+            {"name": "mm", "type": "MatMul", "inputs": ["scaled", "read"]},
+            {"name": "rng", "type": "RandomUniform", "inputs": ["shape"], "stateful": True},
+            {"name": "dropout", "type": "Mul", "inputs": ["x", "rng"]},
+        ]
+    )
+    free = free_ops(g)
+    # Free: the argument x, the constant c, ops computed only from them
+    # (shape of x, x*c), and a captured (non-variable) tensor.
+    assert _names(g, [i for i, f in enumerate(free) if f]) == sorted(
+        ["x", "c", "shape", "scaled", "captured_const"]
+    )
+    # Not free: the captured variable handle and its read (they touch a
+    # variable), the matmul reading the variable, the stateful RNG op even
+    # though its only input is free, and the op computed from the RNG.
+    for name in ["h", "read", "mm", "rng", "dropout"]:
+        assert not free[g.op_index[name]], name
+
+
+# --------------------------------------------------------------------------
+# colocation_groups: the union rules one at a time
+# --------------------------------------------------------------------------
+
+
+def test_tied_variable_puts_two_layers_in_one_group():
+    # "encoder" and "decoder" are different layers but both read the tied
+    # embedding "emb": rule 1 joins every op that touches it, and rule 2
+    # then drags in the rest of each layer. "head" touches neither: alone.
+    g = OpGraph.from_spec(
+        [
+            {"name": "x", "kind": "arg"},
+            {"name": "enc/read", "variables": ["emb"], "layer": "encoder"},
+            {"name": "enc/gather", "inputs": ["x", "enc/read"], "layer": "encoder"},
+            {"name": "head/mm", "inputs": ["enc/gather"], "layer": "head", "variables": ["w_head"]},
+            {"name": "dec/read", "variables": ["emb"], "layer": "decoder"},
+            {"name": "dec/mm", "inputs": ["head/mm", "dec/read"], "layer": "decoder"},
+        ]
+    )
+    groups = colocation_groups(g)
+    assert _same_group(groups, g, "enc/read", "enc/gather", "dec/read", "dec/mm")
+    assert not _same_group(groups, g, "enc/read", "head/mm")
+    # Two groups: {encoder+decoder} (first op enc/read) then {head}; group
+    # ids follow the first op, so the tied group is 0; x is free (-1).
+    assert len(groups) == 2
+    assert groups.group_of[g.op_index["enc/read"]] == 0
+    assert groups.group_of[g.op_index["head/mm"]] == 1
+    assert groups.group_of[g.op_index["x"]] == -1
+    assert _names(g, groups.members[0]) == sorted(["enc/read", "enc/gather", "dec/read", "dec/mm"])
+
+
+def test_shared_variable_alone_joins_ops_without_layers():
+    # No layers at all: two reads of one variable are joined by rule 1 only.
+    g = OpGraph.from_spec(
+        [
+            {"name": "r1", "variables": ["v"]},
+            {"name": "a", "inputs": ["r1"]},
+            {"name": "r2", "variables": ["v"]},
+        ]
+    )
+    groups = colocation_groups(g)
+    assert _same_group(groups, g, "r1", "r2")
+    # "a" shares no variable, layer, forward op or colocation: its own group.
+    assert not _same_group(groups, g, "r1", "a")
+    assert len(groups) == 2
+
+
+def test_one_layer_is_one_group():
+    # (Ops without inputs are made stateful so that they are not free.)
+    # Ops of one layer with no shared variable are joined by rule 2; a
+    # second layer stays apart even though it reads the first one's output.
+    g = OpGraph.from_spec(
+        [
+            {"name": "L0/a", "layer": "L0", "stateful": True},
+            {"name": "L0/b", "inputs": ["L0/a"], "layer": "L0"},
+            {"name": "L1/a", "inputs": ["L0/b"], "layer": "L1"},
+            {"name": "L0/c", "layer": "L0", "stateful": True},  # disconnected, same layer
+        ]
+    )
+    groups = colocation_groups(g)
+    assert _same_group(groups, g, "L0/a", "L0/b", "L0/c")
+    assert not _same_group(groups, g, "L0/a", "L1/a")
+    assert len(groups) == 2
+
+
+def test_gradient_op_joins_its_forward_op():
+    # f1's gradient reads only g2 (another gradient) but rule 3 puts it with f1.
+    g = OpGraph.from_spec(
+        [
+            {"name": "f1", "stateful": True},
+            {"name": "f2", "inputs": ["f1"]},
+            {"name": "g2", "inputs": ["f2"], "forward": "f2"},
+            {"name": "g1", "inputs": ["g2"], "forward": "f1"},
+        ]
+    )
+    groups = colocation_groups(g)
+    assert _same_group(groups, g, "f1", "g1")
+    assert _same_group(groups, g, "f2", "g2")
+    assert not _same_group(groups, g, "f1", "f2")
+
+
+def test_gradient_of_a_free_forward_op_is_not_joined_to_it():
+    # The forward op "c" is a constant (free); free ops are in no group, so
+    # its gradient "gc" (not free: it reads a stateful op) forms its own group.
+    g = OpGraph.from_spec(
+        [
+            {"name": "c", "type": "Const"},
+            {"name": "s", "stateful": True},
+            {"name": "gc", "inputs": ["s"], "forward": "c"},
+        ]
+    )
+    groups = colocation_groups(g)
+    assert groups.group_of[g.op_index["c"]] == -1
+    assert groups.group_of[g.op_index["gc"]] >= 0
+    assert not _same_group(groups, g, "s", "gc")
+
+
+def test_colocate_with_joins_ops():
+    # z asks to be colocated with y (TensorFlow's _class): rule 4.
+    # Unknown names in colocate_with are ignored.
+    g = OpGraph.from_spec(
+        [
+            {"name": "y", "stateful": True},
+            {"name": "other", "stateful": True},
+            {"name": "z", "inputs": ["other"], "colocate_with": ["y", "not_in_graph"]},
+        ]
+    )
+    groups = colocation_groups(g)
+    assert _same_group(groups, g, "y", "z")
+    assert not _same_group(groups, g, "y", "other")
+
+
+def test_union_rules_are_transitive():
+    # a~b by variable v, b~c by layer L, c~d by colocation, e grad of d:
+    # all five in one group, although a and e have nothing in common.
+    g = OpGraph.from_spec(
+        [
+            {"name": "a", "variables": ["v"]},
+            {"name": "b", "variables": ["v"], "layer": "L"},
+            {"name": "c", "layer": "L", "stateful": True},
+            {"name": "d", "colocate_with": ["c"], "stateful": True},
+            {"name": "e", "inputs": ["d"], "forward": "d"},
+            {"name": "lonely", "stateful": True},
+        ]
+    )
+    groups = colocation_groups(g)
+    assert _same_group(groups, g, "a", "b", "c", "d", "e")
+    assert len(groups) == 2
+
+
+def test_manual_partition_is_recorded_per_group():
+    # One op of layer L asks for partition 1; the group inherits it.
+    g = OpGraph.from_spec(
+        [
+            {"name": "L/a", "layer": "L", "manual_partition": 1, "stateful": True},
+            {"name": "L/b", "layer": "L", "stateful": True},
+            {"name": "M/a", "layer": "M", "stateful": True},
+        ]
+    )
+    groups = colocation_groups(g)
+    gl = groups.group_of[g.op_index["L/a"]]
+    assert gl >= 0 and _same_group(groups, g, "L/a", "L/b")
+    # Only L's group has a manual partition; M's has none.
+    assert groups.manual == {gl: 1}
+
+
+def test_manual_partition_conflict_in_one_group_raises_naming_both_ops():
+    # enc and dec share the tied variable "emb" (one group), but the user put
+    # enc in smp.partition(0) and dec in smp.partition(1): impossible.
+    g = OpGraph.from_spec(
+        [
+            {"name": "enc/read", "variables": ["emb"], "manual_partition": 0},
+            {"name": "dec/read", "variables": ["emb"], "manual_partition": 1},
+        ]
+    )
+    with pytest.raises(ValueError) as info:
+        colocation_groups(g)
+    msg = str(info.value)
+    assert "'enc/read' in partition 0" in msg
+    assert "'dec/read' in partition 1" in msg
+    assert "emb" in msg
+
+
+# --------------------------------------------------------------------------
+# plan: assign_partitions, check_assignment, PartitionPlan
+# --------------------------------------------------------------------------
+
+
+def _plan():
+    # Imported here so that the groups tests above run even while a sibling
+    # module (partitioner.balance) is being written.
+    from smp_tf.partitioner import plan
+
+    return plan
+
+
+def _chain(num_layers=4, manual=None):
+    """x -> L0 -> L1 -> ... -> loss, then the gradients in reverse.
+
+    Every layer has a variable read (4 bytes), a forward op (10 flops, 100
+    bytes out) and a gradient op (10 flops); loss and its gradient cost 0.
+    """
+    manual = manual or {}
+    spec = [{"name": "x", "type": "Placeholder", "kind": "arg", "flops": 0}]
+    prev = "x"
+    for i in range(num_layers):
+        spec.append({"name": f"L{i}/read", "variables": [f"w{i}"], "layer": f"L{i}", "flops": 0,
+                     "manual_partition": manual.get(i)})
+        spec.append({"name": f"L{i}/f", "inputs": [prev, f"L{i}/read"], "layer": f"L{i}", "flops": 10,
+                     "bytes": 100})
+        prev = f"L{i}/f"
+    spec.append({"name": "loss", "inputs": [prev], "flops": 0})
+    spec.append({"name": "loss/grad", "inputs": ["loss"], "forward": "loss", "flops": 0})
+    dprev = "loss/grad"
+    for i in reversed(range(num_layers)):
+        spec.append({"name": f"L{i}/grad", "inputs": [dprev, f"L{i}/read"], "forward": f"L{i}/f",
+                     "flops": 10, "bytes": 100})
+        dprev = f"L{i}/grad"
+    return OpGraph.from_spec(spec)
+
+
+def _part(graph, assignment, name):
+    return assignment[graph.op_index[name]]
+
+
+def test_single_partition_puts_everything_on_zero():
+    g = _chain()
+    assignment = _plan().assign_partitions(g, 1)
+    assert assignment == [0] * len(g)
+
+
+def test_num_partitions_must_be_positive():
+    with pytest.raises(ValueError, match="num_partitions must be >= 1"):
+        _plan().assign_partitions(_chain(), 0)
+
+
+def test_manual_mode_honours_smp_partition_and_defaults_the_rest():
+    # auto_partition=False: layer L1 asked for partition 2 and L3 for 1 (via
+    # its read op); everything else goes to default_partition=0. The gradient
+    # op of each layer follows its forward op (same group), and the free
+    # argument x follows its consumer L0 (partition 0).
+    g = _chain(manual={1: 2, 3: 1})
+    a = _plan().assign_partitions(g, 3, auto_partition=False, default_partition=0)
+    expected = {"L0": 0, "L1": 2, "L2": 0, "L3": 1}
+    for layer, p in expected.items():
+        for suffix in ["read", "f", "grad"]:
+            assert _part(g, a, f"{layer}/{suffix}") == p, (layer, suffix)
+    assert _part(g, a, "loss") == 0 and _part(g, a, "loss/grad") == 0
+    assert _part(g, a, "x") == 0
+
+
+def test_manual_mode_default_partition():
+    # Same, but unplaced ops go to default_partition=1.
+    g = _chain(manual={0: 0})
+    a = _plan().assign_partitions(g, 2, auto_partition=False, default_partition=1)
+    assert _part(g, a, "L0/f") == 0 and _part(g, a, "L0/grad") == 0
+    assert all(_part(g, a, f"L{i}/{s}") == 1 for i in (1, 2, 3) for s in ("read", "f", "grad"))
+    assert _part(g, a, "loss") == 1
+
+
+def test_auto_contiguous_splits_four_equal_layers_two_and_two():
+    # Units in forward order: L0, L1, L2, L3 (each: 20 flops of 80 = 1/4 of
+    # the flops + 0.1 * 1/4 of the variables) and loss (cost 0). Contiguous
+    # splits into 2: {L0} | {L1..loss} has bottleneck 3 layers, {L0,L1} |
+    # {L2,L3,loss} has 2, {L0..L2} | {L3,loss} has 3. The unique optimum
+    # is 2+2: L0, L1 on partition 0, L2, L3 and loss on 1. Gradient ops
+    # follow their forward ops, the loss gradient follows the loss.
+    g = _chain()
+    a = _plan().assign_partitions(g, 2, optimize="speed", contiguous=True)
+    for i, p in enumerate([0, 0, 1, 1]):
+        for suffix in ["read", "f", "grad"]:
+            assert _part(g, a, f"L{i}/{suffix}") == p, (i, suffix)
+    assert _part(g, a, "loss") == 1 and _part(g, a, "loss/grad") == 1
+    # x is free and follows its only consumer, L0/f.
+    assert _part(g, a, "x") == 0
+
+
+def test_auto_contiguous_memory_mode_weighs_variable_bytes():
+    # optimize="memory": unit cost = variable bytes * (1 + 2 slots) plus the
+    # forward activations read by gradient ops. Make L0's variable huge
+    # (1000 bytes -> 3000) against 4*3 + 100 = 112 for the other layers:
+    # the best 2-way split isolates L0, so L1..L3 and the loss go on 1.
+    spec_graph = _chain()
+    g = OpGraph(spec_graph.ops, spec_graph.tensors, {**spec_graph.variable_bytes, "w0": 1000})
+    a = _plan().assign_partitions(g, 2, optimize="memory")
+    assert _part(g, a, "L0/f") == 0
+    assert [_part(g, a, f"L{i}/f") for i in (1, 2, 3)] == [1, 1, 1]
+
+
+def test_free_ops_follow_their_consumer():
+    # c (a constant) feeds only B/f, which is manually on partition 1: c goes
+    # to 1. k -> k2 (free chain) feeds A/f on 0: both on 0 (consumers are
+    # visited before producers). "unused" feeds nobody: default partition.
+    g = OpGraph.from_spec(
+        [
+            {"name": "c", "type": "Const"},
+            {"name": "k", "type": "Const"},
+            {"name": "k2", "inputs": ["k"]},
+            {"name": "unused", "type": "Const"},
+            {"name": "A/f", "inputs": ["k2"], "stateful": True, "manual_partition": 0},
+            {"name": "B/f", "inputs": ["A/f", "c"], "stateful": True, "manual_partition": 1},
+        ]
+    )
+    a = _plan().assign_partitions(g, 2, auto_partition=False, default_partition=0)
+    assert _part(g, a, "c") == 1
+    assert _part(g, a, "k") == 0 and _part(g, a, "k2") == 0
+    assert _part(g, a, "unused") == 0
+    a = _plan().assign_partitions(g, 2, auto_partition=False, default_partition=1)
+    assert _part(g, a, "unused") == 1
+
+
+def test_free_op_with_consumers_on_two_partitions_takes_the_earliest():
+    # x feeds A/f (partition 0, created first) and B/f (partition 1): the
+    # free op goes to the earliest of them, partition 0.
+    g = OpGraph.from_spec(
+        [
+            {"name": "x", "kind": "arg"},
+            {"name": "A/f", "inputs": ["x"], "stateful": True, "manual_partition": 0},
+            {"name": "B/f", "inputs": ["x", "A/f"], "stateful": True, "manual_partition": 1},
+        ]
+    )
+    a = _plan().assign_partitions(g, 2, auto_partition=False)
+    assert _part(g, a, "x") == 0
+
+
+def test_gradient_only_group_follows_its_heaviest_neighbour():
+    # Units: A (partition 0), B (partition 1) -- two equal forward ops.
+    # "dangling" is a gradient op with no forward op: not a unit. It reads
+    # 4 bytes from A and 100 from B, so it follows B to partition 1.
+    g = OpGraph.from_spec(
+        [
+            {"name": "A", "stateful": True, "flops": 5, "bytes": 4},
+            {"name": "B", "inputs": ["A"], "stateful": True, "flops": 5, "bytes": 100},
+            {"name": "dangling", "inputs": ["A", "B"], "is_gradient": True, "stateful": True},
+        ]
+    )
+    a = _plan().assign_partitions(g, 2)
+    assert _part(g, a, "A") == 0 and _part(g, a, "B") == 1
+    assert _part(g, a, "dangling") == 1
+
+
+def test_check_assignment_rejects_bad_assignments():
+    plan = _plan()
+    g = OpGraph.from_spec([{"name": "a"}, {"name": "b", "inputs": ["a"]}])
+    plan.check_assignment(g, [0, 1], 2)  # valid: no error
+    # Too short: one op has no partition.
+    with pytest.raises(RuntimeError, match="1 assignments for 2 ops"):
+        plan.check_assignment(g, [0], 2)
+    # Out of range (2 with 2 partitions), unassigned (-1), not an int.
+    for bad in ([0, 2], [-1, 0], [0, 1.0], [0, None]):
+        with pytest.raises(RuntimeError, match="Partition invariant violated"):
+            plan.check_assignment(g, bad, 2)
+
+
+def _plan_graph():
+    """p0: x(arg) -> a(100 B) -> {b on p1, c on p2, d on p0}; b -> e on p2."""
+    return OpGraph.from_spec(
+        [
+            {"name": "x", "kind": "arg", "bytes": 64, "flops": 0},
+            {"name": "a", "inputs": ["x"], "bytes": 100, "flops": 1e9, "variables": ["wa"], "stateful": True},
+            {"name": "b", "inputs": ["a"], "bytes": 10, "flops": 2e9, "variables": ["wb"]},
+            {"name": "c", "inputs": ["a"], "bytes": 7, "flops": 1e9},
+            {"name": "d", "inputs": ["a"], "bytes": 7, "flops": 0},
+            {"name": "e", "inputs": ["b", "c"], "bytes": 4, "flops": 0, "variables": ["wb"]},
+        ],
+        variable_bytes={"wa": 1000, "wb": 3000},
+    )
+
+
+def test_partition_plan_cut_bytes():
+    plan = _plan()
+    g = _plan_graph()
+    parts = [0, 0, 1, 2, 0, 2]
+    p = plan.PartitionPlan(None, g, parts, 3, devices=["/cpu:0", "/cpu:1", "/cpu:2"])
+    # a's 100-byte tensor is consumed on partitions 1 (b) and 2 (c) besides
+    # its own (d): sent twice, 200. b's 10 bytes go 1 -> 2: 10. c -> e is
+    # inside partition 2. x is a free step argument fed where needed: 0.
+    # Total 210.
+    assert p.cut_bytes == 210
+    assert p.assignment == {"x": 0, "a": 0, "b": 1, "c": 2, "d": 0, "e": 2}
+
+
+def test_partition_plan_summary_and_report():
+    plan = _plan()
+    g = _plan_graph()
+    p = plan.PartitionPlan(None, g, [0, 0, 1, 2, 0, 2], 3, devices=["/cpu:0", "/cpu:1", "/cpu:2"], seconds=0.5)
+    rows = p.summary()
+    # Partition 0: x, a, d (3 ops, 1 GFLOP), variable wa (1000 B).
+    # Partition 1: b (1 op, 2 GFLOP), wb (3000 B) -- wb is attributed to the
+    #   first op using it (b), although e on partition 2 uses it too.
+    # Partition 2: c, e (2 ops, 1 GFLOP), no variable of its own.
+    assert [r["ops"] for r in rows] == [3, 1, 2]
+    assert [r["flops"] for r in rows] == [1e9, 2e9, 1e9]
+    assert [r["variables"] for r in rows] == [1, 1, 0]
+    assert [r["variable_bytes"] for r in rows] == [1000, 3000, 0]
+    assert [r["device"] for r in rows] == ["/cpu:0", "/cpu:1", "/cpu:2"]
+    assert p.partition_of_variable() == {"wa": 0, "wb": 1}
+    text = p.report()
+    # Header: 3 partitions, 6 ops, 210 B cut, 0.50 s.
+    assert "3 partitions, 6 ops, 210 B cut per micro-batch, 0.50 s" in text
+    lines = text.splitlines()
+    assert len(lines) == 2 + 3
+    # Partition 1 row: 3000 B of 4000 = 75.0% of the variables; 2 of 4 GFLOP = 50.0%.
+    row1 = lines[3].split()
+    assert row1[0] == "1" and row1[1] == "/cpu:1"
+    assert "75.0%" in row1 and "50.0%" in row1 and "2.000" in row1
+
+
+def test_partition_plan_rejects_invalid_assignment():
+    with pytest.raises(RuntimeError):
+        _plan().PartitionPlan(None, _plan_graph(), [0, 0, 1, 3, 0, 2], 3)
+
+
+def test_unit_costs_speed_and_memory():
+    plan = _plan()
+    # Groups: {r0} (reads variable v0, 6 bytes; r0 shares no variable, layer
+    # or colocation with f0, so it stays alone), {f0, g0} (g0 is f0's
+    # gradient and reads f0's 40-byte output) and {f1, g1} (variables v1, v2).
+    g = OpGraph.from_spec(
+        [
+            {"name": "r0", "variables": ["v0"], "flops": 0},
+            {"name": "f0", "inputs": ["r0"], "flops": 30, "bytes": 40},
+            {"name": "f1", "inputs": ["f0"], "flops": 50, "variables": ["v1", "v2"], "bytes": 8},
+            {"name": "g1", "inputs": ["f1"], "forward": "f1", "flops": 0},
+            {"name": "g0", "inputs": ["g1", "f0"], "forward": "f0", "flops": 20},
+        ],
+        variable_bytes={"v0": 6, "v1": 10, "v2": 1},
+    )
+    groups = colocation_groups(g)
+    by_name = {n: groups.group_of[g.op_index[n]] for n in ["r0", "f0", "f1"]}
+    assert len(groups) == 3
+    speed = plan.unit_costs(g, groups, "speed")
+    # speed = flop share + 0.1 * variable-count share.
+    # {r0}: 0/100 + 0.1*1/3; {f0,g0}: 50/100; {f1,g1}: 50/100 + 0.1*2/3.
+    assert speed[by_name["r0"]] == pytest.approx(0.1 / 3)
+    assert speed[by_name["f0"]] == pytest.approx(0.5)
+    assert speed[by_name["f1"]] == pytest.approx(0.5 + 0.2 / 3)
+    memory = plan.unit_costs(g, groups, "memory", slots=2.0)
+    # memory = variable bytes * (1 + 2) + activations read by gradient ops.
+    # {r0}: 6*3 = 18; {f0,g0}: f0's 40 bytes are read by g0 -> 40;
+    # {f1,g1}: (10+1)*3 = 33 + f1's 8 bytes read by g1 = 41.
+    assert memory[by_name["r0"]] == pytest.approx(18)
+    assert memory[by_name["f0"]] == pytest.approx(40)
+    assert memory[by_name["f1"]] == pytest.approx(41)
+    with pytest.raises(ValueError, match="optimize must be"):
+        plan.unit_costs(g, groups, "latency")
+
+
+def test_cut_costs_count_a_skip_connection_on_every_boundary_it_spans():
+    plan = _plan()
+    # Units u0, u1, u2, u3 in order. u0's 100-byte output is read by u1 and
+    # (skip connection) by u3: it crosses boundaries 0|1, 1|2 and 2|3.
+    # u1 -> u2 sends 10 bytes (boundary 1|2), u2 -> u3 sends 1 (2|3).
+    g = OpGraph.from_spec(
+        [
+            {"name": "u0", "stateful": True, "bytes": 100},
+            {"name": "u1", "inputs": ["u0"], "stateful": True, "bytes": 10},
+            {"name": "u2", "inputs": ["u1"], "stateful": True, "bytes": 1},
+            {"name": "u3", "inputs": ["u2", "u0"], "stateful": True, "bytes": 4},
+        ]
+    )
+    groups = colocation_groups(g)
+    unit_of_group = {groups.group_of[i]: i for i in range(4)}
+    assert plan._cut_costs(g, groups, unit_of_group, 4) == [100, 110, 101]

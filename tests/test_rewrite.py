@@ -1,0 +1,405 @@
+"""Tests for smp_tf.rewrite: duplicable ops, waves, tasks, task specs, task GraphDefs.
+
+Graphs are built by hand (`OpGraph.from_spec`, one output tensor per op,
+whose tensor id is the op's index) with a hand-written partition for every
+op; each test explains the expected answer before asserting it.
+"""
+
+from __future__ import annotations
+
+import pytest
+import tensorflow as tf
+
+from smp_tf.graph_view import OpGraph, from_tf_graph
+from smp_tf.rewrite import Task, build_tasks, duplicable_ops, task_graph_def, task_specs, waves
+from smp_tf.schedule import make_schedule, validate
+
+
+def _chain3(skip=False, extra=()):
+    """A 3-stage chain: forward f0, f1, f2, the loss, gradients b2, b1, b0.
+
+    Partitions: x:-, r0/f0/b0: 0, r1/f1/b1: 1, r2/f2/loss/b2: 2 (the free
+    ops x, y, c get the partition of their consumer, it does not matter).
+    Each stage reads its weight through a variable read r<i> (no data
+    input), which its forward and its gradient both use.
+    """
+    spec = [
+        {"name": "x", "type": "Placeholder", "kind": "arg", "flops": 0, "p": 0},
+        {"name": "y", "type": "Placeholder", "kind": "arg", "flops": 0, "p": 2},
+        {"name": "c", "type": "Const", "flops": 0, "p": 2},
+        {"name": "r0", "type": "ReadVariableOp", "variables": ["w0"], "flops": 0, "p": 0},
+        {"name": "f0", "inputs": ["x", "r0"], "flops": 10, "p": 0},
+        {"name": "r1", "type": "ReadVariableOp", "variables": ["w1"], "flops": 0, "p": 1},
+        {"name": "f1", "inputs": ["f0", "r1"], "flops": 10, "p": 1},
+        {"name": "r2", "type": "ReadVariableOp", "variables": ["w2"], "flops": 0, "p": 2},
+        {"name": "f2", "inputs": ["f1", "r2"] + (["f0"] if skip else []), "flops": 10, "p": 2},
+        {"name": "loss", "inputs": ["f2", "y", "c"], "flops": 1, "p": 2},
+        {"name": "b2", "inputs": ["loss", "f2", "r2"], "forward": "f2", "flops": 20, "p": 2},
+        {"name": "b1", "inputs": ["b2", "f1", "r1"], "forward": "f1", "flops": 20, "p": 1},
+        {"name": "b0", "inputs": ["b1", "f0", "r0"], "forward": "f0", "flops": 20, "p": 0},
+        *extra,
+    ]
+    parts = [s.pop("p") for s in spec]
+    return OpGraph.from_spec(spec), parts
+
+
+def _idx(g, *names):
+    return [g.op_index[n] for n in names]
+
+
+def _tensor(g, name):
+    return g.op(name).outputs[0]
+
+
+def _by_key(tasks):
+    return {t.key: t for t in tasks}
+
+
+# --------------------------------------------------------------------------
+# duplicable_ops
+# --------------------------------------------------------------------------
+
+
+def test_duplicable_ops_are_free_ops_and_placeholders():
+    g = OpGraph.from_spec(
+        [
+            {"name": "x", "kind": "arg"},
+            {"name": "handle", "kind": "capture", "variables": ["w"]},
+            {"name": "read", "inputs": ["handle"], "variables": ["w"]},
+            {"name": "c", "type": "Const"},
+            {"name": "shape", "inputs": ["x", "c"]},
+            {"name": "f", "inputs": ["shape", "read"]},
+        ]
+    )
+    dup = duplicable_ops(g)
+    # x (argument), c and shape (free) can be recomputed anywhere; the
+    # captured variable handle is not free (it touches w) but it is a
+    # placeholder, so every task gets its own copy. The read and f are not.
+    assert [g.ops[i].name for i, d in enumerate(dup) if d] == ["x", "handle", "c", "shape"]
+    # `keep` pins an op (a producer of a step output) to a single task, but
+    # never a placeholder.
+    dup = duplicable_ops(g, keep=_idx(g, "shape", "x", "handle"))
+    assert [g.ops[i].name for i, d in enumerate(dup) if d] == ["x", "handle", "c"]
+
+
+# --------------------------------------------------------------------------
+# waves
+# --------------------------------------------------------------------------
+
+
+def test_waves_of_a_three_stage_chain():
+    g, parts = _chain3()
+    dup = duplicable_ops(g)
+    w = waves(g, parts, dup)
+    # The wave is the number of partition boundaries on the longest path
+    # from a step argument:
+    #   f0 reads x on partition 0:                    0
+    #   f1 (partition 1) reads f0 (partition 0):      1
+    #   f2 crosses again:                             2
+    #   loss and b2 stay on partition 2:              2 (no boundary)
+    #   b1 reads b2 from partition 2:                 3
+    #   b0 reads b1 from partition 1:                 4
+    expected = {"f0": 0, "f1": 1, "f2": 2, "loss": 2, "b2": 2, "b1": 3, "b0": 4}
+    assert {n: w[g.op_index[n]] for n in expected} == expected
+    # Duplicable ops (x, y, c) have no wave.
+    assert [w[i] for i in _idx(g, "x", "y", "c")] == [None, None, None]
+
+
+def test_variable_read_joins_the_first_task_that_needs_it():
+    g, parts = _chain3()
+    w = waves(g, parts, duplicable_ops(g))
+    # r1 has no data input, so the longest path into it is 0 boundaries;
+    # but it would be pointless as a task of its own at wave 0 on
+    # partition 1. It joins the earliest consumer on its partition: f1
+    # (wave 1); b1 (wave 3) then receives it from that task.
+    assert w[g.op_index["r1"]] == 1
+    assert w[g.op_index["r2"]] == 2
+    assert w[g.op_index["r0"]] == 0
+    # Hence no (partition 1, wave 0) or (partition 2, wave 0) task exists.
+    keys = {(p, wv) for p, wv in zip(parts, w) if wv is not None}
+    assert keys == {(0, 0), (1, 1), (2, 2), (1, 3), (0, 4)}
+
+
+def test_read_used_only_by_the_backward_joins_the_backward_task():
+    # A read "r1b" on partition 1 used only by b1 (wave 3) joins wave 3, and
+    # a stateful update "bump" on partition 1 that nobody consumes joins the
+    # partition's first task (wave 1).
+    extra = [
+        {"name": "r1b", "variables": ["w1b"], "p": 1},
+        {"name": "b1b", "inputs": ["b1", "r1b"], "forward": "f1", "p": 1},
+        {"name": "bump", "stateful": True, "p": 1},
+    ]
+    g, parts = _chain3(extra=extra)
+    w = waves(g, parts, duplicable_ops(g))
+    assert w[g.op_index["b1b"]] == 3
+    assert w[g.op_index["r1b"]] == 3
+    assert w[g.op_index["bump"]] == 1
+
+
+def test_variable_read_feeding_another_partition_runs_one_wave_earlier():
+    # A read on partition 1 consumed only by f0 on partition 0: the value
+    # crosses a boundary, so f0 starts at wave 1 and the read, one wave
+    # before its consumer, at wave 0.
+    g = OpGraph.from_spec(
+        [
+            {"name": "x", "kind": "arg"},
+            {"name": "r", "variables": ["w"]},
+            {"name": "f0", "inputs": ["x", "r"]},
+        ]
+    )
+    w = waves(g, [0, 1, 0], duplicable_ops(g))
+    assert w == [None, 0, 1]
+
+
+def test_same_partition_control_edge_orders_waves():
+    # "late" on partition 0 has a control edge from b0 (wave 4 on partition
+    # 0) and no data input: it must not run before b0, so it gets wave 4.
+    g, parts = _chain3(extra=[{"name": "late", "stateful": True, "control_inputs": ["b0"], "p": 0}])
+    w = waves(g, parts, duplicable_ops(g))
+    assert w[g.op_index["late"]] == 4
+
+
+# --------------------------------------------------------------------------
+# build_tasks
+# --------------------------------------------------------------------------
+
+
+def test_build_tasks_on_a_three_stage_chain():
+    g, parts = _chain3()
+    outputs = [_tensor(g, "loss"), _tensor(g, "b0")]
+    tasks = build_tasks(g, parts, outputs)
+    # Sorted by (wave, partition): F0, F1, FB2, B1, B0.
+    assert [t.key for t in tasks] == [(0, 0), (1, 1), (2, 2), (1, 3), (0, 4)]
+    t = _by_key(tasks)
+
+    def names(ids):
+        return [g.ops[i].name for i in ids]
+
+    # Members in creation order: each stage's read joins its forward task.
+    assert names(t[0, 0].members) == ["r0", "f0"]
+    assert names(t[1, 1].members) == ["r1", "f1"]
+    assert names(t[2, 2].members) == ["r2", "f2", "loss", "b2"]
+    assert names(t[1, 3].members) == ["b1"]
+    assert names(t[0, 4].members) == ["b0"]
+    # Copies: the argument x is copied into the task of f0; y and the
+    # constant c into the task of the loss. Nobody else reads them.
+    assert names(t[0, 0].copies) == ["x"]
+    assert names(t[2, 2].copies) == ["y", "c"]
+    assert t[1, 1].copies == t[1, 3].copies == t[0, 4].copies == []
+    # Inputs and where they come from:
+    #  F1 reads f0 from F0; FB2 reads f1 from F1;
+    #  B1 reads f1 and r1 stashed by F1 (same partition) and b2 from FB2;
+    #  B0 reads f0 and r0 stashed by F0 and b1 from B1.
+    assert t[0, 0].inputs == []
+    assert t[1, 1].producer_of_input == {_tensor(g, "f0"): (0, 0)}
+    assert t[2, 2].producer_of_input == {_tensor(g, "f1"): (1, 1)}
+    assert t[1, 3].producer_of_input == {
+        _tensor(g, "r1"): (1, 1), _tensor(g, "f1"): (1, 1), _tensor(g, "b2"): (2, 2)
+    }
+    assert t[0, 4].producer_of_input == {
+        _tensor(g, "r0"): (0, 0), _tensor(g, "f0"): (0, 0), _tensor(g, "b1"): (1, 3)
+    }
+    assert t[1, 3].inputs == sorted(t[1, 3].producer_of_input)
+    # Only the cross-partition ones get an SMPInput.
+    assert t[1, 3].boundary_inputs() == [_tensor(g, "b2")]
+    assert t[0, 4].boundary_inputs() == [_tensor(g, "b1")]
+    assert t[1, 1].boundary_inputs() == [_tensor(g, "f0")]
+    # Outputs: whatever another task reads, plus the step outputs (loss, b0).
+    assert t[0, 0].outputs == sorted(_idx(g, "r0", "f0"))
+    assert t[1, 1].outputs == sorted(_idx(g, "r1", "f1"))
+    assert t[2, 2].outputs == sorted(_idx(g, "loss", "b2"))
+    assert t[1, 3].outputs == _idx(g, "b1")
+    assert t[0, 4].outputs == _idx(g, "b0")
+    # Flags: FB2 holds forward and gradient ops (fused); B1, B0 only
+    # gradients; F0, F1 only forward ops.
+    assert [(x.backward, x.fused) for x in tasks] == [
+        (False, False), (False, False), (True, True), (True, False), (True, False)
+    ]
+    # Flops of the members: FB2 = f2 10 + loss 1 + b2 20 = 31.
+    assert [x.flops for x in tasks] == [10, 10, 31, 20, 20]
+
+
+def test_every_non_duplicable_op_is_in_exactly_one_task():
+    g, parts = _chain3(skip=True)
+    tasks = build_tasks(g, parts, [_tensor(g, "loss")])
+    dup = duplicable_ops(g, keep=_idx(g, "loss"))
+    owners = {}
+    for t in tasks:
+        for i in t.members:
+            assert i not in owners, g.ops[i].name
+            owners[i] = t.key
+        # A member is never also copied, and copies are only duplicable ops.
+        assert not set(t.members) & set(t.copies)
+        assert all(dup[i] for i in t.copies)
+        # A task runs on the partition of every member.
+        assert all(parts[i] == t.partition for i in t.members)
+    # Every non-duplicable op has an owner; duplicable ones never do.
+    assert set(owners) == {i for i, d in enumerate(dup) if not d}
+
+
+def test_skip_connection_feeds_partition_two_from_partition_zero():
+    # f2 also reads f0 (a skip over partition 1): FB2 gets an input from
+    # F0, a boundary input, and F0 outputs f0 to both F1 and FB2 (and B0).
+    g, parts = _chain3(skip=True)
+    t = _by_key(build_tasks(g, parts, [_tensor(g, "loss")]))
+    f0 = _tensor(g, "f0")
+    assert t[2, 2].producer_of_input[f0] == (0, 0)
+    assert f0 in t[2, 2].boundary_inputs()
+    assert sorted(t[2, 2].boundary_inputs()) == sorted([f0, _tensor(g, "f1")])
+    assert f0 in t[0, 0].outputs
+    # The skip does not change the waves: f2 is still 2 boundaries deep.
+    assert sorted(t) == [(0, 0), (0, 4), (1, 1), (1, 3), (2, 2)]
+
+
+def test_copies_include_the_free_ops_a_copy_needs():
+    # loss reads k2 = k1(k0): a chain of free ops; all three are copied into
+    # the task (the transitive closure), not just k2.
+    extra = [
+        {"name": "k0", "type": "Const", "p": 2},
+        {"name": "k1", "inputs": ["k0"], "p": 2},
+        {"name": "k2", "inputs": ["k1", "y"], "p": 2},
+        {"name": "loss2", "inputs": ["loss", "k2"], "p": 2},
+    ]
+    g, parts = _chain3(extra=extra)
+    t = _by_key(build_tasks(g, parts, [_tensor(g, "loss2")]))
+    assert [g.ops[i].name for i in t[2, 2].copies] == ["y", "c", "k0", "k1", "k2"]
+    # Copies are never inputs: nothing is received for them.
+    assert not set(t[2, 2].copies) & set(t[2, 2].inputs)
+
+
+def test_step_output_from_a_free_op_is_owned_by_one_task():
+    # n = Shape(x) is free, but it is also a step output, so `keep` pins it
+    # to one task (on its partition 0, wave 0), which outputs it. f1 on
+    # partition 1 reads it through n2 (free): the copy closure recomputes
+    # n there (stateless, so harmless) instead of receiving it.
+    g = OpGraph.from_spec(
+        [
+            {"name": "x", "kind": "arg"},
+            {"name": "n", "type": "Shape", "inputs": ["x"]},
+            {"name": "n2", "inputs": ["n"]},
+            {"name": "f0", "inputs": ["x"], "stateful": True},
+            {"name": "f1", "inputs": ["f0", "n2"], "stateful": True},
+        ]
+    )
+    tasks = build_tasks(g, [0, 0, 1, 0, 1], [_tensor(g, "n")])
+    n = g.op_index["n"]
+    owners = [t.key for t in tasks if n in t.members]
+    assert owners == [(0, 0)]
+    assert [t.key for t in tasks if _tensor(g, "n") in t.outputs] == [(0, 0)]
+    # f1's task receives only f0.
+    t1 = _by_key(tasks)[(1, 1)]
+    assert t1.inputs == [_tensor(g, "f0")]
+
+
+# --------------------------------------------------------------------------
+# task_specs
+# --------------------------------------------------------------------------
+
+
+def test_task_specs_dependencies_and_costs():
+    g, parts = _chain3()
+    tasks = build_tasks(g, parts, [_tensor(g, "loss")])
+    specs = task_specs(tasks)
+    deps = {(s.partition, s.wave): s.deps for s in specs}
+    # Each task depends on the producers of its inputs, same partition
+    # included (B1 needs F1's stash), in sorted order, without repeats.
+    assert deps == {
+        (0, 0): (),
+        (1, 1): ((0, 0),),
+        (2, 2): ((1, 1),),
+        (1, 3): ((1, 1), (2, 2)),
+        (0, 4): ((0, 0), (1, 3)),
+    }
+    # Cost: share of the flops times the number of tasks. Flops are
+    # 10, 10, 31, 20, 20 (total 91), 5 tasks: e.g. FB2 = 31/91*5.
+    costs = {(s.partition, s.wave): s.cost for s in specs}
+    assert costs[(2, 2)] == pytest.approx(31 / 91 * 5)
+    assert costs[(0, 0)] == pytest.approx(10 / 91 * 5)
+    assert [(s.backward, s.fused) for s in specs] == [(t.backward, t.fused) for t in tasks]
+    # The specs form a valid pipeline (3 devices, 4 micro-batches).
+    validate(make_schedule(specs, 4, "simple"))
+
+
+def test_task_specs_floor_keeps_empty_tasks_visible():
+    # A task with 0 flops still costs 0.05, so simulations see it.
+    g = OpGraph.from_spec(
+        [
+            {"name": "x", "kind": "arg"},
+            {"name": "a", "inputs": ["x"], "flops": 100},
+            {"name": "b", "inputs": ["a"], "flops": 0},
+        ]
+    )
+    specs = task_specs(build_tasks(g, [0, 0, 1], [_tensor(g, "b")]))
+    assert [s.cost for s in specs] == [pytest.approx(2.0), pytest.approx(0.05)]
+    assert specs[1].deps == ((0, 0),)
+
+
+# --------------------------------------------------------------------------
+# task_graph_def
+# --------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def small_tf_graph():
+    """x -> a = x*c -> b = identity(a) [ctrl ^a, ^s] -> d (colocated with b) [ctrl ^b]."""
+    g = tf.Graph()
+    with g.as_default():
+        x = tf.compat.v1.placeholder(tf.float32, [2, 3], name="x")
+        c = tf.constant(2.0, name="c")
+        a = tf.multiply(x, c, name="a")
+        s = tf.identity(x, name="s")
+        with tf.control_dependencies([a, s]):
+            b = tf.identity(a, name="b")
+        with tf.compat.v1.colocate_with(b), tf.control_dependencies([b]):
+            tf.add(b, c, name="d")
+    return g
+
+
+def test_task_graph_def_keeps_members_and_copies_on_the_device(small_tf_graph):
+    g = small_tf_graph
+    og = from_tf_graph(g, arg_ops=["x"])
+    gd = g.as_graph_def()
+    # A task owning b and d, with the constant c copied in; a and s live in
+    # another task.
+    task = Task(partition=1, wave=0, members=_idx(og, "b", "d"), copies=_idx(og, "c"),
+                inputs=[_tensor(og, "a")], producer_of_input={_tensor(og, "a"): (0, 0)})
+    device = "/job:localhost/replica:0/task:0/device:CPU:1"
+    sub = task_graph_def(gd, og, task, device)
+    nodes = {n.name: n for n in sub.node}
+    # Exactly the members and copies, in creation order, all on the device.
+    assert [n.name for n in sub.node] == ["c", "b", "d"]
+    assert all(n.device == device for n in sub.node)
+    # b keeps its data input "a" (mapped at import time), loses the control
+    # inputs ^a and ^s (outside the task: the schedule orders tasks).
+    assert list(nodes["b"].input) == ["a"]
+    # d keeps its control input ^b (inside the task) and drops _class.
+    assert list(nodes["d"].input) == ["b", "c", "^b"]
+    assert "_class" not in nodes["d"].attr
+    # The source GraphDef is untouched.
+    src = {n.name: n for n in gd.node}
+    assert list(src["b"].input) == ["a", "^a", "^s"]
+    assert "_class" in src["d"].attr
+    assert src["d"].device == ""
+    # Importable once its input from another task is mapped in.
+    with tf.Graph().as_default():
+        a_in = tf.zeros([2, 3])
+        tf.graph_util.import_graph_def(sub, input_map={"a:0": a_in}, name="t")
+
+
+def test_task_graph_def_of_built_tasks_covers_the_graph(small_tf_graph):
+    # End to end on the real graph: {x, c, a, s} on partition 0, {b, d} on
+    # partition 1. Every op appears as a member of exactly one task; the
+    # task GraphDefs together hold every node, and the copied constant c
+    # appears in both tasks.
+    g = small_tf_graph
+    og = from_tf_graph(g, arg_ops=["x"])
+    gd = g.as_graph_def()
+    parts = [0 if n in ("x", "c", "a", "s") else 1 for n in (op.name for op in og.ops)]
+    tasks = build_tasks(og, parts, [_tensor(og, "d")])
+    assert [t.key for t in tasks] == [(0, 0), (1, 1)]
+    subs = [task_graph_def(gd, og, t, f"/device:CPU:{t.partition}") for t in tasks]
+    names = [[n.name for n in s.node] for s in subs]
+    assert names == [["x", "c", "a", "s"], ["c", "b", "d"]]
+    # b's control input ^s came from the other task: dropped.
+    b = [n for n in subs[1].node if n.name == "b"][0]
+    assert list(b.input) == ["a"]
