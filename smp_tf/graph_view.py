@@ -287,8 +287,9 @@ def _link_gradients(ops: List[OpNode], tensors: List[TensorInfo]) -> None:
     Gradient ops are found by name. The tape also sums the gradients that
     reach one forward tensor from several consumers (``AddN``) outside any
     gradient scope; an op created after the first gradient op, in no layer,
-    whose inputs are all gradient ops, is such a sum: it differentiates what
-    its consumer differentiates.
+    that reads a gradient op, is such a sum (or post-processing of
+    gradients): it belongs to the forward op its consumer differentiates,
+    else to the one its gradient input differentiates.
     """
     by_name: Dict[str, int] = {}
     by_scope: Dict[str, List[int]] = {}
@@ -312,8 +313,12 @@ def _link_gradients(ops: List[OpNode], tensors: List[TensorInfo]) -> None:
             # Only ops created before the gradient op can be what it differentiates.
             cands = [c for c in by_scope.get(scope, ()) if c < op.index]
             if cands:
+                # Prefer a forward op it reads, then what its gradient inputs
+                # in the same scope differentiate, then the newest candidate.
                 direct = [c for c in cands if c in producers]
-                op.forward = direct[-1] if direct else cands[-1]
+                cand_set = set(cands)
+                via = [ops[p].forward for p in sorted(producers) if ops[p].is_gradient and ops[p].forward in cand_set]
+                op.forward = direct[-1] if direct else via[-1] if via else cands[-1]
                 break
             if not scope:
                 break
@@ -324,12 +329,19 @@ def _link_gradients(ops: List[OpNode], tensors: List[TensorInfo]) -> None:
     for op in ops:
         for t in op.inputs:
             consumers.setdefault(tensors[t].producer, []).append(op.index)
-    for op in reversed(ops[first_gradient:]):
-        if op.is_gradient or op.layer is not None or not op.inputs:
-            continue
-        if all(ops[tensors[t].producer].is_gradient for t in op.inputs):
-            op.is_gradient = True
-            fwd = [ops[c].forward for c in consumers.get(op.index, ()) if ops[c].forward is not None]
+    named = [op.is_gradient for op in ops]
+    late = [
+        op for op in ops[first_gradient:]
+        if not op.is_gradient and op.layer is None and any(named[tensors[t].producer] for t in op.inputs)
+    ]
+    for op in late:
+        op.is_gradient = True
+    for op in reversed(late):
+        fwd = [ops[c].forward for c in consumers.get(op.index, ()) if ops[c].forward is not None]
+        op.forward = fwd[0] if fwd else None
+    for op in late:
+        if op.forward is None:
+            fwd = [ops[tensors[t].producer].forward for t in op.inputs if ops[tensors[t].producer].forward is not None]
             op.forward = fwd[0] if fwd else None
 
 

@@ -91,12 +91,21 @@ _original_call = None
 
 def _patched_layer_call(self, *args, **kwargs):
     record = _current_record()
-    if record is None:
+    if record is None or _is_model(self):
+        # A model's own ops (the glue in a subclassed model's call: residual
+        # adds, a tied projection) span the whole network; grouping them as
+        # one "layer" would pin them all together. Its layers still record.
         return _original_call(self, *args, **kwargs)
     if not any(l is self for l in record.layers):
         record.layers.append(self)
     with _in_graph_context(record, record.layer_of_op, self):
         return _original_call(self, *args, **kwargs)
+
+
+def _is_model(layer: Any) -> bool:
+    import keras
+
+    return isinstance(layer, keras.Model)
 
 
 @contextlib.contextmanager

@@ -321,11 +321,14 @@ def test_task_specs_dependencies_and_costs():
 
 
 def test_task_specs_floor_keeps_empty_tasks_visible():
-    # A task with 0 flops still costs 0.05, so simulations see it.
+    # Two tasks: A (100 flops, partition 0) and B (0 flops, partition 1).
+    # Costs are flop shares times 2: A = 2.0, and B = 0 -- but a floor of
+    # 0.05 keeps the empty task visible to simulations. (a is stateful so
+    # that it is not a free op computed from x.)
     g = OpGraph.from_spec(
         [
             {"name": "x", "kind": "arg"},
-            {"name": "a", "inputs": ["x"], "flops": 100},
+            {"name": "a", "inputs": ["x"], "flops": 100, "stateful": True},
             {"name": "b", "inputs": ["a"], "flops": 0},
         ]
     )
@@ -341,65 +344,78 @@ def test_task_specs_floor_keeps_empty_tasks_visible():
 
 @pytest.fixture(scope="module")
 def small_tf_graph():
-    """x -> a = x*c -> b = identity(a) [ctrl ^a, ^s] -> d (colocated with b) [ctrl ^b]."""
+    """A captured variable read r, and b = identity(a) [^s], e = b*b, d = b + c [^e].
+
+    Creation order: x h r c a0 a s b e d.
+    """
     g = tf.Graph()
     with g.as_default():
         x = tf.compat.v1.placeholder(tf.float32, [2, 3], name="x")
+        h = tf.compat.v1.placeholder(tf.resource, [], name="h")
+        r = tf.raw_ops.ReadVariableOp(resource=h, dtype=tf.float32, name="r")
         c = tf.constant(2.0, name="c")
-        a = tf.multiply(x, c, name="a")
-        s = tf.identity(x, name="s")
-        with tf.control_dependencies([a, s]):
+        a0 = tf.multiply(x, c, name="a0")
+        a = tf.multiply(a0, r, name="a")
+        s = tf.identity(a, name="s")
+        with tf.control_dependencies([s]):
             b = tf.identity(a, name="b")
-        with tf.compat.v1.colocate_with(b), tf.control_dependencies([b]):
+        e = tf.square(b, name="e")
+        with tf.compat.v1.colocate_with(b), tf.control_dependencies([e]):
             tf.add(b, c, name="d")
     return g
 
 
+def _view(g):
+    return from_tf_graph(g, arg_ops=["x"], captured_variables={"h": ("w", 24, True)})
+
+
 def test_task_graph_def_keeps_members_and_copies_on_the_device(small_tf_graph):
     g = small_tf_graph
-    og = from_tf_graph(g, arg_ops=["x"])
+    og = _view(g)
     gd = g.as_graph_def()
-    # A task owning b and d, with the constant c copied in; a and s live in
-    # another task.
-    task = Task(partition=1, wave=0, members=_idx(og, "b", "d"), copies=_idx(og, "c"),
+    # A task owning b, e and d, with the constant c copied in; a and s live
+    # in another task.
+    task = Task(partition=1, wave=1, members=_idx(og, "b", "e", "d"), copies=_idx(og, "c"),
                 inputs=[_tensor(og, "a")], producer_of_input={_tensor(og, "a"): (0, 0)})
     device = "/job:localhost/replica:0/task:0/device:CPU:1"
     sub = task_graph_def(gd, og, task, device)
     nodes = {n.name: n for n in sub.node}
     # Exactly the members and copies, in creation order, all on the device.
-    assert [n.name for n in sub.node] == ["c", "b", "d"]
+    assert [n.name for n in sub.node] == ["c", "b", "e", "d"]
     assert all(n.device == device for n in sub.node)
-    # b keeps its data input "a" (mapped at import time), loses the control
-    # inputs ^a and ^s (outside the task: the schedule orders tasks).
+    # b keeps its data input "a" (mapped at import time) but loses the
+    # control input ^s (outside the task: the schedule orders tasks).
     assert list(nodes["b"].input) == ["a"]
-    # d keeps its control input ^b (inside the task) and drops _class.
-    assert list(nodes["d"].input) == ["b", "c", "^b"]
+    # d keeps its control input ^e (inside the task) and drops _class.
+    assert list(nodes["d"].input) == ["b", "c", "^e"]
     assert "_class" not in nodes["d"].attr
     # The source GraphDef is untouched.
     src = {n.name: n for n in gd.node}
-    assert list(src["b"].input) == ["a", "^a", "^s"]
+    assert list(src["b"].input) == ["a", "^s"]
     assert "_class" in src["d"].attr
     assert src["d"].device == ""
     # Importable once its input from another task is mapped in.
     with tf.Graph().as_default():
-        a_in = tf.zeros([2, 3])
-        tf.graph_util.import_graph_def(sub, input_map={"a:0": a_in}, name="t")
+        tf.graph_util.import_graph_def(sub, input_map={"a:0": tf.zeros([2, 3])}, name="t")
 
 
-def test_task_graph_def_of_built_tasks_covers_the_graph(small_tf_graph):
-    # End to end on the real graph: {x, c, a, s} on partition 0, {b, d} on
-    # partition 1. Every op appears as a member of exactly one task; the
-    # task GraphDefs together hold every node, and the copied constant c
-    # appears in both tasks.
+def test_task_graph_def_of_built_tasks(small_tf_graph):
+    # End to end on the real graph: {x h r c a0 a s} on partition 0, {b e d}
+    # on partition 1. r (no data input) joins a's task at wave 0; b crosses
+    # a boundary: wave 1. Task 0 owns r, a, s and copies the argument x, the
+    # captured handle h and the free ops c and a0 = x*c; task 1 copies c.
     g = small_tf_graph
-    og = from_tf_graph(g, arg_ops=["x"])
+    og = _view(g)
     gd = g.as_graph_def()
-    parts = [0 if n in ("x", "c", "a", "s") else 1 for n in (op.name for op in og.ops)]
+    parts = [0] * 7 + [1] * 3
     tasks = build_tasks(og, parts, [_tensor(og, "d")])
     assert [t.key for t in tasks] == [(0, 0), (1, 1)]
     subs = [task_graph_def(gd, og, t, f"/device:CPU:{t.partition}") for t in tasks]
-    names = [[n.name for n in s.node] for s in subs]
-    assert names == [["x", "c", "a", "s"], ["c", "b", "d"]]
+    assert [[n.name for n in s.node] for s in subs] == [
+        ["x", "h", "r", "c", "a0", "a", "s"],
+        ["c", "b", "e", "d"],
+    ]
     # b's control input ^s came from the other task: dropped.
     b = [n for n in subs[1].node if n.name == "b"][0]
     assert list(b.input) == ["a"]
+    assert tasks[1].boundary_inputs() == [_tensor(og, "a")]

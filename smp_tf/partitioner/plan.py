@@ -135,6 +135,67 @@ def _unit_edges(graph: OpGraph, groups: Groups, unit_of_group: Dict[int, int]) -
     return [(a, b, w) for (a, b), w in weights.items()]
 
 
+def _exchange_by_partition(graph: OpGraph, groups: Groups, g: int, part_of_group: List[Optional[int]]) -> Dict[int, float]:
+    """Bytes group `g` exchanges with each partition (placed neighbours only)."""
+    score: Dict[int, float] = {}
+    for i in groups.members[g]:
+        op = graph.ops[i]
+        for t in op.inputs:
+            pg = groups.group_of[graph.tensors[t].producer]
+            if pg >= 0 and pg != g and part_of_group[pg] is not None:
+                p = part_of_group[pg]
+                score[p] = score.get(p, 0.0) + graph.tensors[t].bytes
+        for t in op.outputs:
+            parts = set()
+            for c in graph.tensors[t].consumers:
+                cg = groups.group_of[c]
+                if cg >= 0 and cg != g and part_of_group[cg] is not None:
+                    parts.add(part_of_group[cg])
+            for p in parts:
+                score[p] = score.get(p, 0.0) + graph.tensors[t].bytes
+    return score
+
+
+def _refine_light_units(
+    graph: OpGraph,
+    groups: Groups,
+    unit_groups: List[int],
+    costs: List[float],
+    part_of_group: List[Optional[int]],
+    num_partitions: int,
+    bound: float,
+) -> None:
+    """Moves cheap, variable-free units to the partition they talk to most.
+
+    The exact contiguous split works on the forward order; a unit that reads
+    a big tensor from a partition far away in that order (the loss after a
+    tied output projection that lives with the embedding) is better placed
+    there. A move is made only if it strictly lowers the bytes exchanged and
+    keeps every partition within `bound`.
+    """
+    load = [0.0] * num_partitions
+    for u, g in enumerate(unit_groups):
+        load[part_of_group[g]] += costs[u]
+    light = max(bound, 1e-30) * 0.05
+    for _ in range(2):
+        moved = False
+        for u, g in enumerate(unit_groups):
+            if costs[u] > light or any(graph.ops[i].variables for i in groups.members[g]):
+                continue
+            score = _exchange_by_partition(graph, groups, g, part_of_group)
+            if not score:
+                continue
+            here = part_of_group[g]
+            best = max(sorted(score), key=lambda p: score[p])
+            if best != here and score[best] > score.get(here, 0.0) and load[best] + costs[u] <= bound:
+                load[here] -= costs[u]
+                load[best] += costs[u]
+                part_of_group[g] = best
+                moved = True
+        if not moved:
+            break
+
+
 def _follow_neighbours(graph: OpGraph, groups: Groups, part_of_group: List[Optional[int]], default: int) -> None:
     """Assigns unplaced groups to the partition they exchange most bytes with."""
     pending = [g for g, p in enumerate(part_of_group) if p is None]
@@ -217,6 +278,8 @@ def assign_partitions(
             for p in range(num_partitions):
                 for u in range(bounds[p], bounds[p + 1]):
                     part_of_group[unit_groups[u]] = p
+            bottleneck = max(balance.segment_costs(costs, bounds)) if costs else 0.0
+            _refine_light_units(graph, groups, unit_groups, costs, part_of_group, num_partitions, bottleneck * (1 + tolerance))
         else:
             edges = _unit_edges(graph, groups, unit_of_group)
             parts = balance.balanced_assignment(costs, num_partitions, edges, tolerance=max(tolerance, 0.05))
