@@ -12,7 +12,8 @@ ops and does not import TensorFlow).
 
 Flop model (an estimate used only to balance partitions):
 
-* ``MatMul`` / ``BatchMatMul*``: ``2 * prod(output) * K`` (K the contracted size).
+* ``MatMul`` / ``BatchMatMul*``: ``2 * prod(output) * K`` (K the contracted size,
+  ``a[-2] * a[-1] / out[-2]``).
 * ``Conv*D`` and both of their back-propagation ops: ``2 * prod(out) * kh * kw * cin``,
   where ``out`` is the forward output (the back-prop ops cost what the
   forward costs); depthwise: ``2 * prod(out) * kh * kw``.
@@ -76,14 +77,12 @@ def estimate_flops(
     if op_type in ("MatMul", "BatchMatMul", "BatchMatMulV2", "BatchMatMulV3"):
         a = input_shapes[0] if input_shapes else None
         b = input_shapes[1] if len(input_shapes) > 1 else None
-        k = 1
-        # K is the dim of `a` that does not survive into the output: for a
-        # 2-d matmul it is prod(a) * prod(b) / prod(out) = K^2 (batch dims
-        # cancel for batched matmuls only when counted once), so take the
-        # square root on the non-batch part.
-        if a is not None and b is not None and out is not None and len(a) >= 2 and len(out) >= 2:
-            batch = _prod(out[:-2])
-            k = math.sqrt(max(_prod(a) * _prod(b) / max(_prod(out) * batch, 1), 1.0))
+        k = 1.0
+        # a's matrix is M x K or K x M (transposed) and M = out[-2], so
+        # K = a[-2] * a[-1] / out[-2], whatever the transposes and however
+        # the batch dimensions broadcast.
+        if a is not None and out is not None and len(a) >= 2 and len(out) >= 2:
+            k = max(_prod(a[-2:]) / max(_prod(out[-2:-1]), 1), 1.0)
         return 2.0 * _prod(out) * k
     if op_type in _CONV:
         f = input_shapes[1] if len(input_shapes) > 1 else None

@@ -12,8 +12,10 @@ they pass through an ``SMPOutput`` (producer side) and an ``SMPInput``
 (consumer side); within a partition (activations stashed for the backward)
 they are handed over as they are. Ops that read only constants and step
 arguments ("free" ops) and captured placeholders are copied into every task
-that needs them; every other op belongs to exactly one task, so stateful
-ops run exactly once per micro-batch.
+that needs them (a free op that is also a step output has one owning task
+that returns it, and is recomputed, statelessly, where another copy needs
+it); every other op belongs to exactly one task, so stateful ops run exactly
+once per micro-batch.
 
 This module is plain Python over `OpGraph`, plus slicing of the `GraphDef`
 protobuf; it creates no TensorFlow ops.

@@ -10,6 +10,8 @@ TensorFlow ops, so they work eagerly and inside `tf.function`.
 
 from __future__ import annotations
 
+import functools
+
 from typing import Any, Iterator, List, Optional, Sequence
 
 import tensorflow as tf
@@ -21,6 +23,22 @@ __all__ = ["StepOutput"]
 # The combinations use plain Python control flow over Python values; AutoGraph
 # must not rewrite them when they are called inside a tf.function.
 _no_autograph = tf.autograph.experimental.do_not_convert
+
+
+def _combination(method):
+    """Runs a combination on the device that produced the values.
+
+    In a pipeline the values of a gradient live on the device of its
+    variable's partition; summing them there avoids sending every
+    micro-batch's gradient to another device.
+    """
+
+    @functools.wraps(method)
+    def wrapper(self, *args, **kwargs):
+        with tf.device(self._device() or None):
+            return method(self, *args, **kwargs)
+
+    return _no_autograph(wrapper)
 
 
 def _describe(value: Any) -> str:
@@ -87,6 +105,15 @@ class StepOutput:
         return f"StepOutput(microbatches={len(self._outputs)}, {_describe(self._outputs[0])})"
 
     # -- helpers ------------------------------------------------------------
+    def _device(self) -> str:
+        """Device of the first value (empty when unknown)."""
+        for o in self._outputs:
+            if o is None:
+                continue
+            o = o.values if isinstance(o, tf.IndexedSlices) else o
+            return getattr(o, "device", "") or ""
+        return ""
+
     def _tensors(self, method: str, densify: bool = True) -> List[Any]:
         """The outputs as tensors, after checking they can be combined."""
         nones = [m for m, o in enumerate(self._outputs) if o is None]
@@ -135,7 +162,7 @@ class StepOutput:
         return tf.math.truediv(total, tf.cast(count, total.dtype))
 
     # -- combinations -------------------------------------------------------
-    @_no_autograph
+    @_combination
     def reduce_sum(self) -> tf.Tensor:
         """Sum of the per-micro-batch values.
 
@@ -152,7 +179,7 @@ class StepOutput:
         self._check_numeric(tensors, "reduce_sum")
         return tf.add_n(tensors)
 
-    @_no_autograph
+    @_combination
     def reduce_mean(self) -> tf.Tensor:
         """Mean of the per-micro-batch values (e.g. the loss of the batch).
 
@@ -172,7 +199,7 @@ class StepOutput:
         self._check_numeric(tensors, "reduce_mean")
         return self._divide(tf.add_n(tensors))
 
-    @_no_autograph
+    @_combination
     def concat(self, axis: int = 0) -> tf.Tensor:
         """Concatenates the per-micro-batch values along `axis`.
 
@@ -197,7 +224,7 @@ class StepOutput:
             )
         return tf.concat(tensors, axis=axis)
 
-    @_no_autograph
+    @_combination
     def stack(self, axis: int = 0) -> tf.Tensor:
         """Stacks the per-micro-batch values along a new axis `axis`.
 
@@ -212,7 +239,7 @@ class StepOutput:
         """
         return tf.stack(self._tensors("stack"), axis=axis)
 
-    @_no_autograph
+    @_combination
     def merge(self, axis: int = 0) -> tf.Tensor:
         """Merges the per-micro-batch values back into the original row order.
 
@@ -231,7 +258,7 @@ class StepOutput:
         """
         return merge_microbatches(self._tensors("merge"), axis=axis)
 
-    @_no_autograph
+    @_combination
     def accumulate(self) -> Optional[Any]:
         """Mean of the per-micro-batch values, built as a running sum.
 

@@ -39,12 +39,6 @@ def test_batched_matmul_flops(op_type):
     assert estimate_flops(op_type, [(4, 8, 3), (4, 3, 5)], [(4, 8, 5)]) == pytest.approx(960.0)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="estimate_flops divides by batch**2 even when one operand is broadcast "
-    "(rank-3 @ rank-2, what tf.matmul(x, w) emits for a (batch, seq, d) input): K comes out "
-    "K/sqrt(batch), here half the true cost.",
-)
 def test_batched_matmul_flops_with_broadcast_operand():
     # BatchMatMulV2 broadcasts a 2-d right operand over the batch: (4, 8, 3)
     # @ (3, 5) -> (4, 8, 5) does exactly the work of the unbroadcast case

@@ -173,3 +173,26 @@ def test_plain_tf_variable_stays_with_a_warning(caplog):
     if set(part.values()) != {0}:
         assert "plain tf.Variables" in caplog.text
     assert w0.device.endswith("CPU:0") and w1.device.endswith("CPU:0")
+
+
+def test_accumulated_gradients_are_summed_on_their_variables_device():
+    import keras
+
+    keras.utils.set_random_seed(0)
+    model = models.mlp()
+    smp.init({"partitions": 2, "microbatches": 4})
+    step = smp.step(models.make_body(model, "mlp"))
+    devices = []
+
+    @tf.function
+    def run(x, y):
+        _, grads, _ = step(x, y)
+        acc = [g.accumulate() for g in grads]
+        devices.extend(a.device for a in acc)
+        return acc
+
+    x, y = models.data("mlp")
+    run(tf.constant(x), tf.constant(y))
+    part = step.last_plan.partition_of_variable()
+    for v, d in zip(model.trainable_variables, devices):
+        assert d.endswith(f"CPU:{part[v.path]}"), (v.path, d)

@@ -13,7 +13,8 @@ The pipeline of `assign_partitions`:
    ranges (minimum bottleneck, then minimum bytes cut); otherwise a balanced
    non-contiguous assignment that keeps heavy edges inside partitions;
 5. the remaining groups (gradient ops with no forward op, pass-through ops)
-   follow their heaviest neighbour, and free ops follow their first consumer.
+   follow their heaviest neighbour, and free ops go to the lowest partition
+   among their consumers.
 
 Everything here is plain Python over `OpGraph`.
 """
@@ -291,7 +292,7 @@ def assign_partitions(
     for g, ms in enumerate(groups.members):
         for i in ms:
             assignment[i] = part_of_group[g]
-    # Free ops follow their first placed consumer; reverse creation order
+    # Free ops go to the lowest partition among their consumers; reverse creation order
     # visits consumers before producers.
     for op in reversed(graph.ops):
         if assignment[op.index] != -1:

@@ -1,0 +1,465 @@
+"""Partitioning real Keras training steps: ResNet50, MobileNetV2, a tied Transformer.
+
+Every test traces a full micro-batch training step (forward, loss and
+`tf.GradientTape` gradients) with `StepFunction.get_plan` and checks the
+plan against the partitioner's guarantees:
+
+* every op of the traced graph is in exactly one partition;
+* the ops that take one variable's handle share a partition (tied embeddings);
+* a gradient op is on the partition of the forward op it differentiates;
+* the ops of one Keras layer share a partition;
+* ``contiguous=True`` gives each partition a contiguous range of units;
+* ``auto_partition=False`` honours `smp.partition` blocks.
+
+Documented exception to "gradient ops follow their forward op": *free* ops
+(`groups.free_ops`: constants and shape arithmetic that read only constants
+and step arguments, e.g. the ``Shape`` constants of a broadcasting gradient)
+belong to no colocation group. They cost nothing to duplicate and follow
+their first consumer; a free op with no consumer (the tape leaves some dead
+shape constants behind) goes to ``default_partition``.
+
+Models use small inputs so that the whole module runs in well under a minute.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Dict, List, Optional, Sequence
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import smp_tf as smp
+from smp_tf.partitioner.groups import colocation_groups
+from smp_tf.partitioner.plan import PartitionPlan, _group_positions, assign_partitions
+
+P = 4  # tests/conftest.py creates 4 logical CPU devices
+
+CONFIGS = [
+    {"optimize": "speed", "contiguous": True},
+    {"optimize": "memory", "contiguous": True},
+    {"optimize": "speed", "contiguous": False},
+    {"optimize": "memory", "contiguous": False},
+]
+
+
+# --------------------------------------------------------------------------- helpers
+
+
+def training_body(model, loss_fn):
+    def body(x, y):
+        with tf.GradientTape() as tape:
+            loss = loss_fn(y, model(x, training=True))
+        grads = tape.gradient(loss, model.trainable_variables)
+        return loss, grads
+
+    return body
+
+
+def trace_plan(model, loss_fn, x, y, **config) -> PartitionPlan:
+    smp.init({"partitions": P, "microbatches": 1, **config})
+    return smp.step(training_body(model, loss_fn)).get_plan(x, y)
+
+
+def replan(plan: PartitionPlan, **config) -> PartitionPlan:
+    """The same traced graph partitioned under another config (no re-trace)."""
+    assignment = assign_partitions(plan.op_graph, plan.num_partitions, **config)
+    return PartitionPlan(plan.graph, plan.op_graph, assignment, plan.num_partitions)
+
+
+def image_data(shape, classes: int, batch: int = 4):
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(batch,) + tuple(shape)).astype("float32")
+    y = (np.arange(batch) % classes).astype("int32")
+    return x, y
+
+
+def check_every_op_once(plan: PartitionPlan) -> None:
+    tf_ops = plan.graph.get_operations()
+    assert set(plan.assignment) == {op.name for op in tf_ops}
+    assert len(plan.assignment) == len(tf_ops) == len(plan.op_graph)
+    assert all(0 <= p < plan.num_partitions for p in plan.assignment.values())
+    assert sum(r["ops"] for r in plan.summary()) == len(tf_ops)
+
+
+def check_variable_users(plan: PartitionPlan) -> int:
+    """All consumers of a variable handle share its partition; returns #handles."""
+    handles = 0
+    for op in plan.graph.get_operations():
+        if op.type not in ("Placeholder", "VarHandleOp") or op.outputs[0].dtype != tf.resource:
+            continue
+        handles += 1
+        parts = {plan.assignment[op.name]} | {plan.assignment[c.name] for c in op.outputs[0].consumers()}
+        assert len(parts) == 1, f"users of {op.name} on partitions {sorted(parts)}"
+    # The same through the view (handles followed through Identity ops).
+    by_var: Dict[str, set] = {}
+    for op, p in zip(plan.op_graph.ops, plan.partition_of_op):
+        for v in op.variables:
+            by_var.setdefault(v, set()).add(p)
+    split = {v: ps for v, ps in by_var.items() if len(ps) > 1}
+    assert not split, f"variables split across partitions: {split}"
+    return handles
+
+
+def check_gradients_follow_forward(plan: PartitionPlan) -> List[int]:
+    """Gradient ops sit with their forward op; returns the free-op exceptions."""
+    g = plan.op_graph
+    free = colocation_groups(g).free
+    part = plan.partition_of_op
+    exceptions = []
+    n_linked = 0
+    for op in g.ops:
+        if op.forward is None:
+            continue
+        n_linked += 1
+        if part[op.index] == part[op.forward]:
+            continue
+        assert free[op.index], (
+            f"gradient op {op.name} ({op.type}) on partition {part[op.index]}, "
+            f"its forward op {g.ops[op.forward].name} on {part[op.forward]}"
+        )
+        exceptions.append(op.index)
+    assert n_linked > 0
+    # The exception: free ops follow a consumer (or go to the default partition when dead).
+    for i in exceptions:
+        consumers = g.consumer_ops(i)
+        if consumers:
+            assert part[i] in {part[c] for c in consumers}, g.ops[i].name
+        else:
+            assert part[i] == 0, g.ops[i].name
+    return exceptions
+
+
+def check_layers_whole(plan: PartitionPlan) -> int:
+    by_layer: Dict[str, set] = {}
+    for op, p in zip(plan.op_graph.ops, plan.partition_of_op):
+        if op.layer is not None:
+            by_layer.setdefault(op.layer, set()).add(p)
+    split = {k: ps for k, ps in by_layer.items() if len(ps) > 1}
+    assert not split, f"layers split across partitions: {split}"
+    return len(by_layer)
+
+
+def check_all(plan: PartitionPlan) -> None:
+    check_every_op_once(plan)
+    assert check_variable_users(plan) > 0
+    check_gradients_follow_forward(plan)
+    assert check_layers_whole(plan) > 0
+    # Every partition gets work.
+    assert {r["partition"] for r in plan.summary() if r["ops"] > 0} == set(range(plan.num_partitions))
+
+
+def unit_partitions(plan: PartitionPlan) -> List[int]:
+    """Partition of each unit (colocation group with a forward op), in forward order."""
+    g = plan.op_graph
+    groups = colocation_groups(g)
+    pos = _group_positions(g, groups)
+    units = [grp for _, grp in sorted((p, grp) for grp, p in enumerate(pos) if p is not None)]
+    out = []
+    for grp in units:
+        parts = {plan.partition_of_op[i] for i in groups.members[grp]}
+        assert len(parts) == 1, f"group {grp} split over {parts}"
+        out.append(parts.pop())
+    return out
+
+
+def layer_of_scope(name: str, layer_names: set) -> Optional[str]:
+    """Keras layer owning an op, read from the op's name alone.
+
+    Forward ops are ``<model>/<layer>_<k>/...``, tape gradients
+    ``gradient_tape/<model>/<layer>_<k>/...`` (TensorFlow uniquifies scopes).
+    """
+    parts = name.split("/")
+    if parts[0].startswith("gradient_tape"):
+        parts = parts[1:]
+    if len(parts) < 3:
+        return None
+    scope = parts[1]
+    if scope in layer_names:
+        return scope
+    stripped = re.sub(r"_\d+$", "", scope)
+    return stripped if stripped in layer_names else None
+
+
+# --------------------------------------------------------------------------- ResNet50 / MobileNetV2
+
+
+@pytest.fixture(scope="module")
+def resnet50_plan():
+    keras.utils.set_random_seed(0)
+    model = keras.applications.ResNet50(weights=None, input_shape=(32, 32, 3), classes=10)
+    x, y = image_data((32, 32, 3), 10)
+    plan = trace_plan(model, keras.losses.SparseCategoricalCrossentropy(), x, y,
+                      optimize="speed", contiguous=True)
+    return model, plan
+
+
+@pytest.fixture(scope="module")
+def mobilenet_plan():
+    keras.utils.set_random_seed(0)
+    model = keras.applications.MobileNetV2(weights=None, input_shape=(32, 32, 3), classes=10)
+    x, y = image_data((32, 32, 3), 10)
+    plan = trace_plan(model, keras.losses.SparseCategoricalCrossentropy(), x, y,
+                      optimize="memory", contiguous=False)
+    return model, plan
+
+
+@pytest.mark.parametrize("config", CONFIGS, ids=lambda c: f"{c['optimize']}-{'contig' if c['contiguous'] else 'free'}")
+def test_resnet50_invariants(resnet50_plan, config):
+    model, traced = resnet50_plan
+    assert len(traced.op_graph) > 5000  # forward, loss and backward of all 50 layers
+    plan = traced if config == CONFIGS[0] else replan(traced, **config)
+    check_all(plan)
+    exceptions = check_gradients_follow_forward(plan)
+    # The exceptions are a few hundred constant/shape ops, never compute.
+    assert all(plan.op_graph.ops[i].flops <= 16 for i in exceptions)
+
+
+def test_resnet50_layers_whole_by_name(resnet50_plan):
+    """Independent of the recorded layer keys: group ops by their name scope."""
+    model, plan = resnet50_plan
+    layer_names = {l.name for l in model.layers}
+    free = colocation_groups(plan.op_graph).free
+    parts: Dict[str, set] = {}
+    for op, p in zip(plan.op_graph.ops, plan.partition_of_op):
+        layer = layer_of_scope(op.name, layer_names)
+        if layer is not None and not free[op.index]:
+            parts.setdefault(layer, set()).add(p)
+    # Every layer shows up, except the input layer (no op) and conv1_pad,
+    # whose Pad reads only the step argument: a free op, fed where it is used.
+    assert layer_names - set(parts) == {"input_layer", "conv1_pad"}
+    split = {k: v for k, v in parts.items() if len(v) > 1}
+    assert not split, split
+    # Each conv layer and its batch norm gradients landed where its kernel lives.
+    conv = model.get_layer("conv3_block2_2_conv")
+    assert plan.partition_of_variable()[conv.kernel.path] in parts["conv3_block2_2_conv"]
+
+
+def test_resnet50_contiguous_units(resnet50_plan):
+    _, plan = resnet50_plan
+    seq = unit_partitions(plan)
+    assert len(seq) > 150  # about one unit per Keras layer
+    assert seq == sorted(seq), "partitions are not contiguous ranges of units"
+    assert set(seq) == set(range(P))
+    # Non-contiguous plans are allowed to interleave (and on this model do not
+    # have to); they still keep every unit whole.
+    unit_partitions(replan(plan, optimize="memory", contiguous=False))
+
+
+@pytest.mark.parametrize("contiguous", [True, False])
+def test_mobilenetv2_invariants(mobilenet_plan, contiguous):
+    _, traced = mobilenet_plan
+    plan = traced if not contiguous else replan(traced, optimize="memory", contiguous=True)
+    check_all(plan)
+    seq = unit_partitions(plan)
+    if contiguous:
+        assert seq == sorted(seq)
+
+
+# --------------------------------------------------------------------------- tied Transformer
+
+
+class TiedEncoder(smp.DistributedModel):
+    """A small Transformer encoder whose output projection reuses the embedding."""
+
+    def __init__(self, vocab: int = 64, dim: int = 32, heads: int = 2, layers: int = 3, **kwargs):
+        super().__init__(**kwargs)
+        self.embed = keras.layers.Embedding(vocab, dim, name="embed")
+        self.blocks = [
+            (
+                keras.layers.MultiHeadAttention(heads, dim // heads, name=f"attn{i}"),
+                keras.layers.LayerNormalization(name=f"ln{i}a"),
+                keras.layers.Dense(2 * dim, activation="relu", name=f"ff{i}a"),
+                keras.layers.Dense(dim, name=f"ff{i}b"),
+                keras.layers.LayerNormalization(name=f"ln{i}b"),
+            )
+            for i in range(layers)
+        ]
+
+    def call(self, tokens, training=False):
+        h = self.embed(tokens)
+        for attn, ln_a, ff_a, ff_b, ln_b in self.blocks:
+            h = ln_a(h + attn(h, h, training=training))
+            h = ln_b(h + ff_b(ff_a(h)))
+        return tf.matmul(h, self.embed.embeddings, transpose_b=True, name="tied_logits")
+
+
+def _handle_of(op: tf.Operation) -> tf.Operation:
+    """The variable handle an op reads, through ReadVariableOp / Identity."""
+    while op.type not in ("Placeholder", "VarHandleOp"):
+        resource = [t for t in op.inputs if t.dtype == tf.resource]
+        op = resource[0].op if resource else op.inputs[0].op
+    return op
+
+
+@pytest.mark.parametrize("config", [CONFIGS[0], CONFIGS[3]], ids=["speed-contig", "memory-free"])
+def test_tied_embedding_stays_together(config):
+    keras.utils.set_random_seed(0)
+    model = TiedEncoder()
+    model(np.zeros((1, 8), "int32"))
+    rng = np.random.default_rng(0)
+    x = rng.integers(0, 64, size=(4, 8)).astype("int32")
+    y = rng.integers(0, 64, size=(4, 8)).astype("int32")
+    plan = trace_plan(model, keras.losses.SparseCategoricalCrossentropy(from_logits=True), x, y, **config)
+    check_all(plan)
+
+    ops = plan.graph.get_operations()
+    logits = [op for op in ops if op.type in ("MatMul", "BatchMatMulV2", "BatchMatMulV3", "Einsum")
+              and "tied_logits" in op.name and not op.name.startswith("gradient_tape")]
+    gathers = [op for op in ops if op.type in ("GatherV2", "ResourceGather") and "embed" in op.name
+               and not op.name.startswith("gradient_tape")]
+    assert logits and gathers
+    # The projection really reads the embedding matrix (same handle)...
+    handle = _handle_of(gathers[0])
+    assert _handle_of(logits[0]) is handle
+    # ...so the embedding lookup, the projection, their gradients and the
+    # handle are all on one partition.
+    p = plan.assignment[handle.name]
+    assert plan.assignment[gathers[0].name] == p
+    assert plan.assignment[logits[0].name] == p
+    grads = [op.name for op in ops if op.name.startswith("gradient_tape") and "tied_logits" in op.name]
+    free = colocation_groups(plan.op_graph).free
+    grads = [n for n in grads if not free[plan.op_graph.op_index[n]]]
+    assert grads and all(plan.assignment[n] == p for n in grads)
+    # The rest of the model is spread over the other partitions.
+    assert len({plan.assignment[op.name] for op in ops}) == P
+
+
+# --------------------------------------------------------------------------- manual placement
+
+
+class ManualModel(smp.DistributedModel):
+    """Explicit placement: d0 + relu on 1, d1 on 2, d2 outside any block, head on 0."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.d0 = keras.layers.Dense(16, name="d0")
+        self.d1 = keras.layers.Dense(16, name="d1")
+        self.d2 = keras.layers.Dense(16, name="d2")
+        self.head = keras.layers.Dense(4, name="head")
+
+    def call(self, x):
+        with smp.partition(1):
+            h = self.d0(x)
+            h = tf.nn.relu(h, name="manual_relu")
+        with smp.partition(2):
+            h = self.d1(h)
+        h = self.d2(h)
+        with smp.partition(0):
+            return self.head(h)
+
+
+def test_manual_placement_is_honoured():
+    keras.utils.set_random_seed(0)
+    model = ManualModel()
+    x = np.random.default_rng(0).normal(size=(4, 8)).astype("float32")
+    y = np.random.default_rng(1).normal(size=(4, 4)).astype("float32")
+    model(x)
+    default = 3
+    plan = trace_plan(model, keras.losses.MeanSquaredError(), x, y,
+                      auto_partition=False, default_partition=default)
+    check_every_op_once(plan)
+    check_variable_users(plan)
+    check_gradients_follow_forward(plan)
+    check_layers_whole(plan)
+
+    g = plan.op_graph
+    free = colocation_groups(g).free
+    part = plan.partition_of_op
+    expected_layer = {"d0": 1, "d1": 2, "d2": default, "head": 0}
+    seen = set()
+    for op in g.ops:
+        if free[op.index]:
+            continue
+        fwd = g.ops[op.forward] if op.forward is not None else op
+        if op.is_gradient and op.forward is not None:
+            assert part[op.index] == part[op.forward], op.name
+        # By name, independently of the recorded blocks.
+        m = re.search(r"(?:^|/)(d0|d1|d2|head)(?:_\d+)?/", fwd.name)
+        if m:
+            assert part[op.index] == expected_layer[m.group(1)], op.name
+            seen.add(m.group(1))
+        elif "manual_relu" in fwd.name:
+            assert part[op.index] == 1, op.name
+            seen.add("relu")
+        elif not op.is_gradient or op.forward is not None:
+            # Outside every block (the loss, the step outputs): default partition.
+            assert fwd.manual_partition is None, op.name
+            assert part[op.index] == default, op.name
+        # Ops recorded in a block are on that block's partition.
+        if fwd.manual_partition is not None:
+            assert part[op.index] == fwd.manual_partition, op.name
+    assert seen == {"d0", "d1", "d2", "head", "relu"}
+    by_var = plan.partition_of_variable()
+    assert by_var[model.d0.kernel.path] == 1
+    assert by_var[model.d1.kernel.path] == 2
+    assert by_var[model.d2.kernel.path] == default
+    assert by_var[model.head.kernel.path] == 0
+
+
+class SharedLayerModel(smp.DistributedModel):
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.shared = keras.layers.Dense(8, name="shared")
+
+    def call(self, x):
+        with smp.partition(0):
+            h = self.shared(x)
+        with smp.partition(1):
+            return self.shared(h)
+
+
+def test_one_layer_in_two_blocks_is_an_error():
+    keras.utils.set_random_seed(0)
+    model = SharedLayerModel()
+    x = np.ones((4, 8), "float32")
+    model(x)
+    with pytest.raises(ValueError, match=r"smp\.partition"):
+        trace_plan(model, keras.losses.MeanSquaredError(), x, x,
+                   auto_partition=False, default_partition=0)
+
+
+# --------------------------------------------------------------------------- objectives
+
+
+def conv_then_dense() -> keras.Model:
+    """Flops live in the convolutions, bytes in one wide dense layer."""
+    inp = keras.Input((16, 16, 8))
+    h = inp
+    for i in range(4):
+        h = keras.layers.Conv2D(32, 3, padding="same", activation="relu", name=f"conv{i}")(h)
+    h = keras.layers.GlobalAveragePooling2D(name="pool")(h)
+    h = keras.layers.Dense(1024, activation="relu", name="wide_in")(h)
+    h = keras.layers.Dense(1024, activation="relu", name="wide")(h)  # 4 MiB of weights
+    out = keras.layers.Dense(10, name="head")(h)
+    return smp.DistributedModel(inp, out)
+
+
+@pytest.mark.parametrize("contiguous", [True, False])
+def test_memory_and_speed_balance_different_things(contiguous):
+    keras.utils.set_random_seed(0)
+    model = conv_then_dense()
+    x, y = image_data((16, 16, 8), 10)
+    loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    speed = trace_plan(model, loss, x, y, optimize="speed", contiguous=contiguous)
+    memory = replan(speed, optimize="memory", contiguous=contiguous)
+    # replan reproduces what smp.step does for the same config.
+    assert replan(speed, optimize="speed", contiguous=contiguous).partition_of_op == speed.partition_of_op
+    for plan in (speed, memory):
+        check_all(plan)
+
+    def peak(plan, key):
+        rows = plan.summary()
+        return max(r[key] for r in rows) / sum(r[key] for r in rows)
+
+    assert speed.partition_of_op != memory.partition_of_op
+    # speed: flops spread over the partitions, the wide layer's bytes land together.
+    assert peak(speed, "flops") < peak(memory, "flops")
+    assert peak(memory, "variable_bytes") <= peak(speed, "variable_bytes")
+    # memory: the wide layer is (about) alone on its partition.
+    wide = memory.partition_of_variable()[model.get_layer("wide").kernel.path]
+    conv_parts = {memory.partition_of_variable()[model.get_layer(f"conv{i}").kernel.path] for i in range(4)}
+    assert wide not in conv_parts
+    assert peak(speed, "flops") < 0.5
