@@ -130,7 +130,16 @@ def place_variables(captures: Dict[str, Any], plan: PartitionPlan, devices: Sequ
                 unmovable.append(cap.key)
             where[cap.key] = cap.variable.device
             continue
+        placed = getattr(cap.owner, "_smp_tf_placed", None)
+        if placed == state.generation() and not _same_device(cap.owner.value.device, device):
+            # Another step function placed this variable since smp.init. Its
+            # graphs (and the user's tf.functions around them) hold the
+            # variable's current storage; moving it would leave them reading
+            # and updating a stale copy. It stays, and is read across devices.
+            where[cap.key] = cap.owner.value.device
+            continue
         move_variable(cap.owner, device)
+        cap.owner._smp_tf_placed = state.generation()
         for opt in optimizers:
             for slot in _slots_of(opt, cap.owner):
                 move_variable(slot, device)

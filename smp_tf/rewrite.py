@@ -31,6 +31,9 @@ from smp_tf.graph_view import OpGraph
 from smp_tf.partitioner.groups import free_ops
 from smp_tf.schedule import TaskSpec
 
+#: Gradient ops that only read shapes.
+_SHAPE_ONLY = frozenset(["Shape", "ShapeN", "Size", "Rank", "BroadcastGradientArgs"])
+
 __all__ = ["Task", "build_tasks", "task_specs", "task_graph_def", "duplicable_ops", "waves"]
 
 
@@ -178,7 +181,10 @@ def build_tasks(
             task = tasks[key] = Task(*key)
         task.members.append(op.index)
         task.flops += op.flops
-        if op.is_gradient:
+        # Gradient ops that only read shapes (the ShapeN of a convolution's
+        # gradient) run as soon as the forward exists; they may sit in a
+        # forward task without making it a backward one.
+        if op.is_gradient and op.type not in _SHAPE_ONLY:
             task.backward = True
         task_of_op[op.index] = task
 

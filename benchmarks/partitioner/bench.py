@@ -446,8 +446,16 @@ COLUMNS = [
     ("optimize", "optimize", "{}"), ("contig", "contig", "{}"), ("trace s", "trace s", "{:.2f}"),
     ("part s", "part s", "{:.3f}"), ("var/ideal", "var/ideal", "{:.2f}"), ("var/best", "var/best", "{:.2f}"),
     ("flop/ideal", "flop/ideal", "{:.2f}"), ("flop/best", "flop/best", "{:.2f}"),
-    ("mem/ideal", "mem/ideal", "{:.2f}"), ("cut MiB", "cut", "{:.2f}"), ("target", "target", "{}"),
+    ("mem/ideal", "mem/ideal", "{:.2f}"), ("cut", "cut", "{}"), ("target", "target", "{}"),
 ]
+
+
+def fmt_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB"):
+        if n < 1024:
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} GiB"
 
 
 def format_table(rows: List[Dict[str, Any]]) -> str:
@@ -457,13 +465,13 @@ def format_table(rows: List[Dict[str, Any]]) -> str:
         for _, key, fmt in COLUMNS:
             v = r[key]
             if key == "cut":
-                v = v / 2**20
+                v = fmt_bytes(v)
             line.append(fmt.format(v))
         cells.append(line)
     heads = [h for h, _, _ in COLUMNS]
     widths = [max(len(h), *(len(c[i]) for c in cells)) for i, h in enumerate(heads)]
     numeric = {"ops", "P", "trace s", "part s", "var/ideal", "var/best", "flop/ideal", "flop/best", "mem/ideal",
-               "cut MiB"}
+               "cut"}
 
     def fmt_line(vals: Sequence[str]) -> str:
         return "| " + " | ".join(

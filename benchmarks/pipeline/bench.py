@@ -221,6 +221,28 @@ def plain_train_step(tf, keras, model, device=None):
     return train
 
 
+def microbatched_train_step(tf, keras, model, num_microbatches, device):
+    """The plain step over `num_microbatches` strided micro-batches, gradients
+    summed one micro-batch at a time and averaged (what `accumulate` does)."""
+    opt = keras.optimizers.SGD(learning_rate=1e-4)
+    M = num_microbatches
+
+    @tf.function
+    def train(x, y):
+        with tf.device(device):
+            acc, losses = None, []
+            for i in range(M):
+                with tf.GradientTape() as tape:
+                    loss = tf.reduce_mean(tf.square(model(x[i::M], training=True) - y[i::M]))
+                grads = tape.gradient(loss, model.trainable_variables)
+                acc = grads if acc is None else [a + g for a, g in zip(acc, grads)]
+                losses.append(loss)
+            opt.apply_gradients(zip([a / M for a in acc], model.trainable_variables))
+            return tf.add_n(losses) / M
+
+    return train
+
+
 def smp_train_step(tf, keras, smp, model, loss_fn=None):
     """The same step with `@smp.step`: returns (train, body)."""
     opt = keras.optimizers.SGD(learning_rate=1e-4)
@@ -251,6 +273,7 @@ def _setup_tf(partitions: int, microbatches: int = 1, pipeline: str = "interleav
     # (smp.init sets it for P > 1) and P inter-op threads.
     tf.config.threading.set_intra_op_parallelism_threads(1)
     tf.config.threading.set_inter_op_parallelism_threads(INTER_OP_THREADS)
+    tf.get_logger().setLevel("ERROR")  # e.g. the retracing warning: every case is a new tf.function
     import keras
 
     keras.utils.set_random_seed(0)
@@ -289,6 +312,15 @@ def part_pipeline(args) -> dict:
         # The same step with both cores reachable: what a plain TF step gets
         # from inter-op parallelism on one logical device (for reference).
         cases.append(Case("one_device_2cores", runner(plain_train_step(tf, keras, base_model2, "/device:CPU:0"), x, y), 2))
+
+    # Reference: the same step on one device, looping over the M micro-batches
+    # of smp's split (rows m, m+M, ...) and summing their gradients. It has
+    # the work of the pipelined step without the pipeline, so comparing with
+    # it separates the cost of micro-batching from the pipeline's efficiency.
+    for M in MICROBATCHES:
+        with tf.device("/device:CPU:0"):
+            m = build_mlp(keras, keras.Model, L, W, f"mbref{M}")
+        cases.append(Case(f"mbref_{M}", runner(microbatched_train_step(tf, keras, m, M, "/device:CPU:0"), x, y), 1))
 
     # (b) ceiling: two independent halves (L/2 layers each).
     halves = {}
@@ -498,7 +530,7 @@ def _f(x, fmt="{:.3f}"):
 
 
 def build_table(res: dict, args) -> str:
-    cols = ["part", "case", "time s", "cpu s", "ratio", "bound", "ceiling", "eff", "sim bubble", "target", "result"]
+    cols = ["part", "case", "time s", "cpu s", "ratio", "bound", "ceiling", "eff", "eff(mb)", "sim bubble", "target", "result"]
     rows = []
     notes = []
     verdicts = []
@@ -511,17 +543,21 @@ def build_table(res: dict, args) -> str:
         L, W, B = pipe["sizes"]["layers"], pipe["sizes"]["width"], pipe["sizes"]["batch"]
         t1 = c["one_device"]["wall"]
         rows.append(["(a)", f"one device: plain tf.function, {L}x Dense({W}), batch {B}", _f(t1),
-                     _f(c["one_device"]["cpu"]), "1.000", "", "", "", "", "", ""])
+                     _f(c["one_device"]["cpu"]), "1.000", "", "", "", "", "", "", ""])
         if "one_device_2cores" in c:
             t = c["one_device_2cores"]["wall"]
             rows.append(["(a)", "  same, both cores reachable (reference only)", _f(t), _f(c["one_device_2cores"]["cpu"]),
-                         _f(t1 / t), "", "", "", "", "", ""])
+                         _f(t1 / t), "", "", "", "", "", "", ""])
         h1, h2 = c["halves_one_device"]["wall"], c["halves_two_devices"]["wall"]
         ceiling = h1 / h2
+        for M in MICROBATCHES:
+            r = c[f"mbref_{M}"]
+            rows.append(["(ref)", f"one device, loop over M={M} micro-batches", _f(r["wall"]), _f(r["cpu"]),
+                         _f(t1 / r["wall"]), "", "", "", "", "", "", ""])
         rows.append(["(b)", f"two halves ({L // 2} layers each), one device", _f(h1), _f(c["halves_one_device"]["cpu"]),
-                     "", "", "", "", "", "", ""])
+                     "", "", "", "", "", "", "", ""])
         rows.append(["(b)", "two halves, CPU:0 + CPU:1 at once", _f(h2), _f(c["halves_two_devices"]["cpu"]),
-                     _f(ceiling), "", _f(ceiling), "", "", "(2.0 ideal)", ""])
+                     _f(ceiling), "", _f(ceiling), "", "", "", "(2.0 ideal)", ""])
         for sched in SCHEDULES:
             for M in MICROBATCHES:
                 r = c[f"pipe_{sched}_{M}"]
@@ -533,8 +569,9 @@ def build_table(res: dict, args) -> str:
                     target = f">= {EFFICIENCY_TARGET}"
                     verdict = "PASS" if eff >= EFFICIENCY_TARGET else "FAIL"
                     verdicts.append(verdict)
+                eff_mb = (c[f"mbref_{M}"]["wall"] / r["wall"]) / (ceiling * bound / P)
                 rows.append(["(a,d)", f"pipeline P={P} {sched} M={M}", _f(r["wall"]), _f(r["cpu"]), _f(speedup),
-                             _f(bound), _f(ceiling), _f(eff), _f(r["sim_bubble"]), target, verdict])
+                             _f(bound), _f(ceiling), _f(eff), _f(eff_mb), _f(r["sim_bubble"]), target, verdict])
         notes.append(f"pipeline part: {pipe['pinning']}; intra-op/inter-op threads {pipe['threads'][0]}/{pipe['threads'][1]}")
         first = c[f"pipe_{SCHEDULES[0]}_{MICROBATCHES[0]}"]
         notes.append("partition of the MLP (M=%d):\n  %s" % (MICROBATCHES[0], first["plan"].replace("\n", "\n  ")))
@@ -550,15 +587,15 @@ def build_table(res: dict, args) -> str:
             ratio = ts / tp
             desc = f"{ov['layers']}x Dense({sz['width']}), batch {sz['batch']}"
             rows.append(["(e)", f"plain tf.function, {desc}", _f(tp), _f(c[f'plain_{label}']['cpu']),
-                         "", "", "", "", "", "", ""])
+                         "", "", "", "", "", "", "", ""])
             if label == "mlp":
                 verdict = "PASS" if ratio <= OVERHEAD_TARGET else "FAIL"
                 verdicts.append(verdict)
                 rows.append(["(e)", "smp.step P=1 M=1, same body", _f(ts), _f(c[f'smp_{label}']['cpu']), _f(ratio),
-                             "", "", "", "", f"<= {OVERHEAD_TARGET}", verdict])
+                             "", "", "", "", "", f"<= {OVERHEAD_TARGET}", verdict])
             else:
                 rows.append(["(e)", f"smp.step P=1 M=1, same body (info: {1e3 * (ts - tp):+.2f} ms/step)", _f(ts),
-                             _f(c[f'smp_{label}']['cpu']), _f(ratio), "", "", "", "", "", ""])
+                             _f(c[f'smp_{label}']['cpu']), _f(ratio), "", "", "", "", "", "", ""])
         notes.append(f"overhead part (P=1): {ov['pinning']}")
 
     fc = res.get("firstcall", {})
@@ -571,9 +608,9 @@ def build_table(res: dict, args) -> str:
         verdicts.append(verdict)
         sz = fc["sizes"]
         rows.append(["(f)", f"first call, plain tf.function, ResNet50 {sz['input']}x{sz['input']} batch {sz['batch']}",
-                     _f(tp, "{:.2f}"), "", "", "", "", "", "", "", ""])
+                     _f(tp, "{:.2f}"), "", "", "", "", "", "", "", "", ""])
         d = fc["details"][0] if fc["details"] else {}
-        rows.append(["(f)", f"first call, smp.step P={P} M=4", _f(ts, "{:.2f}"), "", _f(ratio), "", "", "", _f(d.get("sim_bubble")),
+        rows.append(["(f)", f"first call, smp.step P={P} M=4", _f(ts, "{:.2f}"), "", _f(ratio), "", "", "", "", _f(d.get("sim_bubble")),
                      f"<= {FIRSTCALL_TARGET}", verdict])
         notes.append(
             "first calls (s): plain %s, smp %s; smp trace / partition of the step (first repeat): %s / %s s"
@@ -581,7 +618,7 @@ def build_table(res: dict, args) -> str:
                _f(d.get("trace_s"), "{:.2f}"), _f(d.get("partition_s"), "{:.2f}")))
 
     widths = [max(len(cols[i]), *(len(r[i]) for r in rows)) if rows else len(cols[i]) for i in range(len(cols))]
-    left = {0, 1, 9, 10}
+    left = {0, 1, 10, 11}
 
     def fmt(r):
         return "  ".join(v.ljust(widths[i]) if i in left else v.rjust(widths[i]) for i, v in enumerate(r)).rstrip()

@@ -264,8 +264,17 @@ def assign_partitions(
     if num_partitions == 1:
         part_of_group = [0] * len(groups)
     elif not auto_partition:
+        # Forward ops outside every smp.partition block go to
+        # default_partition; pass-through ops (the step's output identities)
+        # and groups of gradient ops only follow their neighbours, so that
+        # returning a gradient does not send it to another device.
+        pos = _group_positions(graph, groups)
         for g in range(len(groups)):
-            part_of_group[g] = groups.manual.get(g, default_partition)
+            if g in groups.manual:
+                part_of_group[g] = groups.manual[g]
+            elif pos[g] is not None:
+                part_of_group[g] = default_partition
+        _follow_neighbours(graph, groups, part_of_group, default_partition)
     else:
         pos = _group_positions(graph, groups)
         units = sorted((p, g) for g, p in enumerate(pos) if p is not None)
