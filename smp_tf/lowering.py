@@ -194,6 +194,10 @@ class CompiledStep:
             self.output_tensors.append(None if name is None else tensor_ids[name])
         self.tasks: List[Task] = build_tasks(g, plan.partition_of_op, [t for t in self.output_tensors if t is not None])
         self._task_by_key = {t.key: t for t in self.tasks}
+        # Tensors some task on another partition reads: they leave through an SMPOutput.
+        self._sent_tensors = {
+            tin for t in self.tasks for tin in t.inputs if t.producer_of_input[tin][0] != t.partition
+        }
         specs = task_specs(self.tasks)
         self.schedule: Schedule = make_schedule(specs, cfg.microbatches, cfg.pipeline)
         validate(self.schedule)
@@ -286,7 +290,7 @@ class CompiledStep:
             with tf.name_scope(scope), tf.device(device):
                 for t, value in zip(task.outputs, outs[:-1]):
                     raw[(m, t)] = value
-                    if any(c_part != task.partition for c_part in self._consumer_partitions(t)):
+                    if t in self._sent_tensors:
                         sent[(m, t)] = raw_output(value)
         results = []
         for m in range(M):
@@ -301,12 +305,3 @@ class CompiledStep:
             return value
         op = self.plan.op_graph.ops[self.plan.op_graph.tensors[t].producer]
         return args[self._arg_index[op.name]]
-
-    def _consumer_partitions(self, t: int) -> List[int]:
-        cache = getattr(self, "_cp_cache", None)
-        if cache is None:
-            cache = self._cp_cache = {}
-            for task in self.tasks:
-                for tin in task.inputs:
-                    cache.setdefault(tin, []).append(task.partition)
-        return cache.get(t, [])
