@@ -305,7 +305,10 @@ def _link_gradients(ops: List[OpNode], tensors: List[TensorInfo]) -> None:
             continue
         op.is_gradient = True
         producers = {tensors[t].producer for t in op.inputs}
-        while True:
+        # The root scope names no forward op: tf.gradients puts its gradient
+        # sums there (``gradients/AddN_3``); they are linked below, through
+        # their consumers, like the tape's sums.
+        while scope:
             if scope in by_name and by_name[scope] < op.index:
                 op.forward = by_name[scope]
                 break
@@ -319,8 +322,6 @@ def _link_gradients(ops: List[OpNode], tensors: List[TensorInfo]) -> None:
                 via = [ops[p].forward for p in sorted(producers) if ops[p].is_gradient and ops[p].forward in cand_set]
                 op.forward = direct[-1] if direct else via[-1] if via else cands[-1]
                 break
-            if not scope:
-                break
             scope = scope.rsplit("/", 1)[0] if "/" in scope else ""
     if first_gradient is None:
         return
@@ -331,7 +332,8 @@ def _link_gradients(ops: List[OpNode], tensors: List[TensorInfo]) -> None:
     named = [op.is_gradient for op in ops]
     late = [
         op for op in ops[first_gradient:]
-        if not op.is_gradient and op.layer is None and any(named[tensors[t].producer] for t in op.inputs)
+        if (not op.is_gradient and op.layer is None and any(named[tensors[t].producer] for t in op.inputs))
+        or (op.is_gradient and op.forward is None and op.inputs)
     ]
     for op in late:
         op.is_gradient = True

@@ -280,6 +280,7 @@ class StepFunction:
             traced.view_seconds + time.perf_counter() - t1,
         )
         plan.trace_seconds = t1 - t0 - traced.view_seconds
+        plan.view_seconds = traced.view_seconds
         return traced, plan
 
     def get_plan(self, *args: Any, **kwargs: Any) -> PartitionPlan:

@@ -26,7 +26,7 @@ Models use small inputs so that the whole module runs in well under a minute.
 from __future__ import annotations
 
 import re
-from typing import Dict, List, Optional, Sequence
+from typing import Dict, List, Optional
 
 import keras
 import numpy as np
@@ -252,7 +252,7 @@ def test_resnet50_layers_whole_by_name(resnet50_plan):
     assert layer_names - set(parts) == {"conv1_pad"}
     split = {k: v for k, v in parts.items() if len(v) > 1}
     assert not split, split
-    # Each conv layer and its batch norm gradients landed where its kernel lives.
+    # A conv layer's ops (forward and gradient) are where its kernel lives.
     conv = model.get_layer("conv3_block2_2_conv")
     assert plan.partition_of_variable()[conv.kernel.path] in parts["conv3_block2_2_conv"]
 
@@ -360,11 +360,6 @@ def test_tied_embedding_handle_users_stay_together(config):
     assert grads and all(plan.partition_of_op[i] == q for i in grads)
 
 
-@pytest.mark.xfail(strict=False, reason=(
-    "library: the tied projection consumes the *value* read from the embedding "
-    "(ReadVariableOp output), which no colocation rule ties to the variable, so "
-    "the matrix and its gradient cross partitions every micro-batch; see the "
-    "proposed rule in groups.py"))
 @pytest.mark.parametrize("config", [CONFIGS[0], CONFIGS[3]], ids=["speed-contig", "memory-free"])
 def test_tied_output_projection_sits_with_embedding(config):
     plan = _tied_plan(config)
@@ -512,10 +507,6 @@ def test_memory_and_speed_balance_different_things(contiguous):
     assert peak(speed, "flops") < 0.5
 
 
-@pytest.mark.xfail(strict=False, reason=(
-    "library: _refine_light_units may move the only unit of a partition away "
-    "(here the loss, after the wide layer took a partition of its own), leaving "
-    "that partition's device idle"))
 def test_memory_contiguous_leaves_no_partition_empty():
     keras.utils.set_random_seed(0)
     model = conv_then_dense()

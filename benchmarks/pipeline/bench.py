@@ -115,10 +115,13 @@ class Pinning:
         self.enabled = self.cpus is not None
         self.current = None
 
-    def describe(self) -> str:
+    def describe(self, ncpus: int = 2) -> str:
         if not self.enabled:
-            return "not pinned"
-        return f"one device = CPU {self.cpus[0]}, two devices = CPUs {self.cpus[0]},{self.cpus[1]}"
+            return "threads not pinned (--no-pin)"
+        if ncpus == 1:
+            return f"all threads pinned to CPU {self.cpus[0]}"
+        return (f"one-device cases pinned to CPU {self.cpus[0]}, two-device cases to CPUs "
+                f"{self.cpus[0]},{self.cpus[1]}")
 
     def set(self, ncpus: int) -> None:
         if not self.enabled:
@@ -413,7 +416,7 @@ def part_overhead(args) -> dict:
         cases.append(Case(f"smp_{label}", lambda f=train, x=x, y=y: f(x, y).numpy(), 1))
         meta[label] = {"width": width, "batch": batch}
     results = time_round_robin(cases, pin, args.warmup, args.repeats)
-    return {"part": "overhead", "sizes": meta, "layers": s["layers"], "pinning": pin.describe(), "cases": results}
+    return {"part": "overhead", "sizes": meta, "layers": s["layers"], "pinning": pin.describe(1), "cases": results}
 
 
 # ---------------------------------------------------------------------------
@@ -451,19 +454,28 @@ def part_firstcall(args) -> dict:
                 opt.apply_gradients(zip(grads, model.trainable_variables))
                 return loss
 
-        t0 = time.perf_counter()
-        train(x, y).numpy()
-        return time.perf_counter() - t0, None
+        return _first_call(train), {}
 
     def first_smp():
         model = resnet(smp.DistributedModel)
         train, body = smp_train_step(tf, keras, smp, model, loss_fn=lambda y, p: cce(y, p))
-        t0 = time.perf_counter()
-        train(x, y).numpy()
-        dt = time.perf_counter() - t0
+        dt = _first_call(train)
         plan = body.last_plan
-        return dt, {"partition_s": plan.seconds, "trace_s": getattr(plan, "trace_seconds", None),
+        return dt, {"partition_s": plan.seconds, "step_trace_s": getattr(plan, "trace_seconds", None),
                     "sim_bubble": body.schedule.simulate().bubble}
+
+    def _first_call(train):
+        """(tracing, first execution) of the first call `train(x, y)`.
+
+        Tracing is timed as `get_concrete_function`, which the call would do
+        first; the call after it only executes (graph optimisation included).
+        """
+        t0 = time.perf_counter()
+        train.get_concrete_function(x, y)
+        t1 = time.perf_counter()
+        train(x, y).numpy()
+        t2 = time.perf_counter()
+        return (t1 - t0, t2 - t1)
 
     # Warm the process up once (lazy imports, first-ever tracing and grappler
     # set-up) with a tiny model, so that neither side pays it.
@@ -474,25 +486,28 @@ def part_firstcall(args) -> dict:
     t(xs, ys).numpy()
     plain_train_step(tf, keras, build_mlp(keras, keras.Model, 4, 8, "warm2"), "/device:CPU:0")(xs, ys).numpy()
 
-    plain_t, smp_t, details = [], [], []
+    plain_t, smp_t, details, plain_details = [], [], [], []
     for r in range(args.firstcall_repeats):
         # Alternate the order so that neither side always runs first.
         order = (first_plain, first_smp) if r % 2 == 0 else (first_smp, first_plain)
         for fn in order:
             gc.collect()
-            dt, extra = fn()
+            (trace, execute), extra = fn()
+            extra.update(trace_s=trace, execute_s=execute)
             if fn is first_plain:
-                plain_t.append(dt)
+                plain_t.append(trace + execute)
+                plain_details.append(extra)
             else:
-                smp_t.append(dt)
+                smp_t.append(trace + execute)
                 details.append(extra)
     return {
         "part": "firstcall",
         "sizes": {"input": n, "batch": B},
-        "pinning": pin.describe(),
+        "pinning": (f"all threads pinned to CPUs {pin.cpus[0]},{pin.cpus[1]}" if pin.enabled else pin.describe()),
         "plain": plain_t,
         "smp": smp_t,
         "details": details,
+        "plain_details": plain_details,
     }
 
 
@@ -529,8 +544,15 @@ def _f(x, fmt="{:.3f}"):
     return "" if x is None else fmt.format(x)
 
 
+def _t(seconds):
+    """A duration for the table: milliseconds below 1 s, else seconds."""
+    if seconds is None:
+        return ""
+    return f"{1e3 * seconds:.2f} ms" if seconds < 1 else f"{seconds:.2f} s"
+
+
 def build_table(res: dict, args) -> str:
-    cols = ["part", "case", "time s", "cpu s", "ratio", "bound", "ceiling", "eff", "eff(mb)", "sim bubble", "target", "result"]
+    cols = ["part", "case", "time", "cpu", "ratio", "bound", "ceiling", "eff", "eff(mb)", "sim bubble", "target", "result"]
     rows = []
     notes = []
     verdicts = []
@@ -542,21 +564,21 @@ def build_table(res: dict, args) -> str:
         c = pipe["cases"]
         L, W, B = pipe["sizes"]["layers"], pipe["sizes"]["width"], pipe["sizes"]["batch"]
         t1 = c["one_device"]["wall"]
-        rows.append(["(a)", f"one device: plain tf.function, {L}x Dense({W}), batch {B}", _f(t1),
-                     _f(c["one_device"]["cpu"]), "1.000", "", "", "", "", "", "", ""])
+        rows.append(["(a)", f"one device: plain tf.function, {L}x Dense({W}), batch {B}", _t(t1),
+                     _t(c["one_device"]["cpu"]), "1.000", "", "", "", "", "", "", ""])
         if "one_device_2cores" in c:
             t = c["one_device_2cores"]["wall"]
-            rows.append(["(a)", "  same, both cores reachable (reference only)", _f(t), _f(c["one_device_2cores"]["cpu"]),
+            rows.append(["(a)", "  same, both cores reachable (reference only)", _t(t), _t(c["one_device_2cores"]["cpu"]),
                          _f(t1 / t), "", "", "", "", "", "", ""])
         h1, h2 = c["halves_one_device"]["wall"], c["halves_two_devices"]["wall"]
         ceiling = h1 / h2
         for M in MICROBATCHES:
             r = c[f"mbref_{M}"]
-            rows.append(["(ref)", f"one device, loop over M={M} micro-batches", _f(r["wall"]), _f(r["cpu"]),
+            rows.append(["(ref)", f"one device, loop over M={M} micro-batches", _t(r["wall"]), _t(r["cpu"]),
                          _f(t1 / r["wall"]), "", "", "", "", "", "", ""])
-        rows.append(["(b)", f"two halves ({L // 2} layers each), one device", _f(h1), _f(c["halves_one_device"]["cpu"]),
+        rows.append(["(b)", f"two halves ({L // 2} layers each), one device", _t(h1), _t(c["halves_one_device"]["cpu"]),
                      "", "", "", "", "", "", "", ""])
-        rows.append(["(b)", "two halves, CPU:0 + CPU:1 at once", _f(h2), _f(c["halves_two_devices"]["cpu"]),
+        rows.append(["(b)", "two halves, CPU:0 + CPU:1 at once", _t(h2), _t(c["halves_two_devices"]["cpu"]),
                      _f(ceiling), "", _f(ceiling), "", "", "", "(2.0 ideal)", ""])
         for sched in SCHEDULES:
             for M in MICROBATCHES:
@@ -570,7 +592,7 @@ def build_table(res: dict, args) -> str:
                     verdict = "PASS" if eff >= EFFICIENCY_TARGET else "FAIL"
                     verdicts.append(verdict)
                 eff_mb = (c[f"mbref_{M}"]["wall"] / r["wall"]) / (ceiling * bound / P)
-                rows.append(["(a,d)", f"pipeline P={P} {sched} M={M}", _f(r["wall"]), _f(r["cpu"]), _f(speedup),
+                rows.append(["(a,d)", f"pipeline P={P} {sched} M={M}", _t(r["wall"]), _t(r["cpu"]), _f(speedup),
                              _f(bound), _f(ceiling), _f(eff), _f(eff_mb), _f(r["sim_bubble"]), target, verdict])
         notes.append(f"pipeline part: {pipe['pinning']}; intra-op/inter-op threads {pipe['threads'][0]}/{pipe['threads'][1]}")
         first = c[f"pipe_{SCHEDULES[0]}_{MICROBATCHES[0]}"]
@@ -586,16 +608,16 @@ def build_table(res: dict, args) -> str:
             tp, ts = c[f"plain_{label}"]["wall"], c[f"smp_{label}"]["wall"]
             ratio = ts / tp
             desc = f"{ov['layers']}x Dense({sz['width']}), batch {sz['batch']}"
-            rows.append(["(e)", f"plain tf.function, {desc}", _f(tp), _f(c[f'plain_{label}']['cpu']),
+            rows.append(["(e)", f"plain tf.function, {desc}", _t(tp), _t(c[f'plain_{label}']['cpu']),
                          "", "", "", "", "", "", "", ""])
             if label == "mlp":
                 verdict = "PASS" if ratio <= OVERHEAD_TARGET else "FAIL"
                 verdicts.append(verdict)
-                rows.append(["(e)", "smp.step P=1 M=1, same body", _f(ts), _f(c[f'smp_{label}']['cpu']), _f(ratio),
+                rows.append(["(e)", "smp.step P=1 M=1, same body", _t(ts), _t(c[f'smp_{label}']['cpu']), _f(ratio),
                              "", "", "", "", "", f"<= {OVERHEAD_TARGET}", verdict])
             else:
-                rows.append(["(e)", f"smp.step P=1 M=1, same body (info: {1e3 * (ts - tp):+.2f} ms/step)", _f(ts),
-                             _f(c[f'smp_{label}']['cpu']), _f(ratio), "", "", "", "", "", "", ""])
+                rows.append(["(e)", f"smp.step P=1 M=1, same body (info: {1e3 * (ts - tp):+.2f} ms/step)", _t(ts),
+                             _t(c[f'smp_{label}']['cpu']), _f(ratio), "", "", "", "", "", "", ""])
         notes.append(f"overhead part (P=1): {ov['pinning']}")
 
     fc = res.get("firstcall", {})
@@ -608,14 +630,21 @@ def build_table(res: dict, args) -> str:
         verdicts.append(verdict)
         sz = fc["sizes"]
         rows.append(["(f)", f"first call, plain tf.function, ResNet50 {sz['input']}x{sz['input']} batch {sz['batch']}",
-                     _f(tp, "{:.2f}"), "", "", "", "", "", "", "", "", ""])
+                     _t(tp), "", "", "", "", "", "", "", "", ""])
         d = fc["details"][0] if fc["details"] else {}
-        rows.append(["(f)", f"first call, smp.step P={P} M=4", _f(ts, "{:.2f}"), "", _f(ratio), "", "", "", "", _f(d.get("sim_bubble")),
+        rows.append(["(f)", f"first call, smp.step P={P} M=4", _t(ts), "", _f(ratio), "", "", "", "", _f(d.get("sim_bubble")),
                      f"<= {FIRSTCALL_TARGET}", verdict])
+        pd = fc["plain_details"][0] if fc.get("plain_details") else {}
         notes.append(
-            "first calls (s): plain %s, smp %s; smp trace / partition of the step (first repeat): %s / %s s"
+            "first calls (s): plain %s, smp %s\n"
+            "  first repeat, plain: tracing %s + first execution %s s\n"
+            "  first repeat, smp:   tracing %s (of which tracing the micro-batch step %s, partitioning %s) "
+            "+ first execution %s s"
             % ([round(v, 2) for v in fc["plain"]], [round(v, 2) for v in fc["smp"]],
-               _f(d.get("trace_s"), "{:.2f}"), _f(d.get("partition_s"), "{:.2f}")))
+               _f(pd.get("trace_s"), "{:.2f}"), _f(pd.get("execute_s"), "{:.2f}"),
+               _f(d.get("trace_s"), "{:.2f}"), _f(d.get("step_trace_s"), "{:.2f}"),
+               _f(d.get("partition_s"), "{:.2f}"), _f(d.get("execute_s"), "{:.2f}")))
+        notes.append(f"first-call part: {fc['pinning']}")
 
     widths = [max(len(cols[i]), *(len(r[i]) for r in rows)) if rows else len(cols[i]) for i in range(len(cols))]
     left = {0, 1, 10, 11}

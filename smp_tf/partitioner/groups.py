@@ -2,11 +2,12 @@
 
 Rules (each one is a union in a union-find over op indices):
 
-1. ops that take the handle of the same variable (tied embeddings keep all
-   their users together);
+1. ops that take the handle of the same variable, and the ops that consume
+   the value read from it (through ``Identity`` / ``Cast``), so that tied
+   embeddings keep all their users together;
 2. ops created by one Keras layer;
 3. a gradient op and the forward op it differentiates;
-4. TensorFlow's own colocation (``_class = ["loc:@other"]``).
+4. TensorFlow's own colocation (``_class = ["loc:@other"]``) of forward ops.
 
 "Free" ops are left out of every group: ops that read nothing but constants
 and step arguments (constants, shapes, argument placeholders). They cost
@@ -87,6 +88,26 @@ class Groups:
         return len(self.members)
 
 
+_VALUE_PRESERVING = frozenset(["Identity", "Cast", "Snapshot"])
+
+
+def _value_users(graph: OpGraph, read: int) -> List[int]:
+    """Ops that consume the value of the variable read `read`, through Identity / Cast.
+
+    Running them elsewhere would send the whole variable (and its gradient)
+    across partitions every micro-batch.
+    """
+    out: List[int] = []
+    stack = [read]
+    while stack:
+        k = stack.pop()
+        for c in graph.consumer_ops(k):
+            out.append(c)
+            if graph.ops[c].type in _VALUE_PRESERVING:
+                stack.append(c)
+    return out
+
+
 def colocation_groups(graph: OpGraph, free: Optional[List[bool]] = None) -> Groups:
     """Computes the colocation groups of `graph` (see the module doc).
 
@@ -111,10 +132,18 @@ def colocation_groups(graph: OpGraph, free: Optional[List[bool]] = None) -> Grou
             uf.union(i, j)
         if op.forward is not None and not free[op.forward]:
             uf.union(i, op.forward)
-        for name in op.colocate_with:
+        # Gradient ops are placed by rule 3. TensorFlow's own colocation of
+        # them (tf.gradients colocates every gradient op with its forward op,
+        # and chains every gradient sum to the loss) would glue the whole
+        # backward pass into one group.
+        for name in () if op.is_gradient else op.colocate_with:
             j = graph.op_index.get(name)
             if j is not None and not free[j]:
                 uf.union(i, j)
+        if op.type == "ReadVariableOp" and op.variables:
+            for j in _value_users(graph, i):
+                if not free[j]:
+                    uf.union(i, j)
 
     group_of = [-1] * n
     members: List[List[int]] = []

@@ -175,8 +175,10 @@ def _refine_light_units(
     keeps every partition within `bound`.
     """
     load = [0.0] * num_partitions
+    count = [0] * num_partitions
     for u, g in enumerate(unit_groups):
         load[part_of_group[g]] += costs[u]
+        count[part_of_group[g]] += 1
     light = max(bound, 1e-30) * 0.05
     for _ in range(2):
         moved = False
@@ -188,9 +190,13 @@ def _refine_light_units(
                 continue
             here = part_of_group[g]
             best = max(sorted(score), key=lambda p: score[p])
-            if best != here and score[best] > score.get(here, 0.0) and load[best] + costs[u] <= bound:
+            # Never empty a partition: its device would idle in the pipeline.
+            if (best != here and count[here] > 1 and score[best] > score.get(here, 0.0)
+                    and load[best] + costs[u] <= bound):
                 load[here] -= costs[u]
                 load[best] += costs[u]
+                count[here] -= 1
+                count[best] += 1
                 part_of_group[g] = best
                 moved = True
         if not moved:
@@ -344,6 +350,7 @@ class PartitionPlan:
         devices: device of each partition.
         seconds: time spent partitioning (graph view + groups + assignment).
         trace_seconds: time spent tracing the step (set by `smp.step`).
+        view_seconds: the part of `seconds` spent building the graph view.
     """
 
     def __init__(
@@ -363,6 +370,7 @@ class PartitionPlan:
         self.devices = list(devices)
         self.seconds = seconds
         self.trace_seconds = 0.0
+        self.view_seconds = 0.0
         self.assignment: Dict[str, int] = {
             op.name: p for op, p in zip(op_graph.ops, self.partition_of_op)
         }
