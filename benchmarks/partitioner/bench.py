@@ -66,6 +66,7 @@ import keras  # noqa: E402
 import smp_tf as smp  # noqa: E402
 from smp_tf.graph_view import OpGraph, from_tf_graph  # noqa: E402
 from smp_tf.partitioner import balance  # noqa: E402
+from smp_tf.partitioner import plan as plan_lib  # noqa: E402
 from smp_tf.partitioner.groups import Groups, colocation_groups  # noqa: E402
 from smp_tf.partitioner.plan import (  # noqa: E402
     PartitionPlan,
@@ -229,20 +230,9 @@ def largest_group_bytes(graph: OpGraph, groups: Groups) -> float:
 
 def complete_assignment(graph: OpGraph, groups: Groups, part_of_group: List[Optional[int]], P: int) -> List[int]:
     """The tail of `assign_partitions`: leftover groups follow neighbours, free ops their consumers."""
+    part_of_group = list(part_of_group)
     _follow_neighbours(graph, groups, part_of_group, P - 1)
-    assignment = [-1] * len(graph.ops)
-    for g, ms in enumerate(groups.members):
-        for i in ms:
-            assignment[i] = part_of_group[g]
-    for op in reversed(graph.ops):
-        if assignment[op.index] != -1:
-            continue
-        p = None
-        for c in graph.consumer_ops(op.index):
-            if assignment[c] != -1:
-                p = assignment[c] if p is None else min(p, assignment[c])
-        assignment[op.index] = 0 if p is None else p
-    return assignment
+    return plan_lib.complete_assignment(graph, groups, part_of_group, 0)
 
 
 def equal_layers(graph: OpGraph, P: int) -> List[int]:

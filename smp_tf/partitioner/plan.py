@@ -27,7 +27,7 @@ from smp_tf.graph_view import OpGraph
 from smp_tf.partitioner import balance
 from smp_tf.partitioner.groups import Groups, colocation_groups
 
-__all__ = ["assign_partitions", "check_assignment", "PartitionPlan", "unit_costs"]
+__all__ = ["assign_partitions", "complete_assignment", "check_assignment", "PartitionPlan", "unit_costs"]
 
 #: Optimizer slot variables per trainable variable assumed by ``optimize="memory"``
 #: (Adam keeps two).
@@ -303,6 +303,23 @@ def assign_partitions(
                 part_of_group[unit_groups[u]] = p
         _follow_neighbours(graph, groups, part_of_group, num_partitions - 1)
 
+    assignment = complete_assignment(graph, groups, part_of_group, default_partition)
+    check_assignment(graph, assignment, num_partitions)
+    return assignment
+
+
+def complete_assignment(
+    graph: OpGraph, groups: Groups, part_of_group: List[Optional[int]], default_partition: int = 0
+) -> List[int]:
+    """Op -> partition from group -> partition, placing what is left.
+
+    Groups still unplaced follow the partition they exchange most bytes with;
+    free ops go to the lowest partition among their consumers (or to
+    `default_partition` when nothing consumes them).
+    """
+    if any(p is None for p in part_of_group):
+        part_of_group = list(part_of_group)
+        _follow_neighbours(graph, groups, part_of_group, default_partition)
     assignment = [-1] * len(graph.ops)
     for g, ms in enumerate(groups.members):
         for i in ms:
@@ -317,7 +334,6 @@ def assign_partitions(
             if assignment[c] != -1:
                 p = assignment[c] if p is None else min(p, assignment[c])
         assignment[op.index] = default_partition if p is None else p
-    check_assignment(graph, assignment, num_partitions)
     return assignment
 
 
