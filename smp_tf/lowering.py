@@ -235,7 +235,11 @@ class CompiledStep:
             outputs = [g.tensor_name(t) for t in task.outputs]
             input_names = [g.tensor_name(t) for t in task.inputs] + [f"{a}:0" for a in args]
             body = _task_body(sub, input_names, captured, outputs, self.traced.captures)
-            fn = tf.function(body, autograph=False)
+            # Task functions stay calls (not inlined): the graph optimiser
+            # then works on each task once instead of on M copies, and a
+            # call waits for its control dependencies before any op of its
+            # body runs.
+            fn = tf.function(body, autograph=False, experimental_attributes={"_noinline": True})
             with tf.device(device):
                 functions[task.key] = fn.get_concrete_function(*in_specs)
             task.arg_names = args

@@ -144,6 +144,16 @@ def _split_tensor(t: tf.Tensor, m_count: int, axis: int, what: str) -> List[tf.T
         check = _dynamic_size_check(tf.shape(t, out_type=tf.int64)[axis], what, axis, m_count)
         with tf.control_dependencies([check]):
             t = tf.identity(t)
+    if rank is not None:
+        # Rows m, m+M, ... are column m of the [size/M, M] view of the axis:
+        # one reshape and one unstack instead of M strided gathers.
+        dims = t.shape.as_list()
+        if all(d is not None for d in dims):
+            new_shape = dims[:axis] + [size // m_count, m_count] + dims[axis + 1:]
+        else:
+            s = tf.shape(t)
+            new_shape = tf.concat([s[:axis], [-1, m_count], s[axis + 1:]], 0)
+        return tf.unstack(tf.reshape(t, new_shape), num=m_count, axis=axis + 1)
     return [t[_axis_slices(axis, slice(m, None, m_count))] for m in range(m_count)]
 
 

@@ -116,8 +116,10 @@ def _setup_devices(num_partitions: int) -> Topology:
                 "before any TensorFlow operation runs."
             ) from e
     if num_partitions > 1:
-        # One intra-op thread makes each logical device behave like one core;
-        # enough inter-op threads let all partitions run at once.
+        # One intra-op thread keeps each op on one core and enough inter-op
+        # threads let all partitions run at once. The inter-op pool is shared
+        # by all logical devices, so a device with several independent ops
+        # ready can still use more than one core at a time.
         try:
             tf.config.threading.set_intra_op_parallelism_threads(1)
             inter = tf.config.threading.get_inter_op_parallelism_threads()

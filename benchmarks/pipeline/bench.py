@@ -111,12 +111,14 @@ class Pinning:
     """Restricts all threads of the process to one or two CPUs."""
 
     def __init__(self, enabled: bool, num: int = 2) -> None:
+        self.requested = enabled
         self.cpus = choose_cpus(num) if enabled else None
         self.enabled = self.cpus is not None
-        self.current = None
 
     def describe(self, ncpus: int = 2) -> str:
         if not self.enabled:
+            if self.requested:
+                return "threads NOT pinned: no sched_setaffinity or fewer than 2 CPUs usable"
             return "threads not pinned (--no-pin)"
         if ncpus == 1:
             return f"all threads pinned to CPU {self.cpus[0]}"
@@ -127,7 +129,6 @@ class Pinning:
         if not self.enabled:
             return
         cpus = set(self.cpus[:ncpus])
-        self.current = ncpus
         for tid in os.listdir("/proc/self/task"):
             try:
                 os.sched_setaffinity(int(tid), cpus)
@@ -272,8 +273,9 @@ def _setup_tf(partitions: int, microbatches: int = 1, pipeline: str = "interleav
     smp.init({"partitions": partitions, "microbatches": microbatches, "pipeline": pipeline})
     import tensorflow as tf
 
-    # The same thread settings for every figure of a part: one intra-op thread
-    # (smp.init sets it for P > 1) and P inter-op threads.
+    # The same thread settings for every figure of every part: one intra-op
+    # thread (smp.init sets it for P > 1) and two inter-op threads (P of the
+    # pipeline part; smp.init leaves TensorFlow's default, one per core).
     tf.config.threading.set_intra_op_parallelism_threads(1)
     tf.config.threading.set_inter_op_parallelism_threads(INTER_OP_THREADS)
     tf.get_logger().setLevel("ERROR")  # e.g. the retracing warning: every case is a new tf.function
