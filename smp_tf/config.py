@@ -3,25 +3,29 @@
 The keys and their meaning follow the SageMaker model parallel library for
 TensorFlow, so that a script written for it runs unchanged:
 
-==================  =============  ==========================================
-key                 default        meaning
-==================  =============  ==========================================
-partitions          1              pipeline stages (one device each); alias
-                                   ``pipeline_parallel_degree``
-microbatches        1              micro-batches each batch is split into
-pipeline            "interleaved"  ``"interleaved"`` (1F1B) or ``"simple"``
-                                   (all forwards, then all backwards)
-optimize            "speed"        partitioner objective: ``"speed"`` or
-                                   ``"memory"``
-auto_partition      True           partition the model automatically
-default_partition   0 / required   partition of ops outside any
-                                   ``smp.partition`` scope; required when
-                                   ``auto_partition`` is False
-contiguous          True           each partition is one contiguous block of
-                                   the model
-placement_strategy  "cluster"      ``"cluster"`` or ``"spread"`` device order
-horovod             False          data parallelism across processes
-==================  =============  ==========================================
+=====================  =============  =======================================
+key                    default        meaning
+=====================  =============  =======================================
+partitions             1              pipeline stages (one device each);
+                                      alias ``pipeline_parallel_degree``
+microbatches           1              micro-batches each batch is split into
+pipeline               "interleaved"  ``"interleaved"`` (1F1B) or ``"simple"``
+                                      (all forwards, then all backwards)
+optimize               "speed"        partitioner objective: ``"speed"`` or
+                                      ``"memory"``
+auto_partition         True           partition the model automatically
+default_partition      0 / required   partition of ops outside any
+                                      ``smp.partition`` scope; required when
+                                      ``auto_partition`` is False
+contiguous             True           each partition is one contiguous block
+                                      of the model
+placement_strategy     "cluster"      ``"cluster"`` or ``"spread"`` device
+                                      order
+horovod                False          data parallelism across processes
+fuse_weight_gradients  False          (smp_tf only) compute dense weight and
+                                      bias gradients once over all
+                                      micro-batches, after the pipeline
+=====================  =============  =======================================
 
 As on SageMaker, the JSON object in the environment variable
 ``SM_HP_MP_PARAMETERS`` (if set) overrides the keys of the dict given in code.
@@ -55,7 +59,7 @@ _CHOICES: Dict[str, Tuple[str, ...]] = {
     "placement_strategy": ("cluster", "spread"),
 }
 _INT_KEYS = ("partitions", "microbatches", "default_partition")
-_BOOL_KEYS = ("auto_partition", "contiguous", "horovod")
+_BOOL_KEYS = ("auto_partition", "contiguous", "horovod", "fuse_weight_gradients")
 
 
 @dataclass(frozen=True)
@@ -77,6 +81,10 @@ class Config:
         contiguous: whether each partition is a contiguous block of the model.
         placement_strategy: ``"cluster"`` or ``"spread"``.
         horovod: whether data parallelism across processes is enabled.
+        fuse_weight_gradients: compute each eligible weight gradient once
+            over all micro-batches instead of once per micro-batch (faster;
+            keeps those layers' inputs and output gradients of every
+            micro-batch alive until the end of the step).
 
     Raises:
         ValueError: a value has the wrong type or is out of range.
@@ -91,6 +99,7 @@ class Config:
     contiguous: bool = True
     placement_strategy: str = "cluster"
     horovod: bool = False
+    fuse_weight_gradients: bool = False
 
     def __post_init__(self) -> None:
         for key in _INT_KEYS:

@@ -25,8 +25,9 @@ from smp_tf import state
 from smp_tf.boundary import raw_input, raw_output
 from smp_tf.config import Config
 from smp_tf.partitioner.plan import PartitionPlan
-from smp_tf.rewrite import Task, build_tasks, task_graph_def, task_specs
+from smp_tf.rewrite import FusedGradient, Task, build_tasks, fusable_gradients, task_graph_def, task_specs
 from smp_tf.schedule import Action, Schedule, make_schedule, validate
+from smp_tf.step_output import FusedOp
 
 logger = logging.getLogger("smp_tf")
 
@@ -172,6 +173,16 @@ def _task_body(sub, input_names, captured, outputs, captures):
     return body
 
 
+class FusedValue:
+    """One micro-batch's share of a fused output: the inputs of its op."""
+
+    __slots__ = ("op", "inputs")
+
+    def __init__(self, op: FusedOp, inputs: Tuple[tf.Tensor, ...]) -> None:
+        self.op = op
+        self.inputs = inputs
+
+
 class CompiledStep:
     """Everything built once per traced signature (see the module doc).
 
@@ -181,6 +192,8 @@ class CompiledStep:
         simulation: its simulation on the tasks' estimated costs.
         plan: the `PartitionPlan`.
         variable_devices: variable key -> device after placement.
+        fused: flat output position -> (`FusedGradient`, `FusedOp`) for the
+            outputs computed after the pipeline (``fuse_weight_gradients``).
     """
 
     def __init__(self, traced: Any, plan: PartitionPlan, cfg: Config, optimizers: Sequence[Any] = ()) -> None:
@@ -192,7 +205,20 @@ class CompiledStep:
         tensor_ids = {g.tensor_name(t.id): t.id for t in g.tensors}
         for name in traced.output_names:
             self.output_tensors.append(None if name is None else tensor_ids[name])
-        self.tasks: List[Task] = build_tasks(g, plan.partition_of_op, [t for t in self.output_tensors if t is not None])
+        self.devices = list(plan.devices)
+        # Outputs computed once over all micro-batches after the pipeline
+        # (opt-in: their inputs stay alive for every micro-batch).
+        self.fused: Dict[int, Tuple[FusedGradient, FusedOp]] = {}
+        if getattr(cfg, "fuse_weight_gradients", False):
+            for f in fusable_gradients(g, self.output_tensors, self._attrs_of):
+                op = self.traced.graph.get_operation_by_name(g.ops[f.op].name)
+                data_format = op.get_attr("data_format").decode() if op.type == "BiasAddGrad" else "NHWC"
+                device = self.devices[plan.partition_of_op[f.op]]
+                self.fused[f.output] = (f, FusedOp(op.type, data_format, device))
+        task_outputs = [t for k, t in enumerate(self.output_tensors) if t is not None and k not in self.fused]
+        task_outputs += [t for f, _ in self.fused.values() for t in f.inputs]
+        removed = [i for f, _ in self.fused.values() for i in f.removed]
+        self.tasks: List[Task] = build_tasks(g, plan.partition_of_op, sorted(set(task_outputs)), exclude=removed)
         self._task_by_key = {t.key: t for t in self.tasks}
         # Tensors some task on another partition reads: they leave through an SMPOutput.
         self._sent_tensors = {
@@ -208,11 +234,20 @@ class CompiledStep:
         self.emit_order: List[Action] = sorted(
             self.simulation.start, key=lambda a: (self.simulation.start[a], a.partition, a.wave, a.microbatch)
         )
-        self.devices = list(plan.devices)
         install_slot_placement()
         self.variable_devices = place_variables(traced.captures, plan, self.devices, optimizers)
         self._arg_index = {name: i for i, name in enumerate(traced.arg_names)}
         self._functions = self._build_functions()
+
+    def _attrs_of(self, index: int) -> Dict[str, Any]:
+        op = self.traced.graph.get_operation_by_name(self.plan.op_graph.ops[index].name)
+        out = {}
+        for name in ("transpose_a", "transpose_b"):
+            try:
+                out[name] = op.get_attr(name)
+            except ValueError:
+                pass
+        return out
 
     # -- task functions ------------------------------------------------------
     def _build_functions(self) -> Dict[Tuple[int, int], Any]:
@@ -254,7 +289,8 @@ class CompiledStep:
                 (args, kwargs), in the layout of the trace.
 
         Returns:
-            For each micro-batch, the step's output structure.
+            For each micro-batch, the step's output structure; a fused output
+            is a `FusedValue` holding that micro-batch's inputs of its op.
         """
         g = self.plan.op_graph
         M = self.num_microbatches
@@ -298,7 +334,13 @@ class CompiledStep:
                         sent[(m, t)] = raw_output(value)
         results = []
         for m in range(M):
-            flat = [None if t is None else self._output_value(raw, arg_values[m], m, t) for t in self.output_tensors]
+            flat = []
+            for k, t in enumerate(self.output_tensors):
+                if k in self.fused:
+                    f, op = self.fused[k]
+                    flat.append(FusedValue(op, tuple(self._output_value(raw, arg_values[m], m, x) for x in f.inputs)))
+                else:
+                    flat.append(None if t is None else self._output_value(raw, arg_values[m], m, t))
             results.append(tf.nest.pack_sequence_as(self.traced.output_structure, flat, expand_composites=True))
         return results
 

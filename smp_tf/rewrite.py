@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import copy
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional, Sequence, Set, Tuple
+from typing import Callable, Dict, List, Optional, Sequence, Set, Tuple
 
 from smp_tf.graph_view import OpGraph
 from smp_tf.partitioner.groups import free_ops
@@ -34,7 +34,16 @@ from smp_tf.schedule import TaskSpec
 #: Gradient ops that only read shapes.
 _SHAPE_ONLY = frozenset(["Shape", "ShapeN", "Size", "Rank", "BroadcastGradientArgs"])
 
-__all__ = ["Task", "build_tasks", "task_specs", "task_graph_def", "duplicable_ops", "waves"]
+__all__ = [
+    "Task",
+    "FusedGradient",
+    "build_tasks",
+    "fusable_gradients",
+    "task_specs",
+    "task_graph_def",
+    "duplicable_ops",
+    "waves",
+]
 
 
 @dataclass
@@ -154,21 +163,112 @@ def waves(graph: OpGraph, partition_of_op: Sequence[int], dup: Sequence[bool]) -
     return wave
 
 
+@dataclass(frozen=True)
+class FusedGradient:
+    """A step output computed once over all micro-batches instead of per micro-batch.
+
+    Its op sums over the rows of its batched inputs, so on the inputs of all
+    micro-batches concatenated along axis 0 it yields the sum of the
+    per-micro-batch values: ``concat(X_m)^T concat(dY_m) = sum_m X_m^T dY_m``
+    for a weight gradient ``MatMul(X, dY, transpose_a=True)``, and likewise
+    for ``BiasAddGrad``. The op (and the ``Identity`` ops between it and the
+    step output) leave the tasks; the tasks return its inputs instead.
+
+    Attributes:
+        output: position of the output in the step's flat outputs.
+        op: index of the op.
+        removed: op indices taken out of the tasks (the op and its Identity chain).
+        inputs: tensor ids of the op's inputs, concatenated over micro-batches.
+    """
+
+    output: int
+    op: int
+    removed: Tuple[int, ...]
+    inputs: Tuple[int, ...]
+
+
+def _sums_over_rows(op_type: str, attrs: Dict[str, object]) -> bool:
+    if op_type == "MatMul":
+        return bool(attrs.get("transpose_a")) and not attrs.get("transpose_b")
+    return op_type == "BiasAddGrad"
+
+
+def fusable_gradients(
+    graph: OpGraph,
+    output_tensors: Sequence[Optional[int]],
+    attrs_of: Callable[[int], Dict[str, object]],
+) -> List[FusedGradient]:
+    """The step outputs that can be computed once over all micro-batches.
+
+    An output qualifies when it is (through ``Identity`` ops only) the result
+    of a ``MatMul`` with ``transpose_a=True, transpose_b=False`` (a dense
+    layer's weight gradient) or of a ``BiasAddGrad``, nothing else in the
+    graph reads that result or waits on those ops, and the op's inputs are
+    produced by ops of the graph or are step arguments.
+
+    Args:
+        graph: the traced graph.
+        output_tensors: tensor id of each flat step output (None for None).
+        attrs_of: op index -> the op's attributes (``transpose_a``, ...).
+
+    Returns:
+        One `FusedGradient` per qualifying output, in output order.
+    """
+    counts: Dict[int, int] = {}
+    for t in output_tensors:
+        if t is not None:
+            counts[t] = counts.get(t, 0) + 1
+    waited_on = {j for op in graph.ops for j in op.control_inputs}
+    found: List[FusedGradient] = []
+    for position, t in enumerate(output_tensors):
+        if t is None or counts[t] > 1 or graph.tensors[t].consumers:
+            continue
+        chain = []
+        op = graph.ops[graph.tensors[t].producer]
+        while op.type == "Identity" and len(op.inputs) == 1:
+            chain.append(op.index)
+            src = graph.tensors[op.inputs[0]]
+            if len(src.consumers) != 1 or counts.get(src.id):
+                break
+            op = graph.ops[src.producer]
+        if op.type == "Identity" or op.kind != "op" or len(op.outputs) != 1:
+            continue
+        if not _sums_over_rows(op.type, attrs_of(op.index)):
+            continue
+        removed = tuple(chain) + (op.index,)
+        if waited_on.intersection(removed):
+            continue
+        if any(graph.ops[graph.tensors[x].producer].kind == "capture" for x in op.inputs):
+            continue
+        found.append(FusedGradient(position, op.index, removed, tuple(op.inputs)))
+    return found
+
+
 def build_tasks(
-    graph: OpGraph, partition_of_op: Sequence[int], output_tensors: Sequence[int]
+    graph: OpGraph,
+    partition_of_op: Sequence[int],
+    output_tensors: Sequence[int],
+    exclude: Sequence[int] = (),
 ) -> List[Task]:
     """Cuts a partitioned graph into tasks (see the module doc).
 
     Args:
         graph: the traced graph.
         partition_of_op: partition of each op.
-        output_tensors: tensor ids of the step's outputs.
+        output_tensors: tensor ids the tasks must return (the step's outputs).
+        exclude: op indices computed outside the tasks (fused gradients);
+            nothing left in the tasks may read them.
 
     Returns:
         Tasks sorted by (wave, partition), which is a topological order.
     """
     keep = [graph.tensors[t].producer for t in output_tensors]
     dup = duplicable_ops(graph, keep)
+    excluded = set(exclude)
+    for i in excluded:
+        # Marked duplicable, they join no task; nothing reads them, so no
+        # task copies them in either.
+        dup[i] = True
     wave = waves(graph, partition_of_op, dup)
     tasks: Dict[Tuple[int, int], Task] = {}
     task_of_op: List[Optional[Task]] = [None] * len(graph.ops)

@@ -330,7 +330,7 @@ class StepFunction:
             self._check_generation()
             entry = self._compile(mbs)
         per_mb = entry.emit([tf.nest.flatten(mb) for mb in mbs])
-        return tf.nest.map_structure(lambda *xs: StepOutput(list(xs)), *per_mb)
+        return tf.nest.map_structure(_step_output, *per_mb)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         state.config()  # raises a clear error before smp.init
@@ -348,7 +348,7 @@ class StepFunction:
                     outs = self._emit(a, k)
                     # StepOutputs are not tensors: return their values in a
                     # marked dict and rebuild them outside.
-                    return tf.nest.map_structure(lambda so: {_MARK: so.outputs}, outs)
+                    return tf.nest.map_structure(_mark, outs)
 
                 self._eager_fn = tf.function(run, input_signature=sig, autograph=False, **kw)
         raw = self._eager_fn(*args, **kwargs)
@@ -356,6 +356,27 @@ class StepFunction:
 
 
 _MARK = "__smp_step_output__"
+_FUSED_MARK = "__smp_fused_step_output__"
+# FusedOps returned by eager step functions, referred to by index in the
+# marked dicts (a tf.function returns tensors, not Python objects).
+_FUSED_OPS: List[Any] = []
+
+
+def _step_output(*values: Any) -> StepOutput:
+    """The StepOutput of one output from its per-micro-batch values."""
+    from smp_tf.lowering import FusedValue
+
+    if isinstance(values[0], FusedValue):
+        return StepOutput._from_fused(values[0].op, [v.inputs for v in values])
+    return StepOutput(list(values))
+
+
+def _mark(so: StepOutput) -> Dict[str, Any]:
+    if so._fused is not None and so._values is None:
+        if so._fused not in _FUSED_OPS:
+            _FUSED_OPS.append(so._fused)
+        return {f"{_FUSED_MARK}{_FUSED_OPS.index(so._fused)}": [list(x) for x in so._fused_inputs]}
+    return {_MARK: so.outputs}
 
 
 def _rebuild_step_outputs(raw: Any) -> Any:
@@ -363,6 +384,10 @@ def _rebuild_step_outputs(raw: Any) -> Any:
     if isinstance(raw, dict):
         if set(raw) == {_MARK}:
             return StepOutput(list(raw[_MARK]))
+        if len(raw) == 1 and next(iter(raw)).startswith(_FUSED_MARK):
+            key = next(iter(raw))
+            op = _FUSED_OPS[int(key[len(_FUSED_MARK):])]
+            return StepOutput._from_fused(op, [tuple(x) for x in raw[key]])
         return {k: _rebuild_step_outputs(v) for k, v in raw.items()}
     if isinstance(raw, tuple) and hasattr(raw, "_fields"):
         return type(raw)(*[_rebuild_step_outputs(x) for x in raw])

@@ -11,14 +11,14 @@ TensorFlow ops, so they work eagerly and inside `tf.function`.
 from __future__ import annotations
 
 import functools
-
-from typing import Any, Iterator, List, Optional, Sequence
+from dataclasses import dataclass
+from typing import Any, Iterator, List, Optional, Sequence, Tuple
 
 import tensorflow as tf
 
 from smp_tf.split import merge_microbatches
 
-__all__ = ["StepOutput"]
+__all__ = ["StepOutput", "FusedOp"]
 
 # The combinations use plain Python control flow over Python values; AutoGraph
 # must not rewrite them when they are called inside a tf.function.
@@ -47,6 +47,42 @@ def _describe(value: Any) -> str:
     if isinstance(value, (tf.Tensor, tf.Variable)):
         return f"dtype={value.dtype.name}, shape={tuple(value.shape) if value.shape.rank is not None else None}"
     return f"type={type(value).__name__}"
+
+
+@dataclass(frozen=True)
+class FusedOp:
+    """A step output computed from its inputs after the pipeline.
+
+    With ``fuse_weight_gradients`` a weight gradient is not computed inside
+    the pipeline for each micro-batch: the pipeline returns the op's inputs,
+    and the op runs once here, on all micro-batches' inputs concatenated
+    along axis 0 (which yields the sum of the per-micro-batch values), or
+    once per micro-batch when those values are asked for.
+
+    Attributes:
+        op_type: ``"MatMul"`` (with ``transpose_a=True``) or ``"BiasAddGrad"``.
+        data_format: the ``data_format`` of a ``BiasAddGrad``.
+        device: the device of the op's partition.
+    """
+
+    op_type: str
+    data_format: str = "NHWC"
+    device: str = ""
+
+    def apply(self, inputs: Sequence[tf.Tensor]) -> tf.Tensor:
+        """Runs the op on `inputs`."""
+        if self.op_type == "MatMul":
+            return tf.linalg.matmul(inputs[0], inputs[1], transpose_a=True)
+        if self.op_type == "BiasAddGrad":
+            return tf.raw_ops.BiasAddGrad(out_backprop=inputs[0], data_format=self.data_format)
+        raise ValueError(f"FusedOp cannot run op type {self.op_type!r}; expected 'MatMul' or 'BiasAddGrad'.")
+
+    def apply_summed(self, per_microbatch: Sequence[Sequence[tf.Tensor]]) -> tf.Tensor:
+        """The sum over micro-batches, as one op on the concatenated inputs."""
+        if len(per_microbatch) == 1:
+            return self.apply(per_microbatch[0])
+        columns = zip(*per_microbatch)
+        return self.apply([tf.concat(list(c), axis=0) for c in columns])
 
 
 class StepOutput:
@@ -84,7 +120,26 @@ class StepOutput:
                 "StepOutput expects at least one value (one per micro-batch). "
                 "Received: outputs=[]"
             )
-        self._outputs: List[Any] = list(outputs)
+        self._values: Optional[List[Any]] = list(outputs)
+        self._fused: Optional[FusedOp] = None
+        self._fused_inputs: List[Tuple[Any, ...]] = []
+
+    @classmethod
+    def _from_fused(cls, op: FusedOp, per_microbatch_inputs: Sequence[Sequence[Any]]) -> "StepOutput":
+        """A StepOutput whose values are `op` applied to each micro-batch's inputs."""
+        out = cls([None] * len(per_microbatch_inputs))
+        out._values = None
+        out._fused = op
+        out._fused_inputs = [tuple(x) for x in per_microbatch_inputs]
+        return out
+
+    @property
+    def _outputs(self) -> List[Any]:
+        if self._values is None:
+            # Per-micro-batch values of a fused output are built on demand.
+            with tf.device(self._fused.device or None):
+                self._values = [self._fused.apply(x) for x in self._fused_inputs]
+        return self._values
 
     # -- container protocol -------------------------------------------------
     @property
@@ -93,7 +148,7 @@ class StepOutput:
         return list(self._outputs)
 
     def __len__(self) -> int:
-        return len(self._outputs)
+        return len(self._fused_inputs) if self._fused is not None else len(self._outputs)
 
     def __iter__(self) -> Iterator[Any]:
         return iter(self._outputs)
@@ -102,11 +157,15 @@ class StepOutput:
         return self._outputs[microbatch]
 
     def __repr__(self) -> str:
+        if self._fused is not None and self._values is None:
+            return f"StepOutput(microbatches={len(self)}, fused {self._fused.op_type})"
         return f"StepOutput(microbatches={len(self._outputs)}, {_describe(self._outputs[0])})"
 
     # -- helpers ------------------------------------------------------------
     def _device(self) -> str:
         """Device of the first value (empty when unknown)."""
+        if self._fused is not None:
+            return self._fused.device
         for o in self._outputs:
             if o is None:
                 continue
@@ -153,7 +212,7 @@ class StepOutput:
             )
 
     def _divide(self, total: Any) -> Any:
-        count = len(self._outputs)
+        count = len(self)
         if total.dtype.is_floating or total.dtype.is_complex:
             # Divide in the values' own dtype (no float32 -> float64 upcast).
             return total / tf.cast(count, total.dtype)
@@ -175,6 +234,8 @@ class StepOutput:
             ValueError: a value is None, the values are not numeric, or their
                 dtypes differ.
         """
+        if self._fused is not None:
+            return self._fused.apply_summed(self._fused_inputs)
         tensors = self._tensors("reduce_sum")
         self._check_numeric(tensors, "reduce_sum")
         return tf.add_n(tensors)
@@ -195,6 +256,8 @@ class StepOutput:
             ValueError: a value is None, the values are not numeric, or their
                 dtypes differ.
         """
+        if self._fused is not None:
+            return self._divide(self._fused.apply_summed(self._fused_inputs))
         tensors = self._tensors("reduce_mean")
         self._check_numeric(tensors, "reduce_mean")
         return self._divide(tf.add_n(tensors))
@@ -278,6 +341,10 @@ class StepOutput:
             ValueError: only some values are None, the values are not numeric,
                 or their dtypes differ.
         """
+        if self._fused is not None:
+            # One op over all micro-batches (see FusedOp): no per-micro-batch
+            # values and no running sum are built.
+            return self._divide(self._fused.apply_summed(self._fused_inputs))
         if all(o is None for o in self._outputs):
             return None
         if all(isinstance(o, tf.IndexedSlices) for o in self._outputs):

@@ -54,6 +54,7 @@ def test_defaults():
         "contiguous": True,
         "placement_strategy": "cluster",
         "horovod": False,
+        "fuse_weight_gradients": False,
     }
     assert parse({}) == cfg
 
@@ -69,6 +70,7 @@ def test_all_keys_set():
         "contiguous": False,
         "placement_strategy": "spread",
         "horovod": True,
+        "fuse_weight_gradients": True,
     }
     cfg = parse(given)
     assert cfg.to_dict() == given
@@ -125,6 +127,7 @@ def test_int_keys_reject_other_types(key, value):
         ("contiguous", None),
         ("horovod", "true"),
         ("horovod", 1),
+        ("fuse_weight_gradients", "yes"),
     ],
 )
 def test_bool_keys_reject_other_types(key, value):

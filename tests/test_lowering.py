@@ -240,3 +240,56 @@ def test_second_step_function_does_not_move_placed_variables():
     train_step(x, y)  # still updates the variables the model reads
     after = [v.numpy() for v in model.trainable_variables]
     assert all(not np.array_equal(a, b) for a, b in zip(before, after))
+
+
+def test_fused_weight_gradients_leave_the_tasks_and_run_once_per_variable():
+    """With fuse_weight_gradients, each kernel gradient is one MatMul over the
+    whole batch, on its variable's device, and no task computes it."""
+    import keras
+
+    keras.utils.set_random_seed(0)
+    model = models.mlp()
+    M = 4
+    smp.init({"partitions": 2, "microbatches": M, "fuse_weight_gradients": True})
+    step = smp.step(models.make_body(model, "mlp"))
+    x, y = models.data("mlp")
+    accumulated = []
+
+    @tf.function
+    def run(x, y):
+        _, grads, _ = step(x, y)
+        acc = [g.accumulate() for g in grads]
+        accumulated.extend(acc)
+        return acc
+
+    graph = run.get_concrete_function(tf.constant(x), tf.constant(y)).graph
+    entry = next(iter(step._compiled.values()))
+    kernels = [v for v in model.trainable_variables if "kernel" in v.path]
+    assert len(entry.fused) == len(model.trainable_variables)
+    removed = {entry.plan.op_graph.ops[f.op].name for f, _ in entry.fused.values()}
+    for task in entry.tasks:
+        names = {entry.plan.op_graph.ops[i].name for i in task.members}
+        assert not names & removed, task.key
+    part = step.last_plan.partition_of_variable()
+    for v, a in zip(model.trainable_variables, accumulated):
+        assert a.device.endswith(f"CPU:{part[v.path]}"), (v.path, a.device)
+    # The step's own graph: one weight-gradient MatMul per kernel, reading
+    # the concatenated inputs of all micro-batches.
+    full_batch = [
+        op for op in graph.get_operations()
+        if op.type == "MatMul" and op.get_attr("transpose_a") and op.inputs[0].shape[0] == x.shape[0]
+    ]
+    assert len(full_batch) == len(kernels)
+
+
+def test_fused_weight_gradients_off_by_default():
+    import keras
+
+    keras.utils.set_random_seed(0)
+    model = models.mlp()
+    smp.init({"partitions": 2, "microbatches": 2})
+    step = smp.step(models.make_body(model, "mlp"))
+    x, y = models.data("mlp")
+    _, grads, _ = step(x, y)
+    assert all(g._fused is None for g in grads)
+    assert next(iter(step._compiled.values())).fused == {}

@@ -11,7 +11,9 @@ import pytest
 import tensorflow as tf
 
 from smp_tf.graph_view import OpGraph, from_tf_graph
-from smp_tf.rewrite import Task, build_tasks, duplicable_ops, task_graph_def, task_specs, waves
+from smp_tf.rewrite import (
+    Task, build_tasks, duplicable_ops, fusable_gradients, task_graph_def, task_specs, waves,
+)
 from smp_tf.schedule import make_schedule, validate
 
 
@@ -419,3 +421,96 @@ def test_task_graph_def_of_built_tasks(small_tf_graph):
     b = [n for n in subs[1].node if n.name == "b"][0]
     assert list(b.input) == ["a"]
     assert tasks[1].boundary_inputs() == [_tensor(og, "a")]
+
+
+# --------------------------------------------------------------------------
+# fusable_gradients
+# --------------------------------------------------------------------------
+
+
+def _with_weight_gradients(extra=()):
+    """The 3-stage chain plus weight gradients: gw1 = MatMul(f0, b2, transpose_a)
+    returned through an Identity, gw0 = MatMul(x, b1, transpose_a) returned
+    directly, gb2 = BiasAddGrad(loss), and whatever `extra` adds."""
+    return _chain3(extra=[
+        {"name": "gw1", "type": "MatMul", "inputs": ["f0", "b2"], "forward": "f1", "p": 1},
+        {"name": "gw1_out", "type": "Identity", "inputs": ["gw1"], "flops": 0, "p": 1},
+        {"name": "gw0", "type": "MatMul", "inputs": ["x", "b1"], "forward": "f0", "p": 0},
+        {"name": "gb2", "type": "BiasAddGrad", "inputs": ["loss"], "forward": "f2", "p": 2},
+        *extra,
+    ])
+
+
+_TRANSPOSED = {"transpose_a": True, "transpose_b": False}
+
+
+def _attrs(g, table):
+    return lambda i: table.get(g.ops[i].name, {})
+
+
+def test_fusable_gradients_finds_weight_and_bias_gradients():
+    g, _ = _with_weight_gradients()
+    outputs = [_tensor(g, n) for n in ("loss", "gw1_out", "gw0", "gb2")]
+    found = fusable_gradients(g, outputs, _attrs(g, {"gw1": _TRANSPOSED, "gw0": _TRANSPOSED}))
+    # The loss is no weight gradient; the other three are, in output order.
+    assert [f.output for f in found] == [1, 2, 3]
+    gw1, gw0, gb2 = found
+    # The Identity between gw1 and the output leaves the tasks with it.
+    assert sorted(gw1.removed) == _idx(g, "gw1", "gw1_out") and gw1.op == g.op_index["gw1"]
+    assert gw1.inputs == (_tensor(g, "f0"), _tensor(g, "b2"))
+    # A step argument may be an input (returned as it is per micro-batch).
+    assert gw0.inputs == (_tensor(g, "x"), _tensor(g, "b1"))
+    assert gb2.removed == (g.op_index["gb2"],) and gb2.inputs == (_tensor(g, "loss"),)
+
+
+@pytest.mark.parametrize("case", ["not_transposed", "read_elsewhere", "returned_twice", "waited_on", "none_output"])
+def test_fusable_gradients_skips_what_cannot_be_summed_after_the_pipeline(case):
+    extra, attrs = [], {"gw1": _TRANSPOSED, "gw0": _TRANSPOSED}
+    names = ["gw1_out", "gw0"]
+    if case == "not_transposed":
+        # MatMul(f0, b2) does not sum over the rows of its inputs.
+        attrs["gw1"] = {"transpose_a": False, "transpose_b": False}
+    elif case == "read_elsewhere":
+        # Another op (gradient clipping, say) reads the gradient.
+        extra = [{"name": "clip", "inputs": ["gw1_out"], "p": 1}]
+    elif case == "returned_twice":
+        names = ["gw1_out", "gw0", "gw1_out"]
+    elif case == "waited_on":
+        extra = [{"name": "after", "type": "NoOp", "control_inputs": ["gw1"], "p": 1}]
+    g, _ = _with_weight_gradients(extra)
+    outputs = [_tensor(g, n) for n in names]
+    if case == "none_output":
+        outputs = [None] + outputs
+    found = fusable_gradients(g, outputs, _attrs(g, attrs))
+    fused_ops = {g.ops[f.op].name for f in found}
+    if case == "none_output":
+        assert fused_ops == {"gw1", "gw0"} and [f.output for f in found] == [1, 2]
+    else:
+        assert fused_ops == {"gw0"}
+
+
+def test_fusable_gradients_skips_inputs_captured_from_outside():
+    g, _ = _chain3(extra=[
+        {"name": "outer", "type": "Placeholder", "kind": "capture", "flops": 0, "p": 0},
+        {"name": "gw", "type": "MatMul", "inputs": ["outer", "b1"], "forward": "f0", "p": 0},
+    ])
+    assert fusable_gradients(g, [_tensor(g, "gw")], _attrs(g, {"gw": _TRANSPOSED})) == []
+
+
+def test_build_tasks_leaves_fused_gradients_out_and_returns_their_inputs():
+    g, parts = _with_weight_gradients()
+    outputs = [_tensor(g, n) for n in ("loss", "gw1_out", "gw0")]
+    found = fusable_gradients(g, outputs, _attrs(g, {"gw1": _TRANSPOSED, "gw0": _TRANSPOSED}))
+    removed = [i for f in found for i in f.removed]
+    task_outputs = sorted({_tensor(g, "loss")} | {t for f in found for t in f.inputs})
+    tasks = build_tasks(g, parts, task_outputs, exclude=removed)
+    owned = [i for t in tasks for i in t.members + t.copies]
+    assert not set(owned) & set(removed)
+    t = _by_key(tasks)
+    # Same five tasks as without the weight gradients.
+    assert sorted(t) == [(0, 0), (0, 4), (1, 1), (1, 3), (2, 2)]
+    # The producers return the inputs: f0 (stage 0's forward), b2 (the fused
+    # last stage), b1 (stage 1's backward); x is a step argument.
+    assert _tensor(g, "f0") in t[0, 0].outputs
+    assert _tensor(g, "b2") in t[2, 2].outputs
+    assert _tensor(g, "b1") in t[1, 3].outputs

@@ -218,3 +218,50 @@ def test_inside_tf_function_with_dynamic_shapes():
         return StepOutput([a, b, c]).merge()
 
     np.testing.assert_array_equal(merge(*VALUES), np.stack(VALUES, axis=1).reshape(12, 5))
+
+
+# --------------------------------------------------------------------------
+# Fused outputs (fuse_weight_gradients)
+# --------------------------------------------------------------------------
+
+
+def _fused_matmul(M=3, seed=0):
+    from smp_tf.step_output import FusedOp
+
+    rng = np.random.default_rng(seed)
+    inputs = [(rng.normal(size=(5, 4)).astype("float32"), rng.normal(size=(5, 2)).astype("float32")) for _ in range(M)]
+    per_mb = [x.T @ dy for x, dy in inputs]
+    so = StepOutput._from_fused(FusedOp("MatMul"), [tuple(tf.constant(a) for a in i) for i in inputs])
+    return so, per_mb
+
+
+def test_fused_output_sums_with_one_op_and_materialises_per_microbatch():
+    so, per_mb = _fused_matmul()
+    assert len(so) == 3
+    assert "fused MatMul" in repr(so)
+    np.testing.assert_allclose(so.reduce_sum(), np.sum(per_mb, 0), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(so.reduce_mean(), np.mean(per_mb, 0), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(so.accumulate(), np.mean(per_mb, 0), rtol=1e-5, atol=1e-6)
+    # Per-micro-batch access builds the values, once.
+    for m in range(3):
+        np.testing.assert_allclose(so[m], per_mb[m], rtol=1e-5, atol=1e-6)
+    assert so.outputs[0] is so.outputs[0]
+    np.testing.assert_allclose(so.stack(), np.stack(per_mb), rtol=1e-5, atol=1e-6)
+
+
+def test_fused_bias_gradient_and_single_microbatch():
+    from smp_tf.step_output import FusedOp
+
+    rng = np.random.default_rng(1)
+    dys = [rng.normal(size=(2, 3, 3, 4)).astype("float32") for _ in range(2)]
+    so = StepOutput._from_fused(FusedOp("BiasAddGrad", "NHWC"), [(tf.constant(d),) for d in dys])
+    np.testing.assert_allclose(so.accumulate(), np.mean([d.sum((0, 1, 2)) for d in dys], 0), rtol=1e-5, atol=1e-6)
+    one, per_mb = _fused_matmul(M=1)
+    np.testing.assert_allclose(one.accumulate(), per_mb[0], rtol=1e-5, atol=1e-6)
+
+
+def test_fused_op_rejects_unknown_op_types():
+    from smp_tf.step_output import FusedOp
+
+    with pytest.raises(ValueError, match="'Conv2D'"):
+        FusedOp("Conv2D").apply([tf.zeros((1, 1))])

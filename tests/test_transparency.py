@@ -41,10 +41,13 @@ def _model(kind):
     return model, init
 
 
-def _check(kind, schedule, partitions, microbatches):
+def _check(kind, schedule, partitions, microbatches, fuse=False):
     model, init = _model(kind)
     x, y = models.data(kind)
-    smp.init({"partitions": partitions, "microbatches": microbatches, "pipeline": schedule})
+    smp.init({
+        "partitions": partitions, "microbatches": microbatches, "pipeline": schedule,
+        "fuse_weight_gradients": fuse,
+    })
     body = models.make_body(model, kind)
 
     ref = models.reference(body, x, y, microbatches)
@@ -52,7 +55,22 @@ def _check(kind, schedule, partitions, microbatches):
     for v, value in zip(model.variables, init):
         v.assign(value)
 
-    loss, grads, pred = smp.step(body)(x, y)
+    step = smp.step(body)
+    loss, grads, pred = step(x, y)
+    # The accumulated gradients (the mean over micro-batches), checked first:
+    # for fused outputs it is one op over all micro-batches.
+    for i, (g, var) in enumerate(zip(grads, model.trainable_variables)):
+        ref_mean = tf.add_n([tf.convert_to_tensor(r[1][i]) for r in ref]) / microbatches
+        np.testing.assert_allclose(
+            tf.convert_to_tensor(g.accumulate()), ref_mean, rtol=RTOL, atol=ATOL,
+            err_msg=f"accumulated gradient of {var.path}",
+        )
+    if fuse:
+        fused = sum(g._fused is not None for g in grads)
+        compiled = next(iter(step._compiled.values()))
+        assert fused == len(compiled.fused)
+        if kind == "mlp":
+            assert fused == len(grads)  # every kernel and bias gradient
 
     assert len(loss.outputs) == microbatches
     for m, (ref_loss, ref_grads, ref_pred) in enumerate(ref):
@@ -78,6 +96,15 @@ def _check(kind, schedule, partitions, microbatches):
 @pytest.mark.parametrize("schedule,partitions,microbatches", GRID)
 def test_transparency(kind, schedule, partitions, microbatches):
     _check(kind, schedule, partitions, microbatches)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("schedule,partitions,microbatches", [
+    ("interleaved", 2, 4), ("simple", 3, 4), ("interleaved", 4, 8), ("interleaved", 2, 1),
+])
+def test_transparency_with_fused_weight_gradients(kind, schedule, partitions, microbatches):
+    """Weight gradients computed once over all micro-batches are exact too."""
+    _check(kind, schedule, partitions, microbatches, fuse=True)
 
 
 def test_dropout_reproducible_with_same_seed():
