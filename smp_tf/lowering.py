@@ -338,7 +338,15 @@ class CompiledStep:
             for k, t in enumerate(self.output_tensors):
                 if k in self.fused:
                     f, op = self.fused[k]
-                    flat.append(FusedValue(op, tuple(self._output_value(raw, arg_values[m], m, x) for x in f.inputs)))
+                    part = self.plan.partition_of_op[f.op]
+                    # An input that came from another partition is taken as
+                    # received there, not fetched again from its producer.
+                    inputs = tuple(
+                        received.get((m, x, part)) if (m, x, part) in received
+                        else self._output_value(raw, arg_values[m], m, x)
+                        for x in f.inputs
+                    )
+                    flat.append(FusedValue(op, inputs))
                 else:
                     flat.append(None if t is None else self._output_value(raw, arg_values[m], m, t))
             results.append(tf.nest.pack_sequence_as(self.traced.output_structure, flat, expand_composites=True))

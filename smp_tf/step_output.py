@@ -332,7 +332,9 @@ class StepOutput:
         the result stays sparse: the values (scaled by ``1/M``) and indices
         are concatenated and the dense shape kept. When every value is None
         (a variable the loss does not depend on) the result is None, which
-        `optimizer.apply_gradients` skips.
+        `optimizer.apply_gradients` skips. A fused output
+        (``fuse_weight_gradients``) is computed with one op over all
+        micro-batches instead.
 
         Returns:
             A tensor, a `tf.IndexedSlices`, or None.

@@ -280,6 +280,18 @@ def test_fused_weight_gradients_leave_the_tasks_and_run_once_per_variable():
         if op.type == "MatMul" and op.get_attr("transpose_a") and op.inputs[0].shape[0] == x.shape[0]
     ]
     assert len(full_batch) == len(kernels)
+    # Their inputs are read where they are: on the MatMul's device (an input
+    # that came from another partition is taken as received there).
+    for op in full_batch:
+        device = tf.DeviceSpec.from_string(op.device)
+        for concat in op.inputs:
+            assert concat.op.type == "ConcatV2"
+            for t in concat.op.inputs[:-1]:
+                src = t.op
+                while src.type == "Identity" and not src.device:
+                    src = src.inputs[0].op
+                if src.device:
+                    assert tf.DeviceSpec.from_string(src.device).device_index == device.device_index, (op.name, src.name)
 
 
 def test_fused_weight_gradients_off_by_default():
