@@ -25,6 +25,9 @@ horovod                False          data parallelism across processes
 fuse_weight_gradients  False          (smp_tf only) compute dense weight and
                                       bias gradients once over all
                                       micro-batches, after the pipeline
+pretranspose_weights   False          (smp_tf only) transpose dense kernels
+                                      once per step for the products that
+                                      read them transposed
 =====================  =============  =======================================
 
 As on SageMaker, the JSON object in the environment variable
@@ -59,7 +62,7 @@ _CHOICES: Dict[str, Tuple[str, ...]] = {
     "placement_strategy": ("cluster", "spread"),
 }
 _INT_KEYS = ("partitions", "microbatches", "default_partition")
-_BOOL_KEYS = ("auto_partition", "contiguous", "horovod", "fuse_weight_gradients")
+_BOOL_KEYS = ("auto_partition", "contiguous", "horovod", "fuse_weight_gradients", "pretranspose_weights")
 
 
 @dataclass(frozen=True)
@@ -85,6 +88,12 @@ class Config:
             over all micro-batches instead of once per micro-batch (faster;
             keeps those layers' inputs and output gradients of every
             micro-batch alive until the end of the step).
+        pretranspose_weights: give the products that read a kernel
+            transposed (a dense layer's input gradient ``dY @ W^T``) a copy of
+            the kernel transposed once per step, instead of a transposed read
+            in every micro-batch (faster where small transposed products are
+            slow, e.g. on CPUs; holds one transposed copy of those kernels
+            during the step).
 
     Raises:
         ValueError: a value has the wrong type or is out of range.
@@ -100,6 +109,7 @@ class Config:
     placement_strategy: str = "cluster"
     horovod: bool = False
     fuse_weight_gradients: bool = False
+    pretranspose_weights: bool = False
 
     def __post_init__(self) -> None:
         for key in _INT_KEYS:

@@ -25,7 +25,17 @@ from smp_tf import state
 from smp_tf.boundary import raw_input, raw_output
 from smp_tf.config import Config
 from smp_tf.partitioner.plan import PartitionPlan
-from smp_tf.rewrite import FusedGradient, Task, build_tasks, fusable_gradients, task_graph_def, task_specs
+from smp_tf.rewrite import (
+    FusedGradient,
+    PreTransposed,
+    Task,
+    build_tasks,
+    fusable_gradients,
+    pretranspose_graph_def,
+    pretransposable_products,
+    task_graph_def,
+    task_specs,
+)
 from smp_tf.schedule import Action, Schedule, make_schedule, validate
 from smp_tf.step_output import FusedOp
 
@@ -158,9 +168,14 @@ def _task_body(sub, input_names, captured, outputs, captures):
     """The Python body of a task function: imports the task's GraphDef."""
     from smp_tf.step import CapturedVariable
 
+    # Inputs no node reads any more (a stashed variable read whose product
+    # now reads the transposed copy) stay arguments but are not mapped:
+    # import_graph_def rejects mappings for tensors nothing reads.
+    read = {x if ":" in x else f"{x}:0" for n in sub.node for x in n.input if not x.startswith("^")}
+
     def body(*xs):
         fg = tf.compat.v1.get_default_graph()
-        input_map = dict(zip(input_names, xs))
+        input_map = {name: x for name, x in zip(input_names, xs) if name in read}
         for name in captured:
             cap = captures[name]
             # Variables are captured from where they live now (after placement).
@@ -171,6 +186,10 @@ def _task_body(sub, input_names, captured, outputs, captures):
         return list(outs) + [tf.constant(True)]
 
     return body
+
+
+def _transposed_name(read_name: str) -> str:
+    return f"smp_transposed/{read_name}"
 
 
 class FusedValue:
@@ -237,6 +256,17 @@ class CompiledStep:
         install_slot_placement()
         self.variable_devices = place_variables(traced.captures, plan, self.devices, optimizers)
         self._arg_index = {name: i for i, name in enumerate(traced.arg_names)}
+        # Products that read a variable transposed get it transposed once
+        # per step instead (opt-in: one transposed copy lives during the step).
+        self.pretransposed: Dict[int, PreTransposed] = {}
+        if getattr(cfg, "pretranspose_weights", False):
+            from smp_tf.step import CapturedVariable
+
+            for p in pretransposable_products(g, self._attrs_of):
+                info = g.tensors[g.ops[p.read].outputs[0]]
+                known = info.shape is not None and len(info.shape) == 2 and None not in info.shape
+                if known and isinstance(traced.captures.get(g.ops[p.capture].name), CapturedVariable):
+                    self.pretransposed[p.op] = p
         self._functions = self._build_functions()
 
     def _attrs_of(self, index: int) -> Dict[str, Any]:
@@ -269,6 +299,21 @@ class CompiledStep:
             captured = [g.ops[i].name for i in task.copies if g.ops[i].kind == "capture"]
             outputs = [g.tensor_name(t) for t in task.outputs]
             input_names = [g.tensor_name(t) for t in task.inputs] + [f"{a}:0" for a in args]
+            task.transposed_reads = sorted({self.pretransposed[i].read for i in task.members if i in self.pretransposed})
+            if task.transposed_reads:
+                products = {
+                    g.ops[i].name: _transposed_name(g.ops[self.pretransposed[i].read].name)
+                    for i in task.members if i in self.pretransposed
+                }
+                placeholders = {}
+                for r in task.transposed_reads:
+                    info = g.tensors[g.ops[r].outputs[0]]
+                    shape = list(reversed(info.shape))
+                    dtype = tf.as_dtype(info.dtype)
+                    placeholders[_transposed_name(g.ops[r].name)] = (dtype.as_datatype_enum, shape)
+                    in_specs.append(tf.TensorSpec(shape, dtype))
+                    input_names.append(f"{_transposed_name(g.ops[r].name)}:0")
+                pretranspose_graph_def(sub, products, placeholders)
             body = _task_body(sub, input_names, captured, outputs, self.traced.captures)
             # Task functions stay calls (not inlined): the graph optimiser
             # then works on each task once instead of on M copies, and a
@@ -302,6 +347,17 @@ class CompiledStep:
             arg_values.append(tensors)
         raw: Dict[Tuple[int, int], tf.Tensor] = {}
         sent: Dict[Tuple[int, int], tf.Tensor] = {}
+        # Variables read transposed, transposed once for the whole step on
+        # the partition that reads them; free of control dependencies, they
+        # run as soon as the step starts.
+        transposed: Dict[Tuple[int, int], tf.Tensor] = {}
+        for task in self.tasks:
+            for r in task.transposed_reads:
+                if (task.partition, r) not in transposed:
+                    p = next(p for p in self.pretransposed.values() if p.read == r)
+                    var = self.traced.captures[g.ops[p.capture].name].current
+                    with tf.name_scope(f"smp/p{task.partition}/transposed"), tf.device(self.devices[task.partition]):
+                        transposed[(task.partition, r)] = tf.transpose(var.read_value())
         # A tensor crosses to a partition once per micro-batch: later tasks
         # of that partition (e.g. its backward) reuse the received copy.
         received: Dict[Tuple[int, int, int], tf.Tensor] = {}
@@ -325,6 +381,8 @@ class CompiledStep:
                         inputs.append(raw[(m, t)])
                 for name in task.arg_names:
                     inputs.append(arg_values[m][self._arg_index[name]])
+                for r in task.transposed_reads:
+                    inputs.append(transposed[(task.partition, r)])
                 outs = self._functions[task.key](*inputs)
             last[task.partition] = outs[-1].op
             with tf.name_scope(scope), tf.device(device):

@@ -39,6 +39,9 @@ __all__ = [
     "FusedGradient",
     "build_tasks",
     "fusable_gradients",
+    "PreTransposed",
+    "pretransposable_products",
+    "pretranspose_graph_def",
     "task_specs",
     "task_graph_def",
     "duplicable_ops",
@@ -60,6 +63,10 @@ class Task:
         backward: the task holds gradient ops.
         fused: the task holds forward and gradient ops.
         flops: estimated flops of the members.
+        arg_names: step arguments the task's function reads (set when the
+            task is lowered).
+        transposed_reads: variable reads the task's function takes
+            transposed (``pretranspose_weights``; set when lowered).
     """
 
     partition: int
@@ -72,6 +79,8 @@ class Task:
     backward: bool = False
     fused: bool = False
     flops: float = 0.0
+    arg_names: List[str] = field(default_factory=list)
+    transposed_reads: List[int] = field(default_factory=list)
 
     @property
     def key(self) -> Tuple[int, int]:
@@ -242,6 +251,79 @@ def fusable_gradients(
             continue
         found.append(FusedGradient(position, op.index, removed, tuple(op.inputs)))
     return found
+
+
+@dataclass(frozen=True)
+class PreTransposed:
+    """A product that reads a variable transposed: ``MatMul(a, read(W), transpose_b=True)``.
+
+    With ``pretranspose_weights`` the product reads ``W^T``, computed once per
+    step, with ``transpose_b=False`` instead (the same values; small products
+    with a transposed operand are much slower in some kernels, e.g. oneDNN's
+    on CPUs).
+
+    Attributes:
+        op: index of the MatMul.
+        read: index of the ``ReadVariableOp`` it reads the variable through.
+        capture: index of the captured variable handle.
+    """
+
+    op: int
+    read: int
+    capture: int
+
+
+def pretransposable_products(
+    graph: OpGraph, attrs_of: Callable[[int], Dict[str, object]]
+) -> List[PreTransposed]:
+    """The products that can read a once-per-step transposed variable.
+
+    A ``MatMul`` with ``transpose_b=True`` whose second input is a
+    ``ReadVariableOp`` of a captured variable that nothing in the step writes
+    (every user of the handle is a ``ReadVariableOp``), so its value is the
+    same for every micro-batch.
+    """
+    read_only = set()
+    for op in graph.ops:
+        if op.kind == "capture" and op.outputs:
+            users = graph.tensors[op.outputs[0]].consumers
+            if users and all(graph.ops[u].type == "ReadVariableOp" for u in users):
+                read_only.add(op.index)
+    found = []
+    for op in graph.ops:
+        if op.type != "MatMul" or len(op.inputs) != 2 or not attrs_of(op.index).get("transpose_b"):
+            continue
+        read = graph.ops[graph.tensors[op.inputs[1]].producer]
+        if read.type != "ReadVariableOp" or len(read.inputs) != 1:
+            continue
+        handle = graph.tensors[read.inputs[0]].producer
+        if handle in read_only:
+            found.append(PreTransposed(op.index, read.index, handle))
+    return found
+
+
+def pretranspose_graph_def(graph_def, products: Dict[str, str], placeholders: Dict[str, Tuple[int, List[int]]]) -> None:
+    """Rewrites a task's `GraphDef` in place to read transposed variables.
+
+    Args:
+        graph_def: the task's `GraphDef`.
+        products: MatMul node name -> name of the placeholder it reads its
+            second operand from (with ``transpose_b`` turned off).
+        placeholders: placeholder name -> (dtype enum, shape) to add.
+    """
+    for node in graph_def.node:
+        if node.name in products:
+            node.input[1] = products[node.name]
+            node.attr["transpose_b"].b = False
+    device = graph_def.node[0].device if len(graph_def.node) else ""
+    for name, (dtype, shape) in placeholders.items():
+        node = graph_def.node.add()
+        node.name = name
+        node.op = "Placeholder"
+        node.device = device
+        node.attr["dtype"].type = dtype
+        for d in shape:
+            node.attr["shape"].shape.dim.add().size = d
 
 
 def build_tasks(

@@ -55,6 +55,7 @@ def test_defaults():
         "placement_strategy": "cluster",
         "horovod": False,
         "fuse_weight_gradients": False,
+        "pretranspose_weights": False,
     }
     assert parse({}) == cfg
 
@@ -71,6 +72,7 @@ def test_all_keys_set():
         "placement_strategy": "spread",
         "horovod": True,
         "fuse_weight_gradients": True,
+        "pretranspose_weights": True,
     }
     cfg = parse(given)
     assert cfg.to_dict() == given
@@ -128,6 +130,7 @@ def test_int_keys_reject_other_types(key, value):
         ("horovod", "true"),
         ("horovod", 1),
         ("fuse_weight_gradients", "yes"),
+        ("pretranspose_weights", 0),
     ],
 )
 def test_bool_keys_reject_other_types(key, value):

@@ -305,3 +305,52 @@ def test_fused_weight_gradients_off_by_default():
     _, grads, _ = step(x, y)
     assert all(g._fused is None for g in grads)
     assert next(iter(step._compiled.values())).fused == {}
+
+
+def test_pretransposed_weights_are_transposed_once_per_step_on_their_device():
+    """With pretranspose_weights, no task multiplies by a transposed kernel:
+    each kernel read transposed is transposed once per step, by the outer
+    graph, on the partition that reads it, and fed to the task."""
+    import keras
+
+    keras.utils.set_random_seed(0)
+    model = models.mlp()
+    M = 4
+    smp.init({"partitions": 2, "microbatches": M, "pretranspose_weights": True})
+    step = smp.step(models.make_body(model, "mlp"))
+    x, y = models.data("mlp")
+
+    @tf.function
+    def run(x, y):
+        _, grads, _ = step(x, y)
+        return [g.accumulate() for g in grads]
+
+    graph = run.get_concrete_function(tf.constant(x), tf.constant(y)).graph
+    entry = next(iter(step._compiled.values()))
+    kernels = [v for v in model.trainable_variables if "kernel" in v.path]
+    # The first layer's input gradient is never computed (x is no variable).
+    assert len(entry.pretransposed) == len(kernels) - 1
+    for fn in entry._functions.values():
+        transposed = [op.name for op in fn.graph.get_operations() if op.type == "MatMul" and op.get_attr("transpose_b")]
+        assert transposed == [], transposed
+    transposes = [op for op in graph.get_operations() if op.type == "Transpose" and "/transposed" in op.name]
+    # One per kernel read, not one per micro-batch.
+    assert len(transposes) == len(entry.pretransposed)
+    partition_of_task = {t.key: t.partition for t in entry.tasks}
+    readers = {r: partition_of_task[t.key] for t in entry.tasks for r in t.transposed_reads}
+    assert sorted(readers) == sorted(p.read for p in entry.pretransposed.values())
+    devices = sorted(tf.DeviceSpec.from_string(op.device).device_index for op in transposes)
+    assert devices == sorted(readers.values())
+
+
+def test_pretranspose_weights_off_by_default():
+    import keras
+
+    keras.utils.set_random_seed(0)
+    model = models.mlp()
+    smp.init({"partitions": 2, "microbatches": 2})
+    step = smp.step(models.make_body(model, "mlp"))
+    step(*models.data("mlp"))
+    entry = next(iter(step._compiled.values()))
+    assert entry.pretransposed == {}
+    assert all(t.transposed_reads == [] for t in entry.tasks)

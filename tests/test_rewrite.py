@@ -7,12 +7,14 @@ op; each test explains the expected answer before asserting it.
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import tensorflow as tf
 
 from smp_tf.graph_view import OpGraph, from_tf_graph
 from smp_tf.rewrite import (
-    Task, build_tasks, duplicable_ops, fusable_gradients, task_graph_def, task_specs, waves,
+    Task, build_tasks, duplicable_ops, fusable_gradients, pretranspose_graph_def, pretransposable_products,
+    task_graph_def, task_specs, waves,
 )
 from smp_tf.schedule import make_schedule, validate
 
@@ -514,3 +516,79 @@ def test_build_tasks_leaves_fused_gradients_out_and_returns_their_inputs():
     assert _tensor(g, "f0") in t[0, 0].outputs
     assert _tensor(g, "b2") in t[2, 2].outputs
     assert _tensor(g, "b1") in t[1, 3].outputs
+
+
+# --------------------------------------------------------------------------
+# pretransposable_products / pretranspose_graph_def
+# --------------------------------------------------------------------------
+
+
+def _products(extra=()):
+    """x @ W^T through a variable read: capture h -> read r -> MatMul y."""
+    return OpGraph.from_spec([
+        {"name": "x", "type": "Placeholder", "kind": "arg", "flops": 0},
+        {"name": "h", "type": "VarHandleOp", "kind": "capture", "flops": 0},
+        {"name": "r", "type": "ReadVariableOp", "inputs": ["h"], "variables": ["w"], "flops": 0},
+        {"name": "y", "type": "MatMul", "inputs": ["x", "r"]},
+        *extra,
+    ])
+
+
+_T_B = {"transpose_a": False, "transpose_b": True}
+
+
+def test_pretransposable_products_finds_a_transposed_variable_read():
+    g = _products()
+    (p,) = pretransposable_products(g, _attrs(g, {"y": _T_B}))
+    assert (p.op, p.read, p.capture) == tuple(_idx(g, "y", "r", "h"))
+
+
+@pytest.mark.parametrize("case", ["not_transposed", "written", "through_identity", "activation"])
+def test_pretransposable_products_skips_what_may_change_within_a_step(case):
+    extra, attrs = [], {"y": _T_B}
+    if case == "not_transposed":
+        attrs = {"y": {"transpose_a": False, "transpose_b": False}}
+    elif case == "written":
+        # The step assigns the variable: its value differs between reads.
+        extra = [{"name": "assign", "type": "AssignVariableOp", "inputs": ["h", "x"], "stateful": True}]
+    elif case == "through_identity":
+        extra = [
+            {"name": "i", "type": "Identity", "inputs": ["r"], "flops": 0},
+            {"name": "z", "type": "MatMul", "inputs": ["x", "i"]},
+        ]
+        attrs = {"z": _T_B}
+    elif case == "activation":
+        # Both operands are activations: nothing to transpose ahead of time.
+        extra = [{"name": "z", "type": "MatMul", "inputs": ["x", "y"]}]
+        attrs = {"z": _T_B}
+    g = _products(extra)
+    assert pretransposable_products(g, _attrs(g, attrs)) == []
+
+
+def test_pretranspose_graph_def_reads_the_transposed_placeholder():
+    g = tf.Graph()
+    with g.as_default():
+        x = tf.compat.v1.placeholder(tf.float32, [2, 3], name="x")
+        w = tf.compat.v1.placeholder(tf.float32, [4, 3], name="w")
+        tf.linalg.matmul(x, w, transpose_b=True, name="y")
+    gd = g.as_graph_def()
+    device = "/device:CPU:0"
+    for n in gd.node:
+        n.device = device
+    pretranspose_graph_def(gd, {"y": "smp_transposed/w"}, {"smp_transposed/w": (tf.float32.as_datatype_enum, [3, 4])})
+    nodes = {n.name: n for n in gd.node}
+    assert list(nodes["y"].input) == ["x", "smp_transposed/w"]
+    assert nodes["y"].attr["transpose_b"].b is False
+    ph = nodes["smp_transposed/w"]
+    assert ph.op == "Placeholder" and ph.device == device
+    assert [d.size for d in ph.attr["shape"].shape.dim] == [3, 4]
+    # Same product as before once the transposed copy is fed in.
+    xv = np.arange(6.0, dtype=np.float32).reshape(2, 3)
+    wv = np.arange(12.0, dtype=np.float32).reshape(4, 3)
+    with tf.Graph().as_default() as out:
+        (y,) = tf.graph_util.import_graph_def(
+            gd, input_map={"x:0": tf.constant(xv), "smp_transposed/w:0": tf.constant(wv.T)},
+            return_elements=["y:0"], name="t")
+        with tf.compat.v1.Session(graph=out) as sess:
+            got = sess.run(y)
+    np.testing.assert_array_equal(got, xv @ wv.T)

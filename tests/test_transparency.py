@@ -41,12 +41,12 @@ def _model(kind):
     return model, init
 
 
-def _check(kind, schedule, partitions, microbatches, fuse=False):
+def _check(kind, schedule, partitions, microbatches, options=()):
     model, init = _model(kind)
     x, y = models.data(kind)
     smp.init({
         "partitions": partitions, "microbatches": microbatches, "pipeline": schedule,
-        "fuse_weight_gradients": fuse,
+        **{o: True for o in options},
     })
     body = models.make_body(model, kind)
 
@@ -65,12 +65,16 @@ def _check(kind, schedule, partitions, microbatches, fuse=False):
             tf.convert_to_tensor(g.accumulate()), ref_mean, rtol=RTOL, atol=ATOL,
             err_msg=f"accumulated gradient of {var.path}",
         )
-    if fuse:
+    compiled = next(iter(step._compiled.values()))
+    if "fuse_weight_gradients" in options:
         fused = sum(g._fused is not None for g in grads)
-        compiled = next(iter(step._compiled.values()))
         assert fused == len(compiled.fused)
         if kind == "mlp":
             assert fused == len(grads)  # every kernel and bias gradient
+    if "pretranspose_weights" in options and kind == "mlp":
+        # Every kernel but the first layer's is read transposed by the
+        # input gradient (the first layer's input needs no gradient).
+        assert len(compiled.pretransposed) == len(model.trainable_variables) // 2 - 1
 
     assert len(loss.outputs) == microbatches
     for m, (ref_loss, ref_grads, ref_pred) in enumerate(ref):
@@ -98,13 +102,22 @@ def test_transparency(kind, schedule, partitions, microbatches):
     _check(kind, schedule, partitions, microbatches)
 
 
+OPTION_SETS = [
+    ("fuse_weight_gradients",),
+    ("pretranspose_weights",),
+    ("fuse_weight_gradients", "pretranspose_weights"),
+]
+
+
 @pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("options", OPTION_SETS, ids=lambda o: "+".join(o))
 @pytest.mark.parametrize("schedule,partitions,microbatches", [
     ("interleaved", 2, 4), ("simple", 3, 4), ("interleaved", 4, 8), ("interleaved", 2, 1),
 ])
-def test_transparency_with_fused_weight_gradients(kind, schedule, partitions, microbatches):
-    """Weight gradients computed once over all micro-batches are exact too."""
-    _check(kind, schedule, partitions, microbatches, fuse=True)
+def test_transparency_with_smp_tf_options(kind, options, schedule, partitions, microbatches):
+    """Weight gradients computed once over all micro-batches and kernels
+    transposed once per step give the reference values too."""
+    _check(kind, schedule, partitions, microbatches, options)
 
 
 def test_dropout_reproducible_with_same_seed():

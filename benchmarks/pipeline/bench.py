@@ -3,8 +3,9 @@
 Prints one table; every figure in it is measured by this invocation:
 
 (a) speedup of a pipelined 8-layer MLP training step (P=2, M in {2,4,8,16},
-    both schedules, and interleaved with ``fuse_weight_gradients``) over the
-    same step as a plain `tf.function` on one device;
+    both schedules, and interleaved with ``fuse_weight_gradients`` and
+    ``pretranspose_weights``) over the same step as a plain `tf.function` on
+    one device;
 (b) the hardware ceiling: two independent halves of the work on two devices
     at once versus the same two halves on one device;
 (c) the bound P*M/(M+P-1) of a balanced pipeline;
@@ -54,8 +55,14 @@ P = 2
 INTER_OP_THREADS = 2
 MICROBATCHES = (2, 4, 8, 16)
 SCHEDULES = ("simple", "interleaved")
-# (schedule, fuse_weight_gradients) of the pipelined cases.
-VARIANTS = (("simple", False), ("interleaved", False), ("interleaved", True))
+# (schedule, smp_tf-only options switched on) of the pipelined cases.
+VARIANTS = (
+    ("simple", ()),
+    ("interleaved", ()),
+    ("interleaved", ("fuse_weight_gradients",)),
+    ("interleaved", ("fuse_weight_gradients", "pretranspose_weights")),
+)
+_SHORT = {"fuse_weight_gradients": "fused wgrad", "pretranspose_weights": "pretransposed"}
 EFFICIENCY_TARGET = 0.85
 EFFICIENCY_AT_M = 8
 OVERHEAD_TARGET = 1.05
@@ -299,8 +306,12 @@ def _data(tf, batch: int, width: int):
 # Part "pipeline": (a), (b), (c), (d)
 
 
-def _pipe_name(sched: str, fuse: bool, M: int) -> str:
-    return f"pipe_{sched}{'_fused' if fuse else ''}_{M}"
+def _pipe_name(sched: str, options, M: int) -> str:
+    return "_".join(["pipe", sched, *options, str(M)])
+
+
+def _pipe_label(sched: str, options) -> str:
+    return " + ".join([sched, *(_SHORT[o] for o in options)])
 
 
 def part_pipeline(args) -> dict:
@@ -368,10 +379,10 @@ def part_pipeline(args) -> dict:
     # active config and all cases can be timed round-robin.
     info = {}
     models = []
-    for sched, fuse in VARIANTS:
+    for sched, options in VARIANTS:
         for M in MICROBATCHES:
-            smp.init({"partitions": P, "microbatches": M, "pipeline": sched, "fuse_weight_gradients": fuse})
-            name = _pipe_name(sched, fuse, M)
+            smp.init({"partitions": P, "microbatches": M, "pipeline": sched, **{o: True for o in options}})
+            name = _pipe_name(sched, options, M)
             model = build_mlp(keras, smp.DistributedModel, L, W, name)
             train, body = smp_train_step(tf, keras, smp, model)
             pin.set(2)
@@ -590,9 +601,9 @@ def build_table(res: dict, args) -> str:
                      "", "", "", "", "", "", "", ""])
         rows.append(["(b)", "two halves, CPU:0 + CPU:1 at once", _t(h2), _t(c["halves_two_devices"]["cpu"]),
                      _f(ceiling), "", _f(ceiling), "", "", "", "(2.0 ideal)", ""])
-        for sched, fuse in VARIANTS:
+        for sched, options in VARIANTS:
             for M in MICROBATCHES:
-                r = c[_pipe_name(sched, fuse, M)]
+                r = c[_pipe_name(sched, options, M)]
                 speedup = t1 / r["wall"]
                 bound = P * M / (M + P - 1)
                 eff = speedup / (ceiling * bound / P)
@@ -600,12 +611,12 @@ def build_table(res: dict, args) -> str:
                 if M == EFFICIENCY_AT_M:
                     target = f">= {EFFICIENCY_TARGET}"
                     verdict = "PASS" if eff >= EFFICIENCY_TARGET else "FAIL"
-                    at_target.append((sched + (" + fused wgrad" if fuse else ""), verdict))
+                    at_target.append((_pipe_label(sched, options), verdict))
                 # eff(mb): against the one-device micro-batch loop, which
-                # computes every weight gradient per micro-batch (so only
-                # for the unfused cases).
-                eff_mb = None if fuse else (c[f"mbref_{M}"]["wall"] / r["wall"]) / (ceiling * bound / P)
-                label = f"pipeline P={P} {sched}{' + fused wgrad' if fuse else ''} M={M}"
+                # does what the pipeline does per micro-batch only without
+                # the smp_tf-only options.
+                eff_mb = None if options else (c[f"mbref_{M}"]["wall"] / r["wall"]) / (ceiling * bound / P)
+                label = f"pipeline P={P} {_pipe_label(sched, options)} M={M}"
                 rows.append(["(a,d)", label, _t(r["wall"]), _t(r["cpu"]), _f(speedup),
                              _f(bound), _f(ceiling), _f(eff), _f(eff_mb), _f(r["sim_bubble"]), target, verdict])
         # One target: the efficiency at M=8 of the best configuration.
