@@ -156,6 +156,72 @@ def test_min_bottleneck_float_costs_vs_brute_force():
         assert min_bottleneck(costs, k) == pytest.approx(best, rel=1e-9)
 
 
+def test_limited_contiguous_matches_brute_force():
+    """With a cap on a second cost, the split is still optimal for the first
+    (among the splits that keep the cap), then for the cut."""
+    rng = random.Random(4321)
+    checked = 0
+    for _ in range(400):
+        n, k = rng.randint(1, 9), rng.randint(1, 4)
+        costs = [rng.choice([0, 1, 2, 3, 5, 8]) for _ in range(n)]
+        var = [rng.choice([0, 0, 1, 4, 6]) for _ in range(n)]
+        cuts = [rng.randint(0, 10) for _ in range(n - 1)]
+        tol = rng.choice([0.0, 0.1])
+        limit = rng.uniform(max(var), sum(var) + 1)
+        try:
+            best, best_cut = brute_force_contiguous(costs, cuts, k, tol, var, limit)
+        except ValueError:
+            # No split keeps the cap: the fast path says so too.
+            with pytest.raises(ValueError, match="limit"):
+                contiguous_split(costs, cuts, k, tol, limit_costs=var, limit=limit)
+            continue
+        checked += 1
+        assert min_bottleneck(costs, k, var, limit) == pytest.approx(best, abs=1e-9)
+        bounds = contiguous_split(costs, cuts, k, tol, limit_costs=var, limit=limit)
+        _check_boundaries(bounds, n, k)
+        assert max(segment_costs(var, bounds)) <= limit + 1e-9
+        assert max(segment_costs(costs, bounds)) <= (1 + tol) * best + 1e-9
+        assert split_cut_cost(bounds, cuts) == pytest.approx(best_cut, abs=1e-9)
+    assert checked > 200
+
+
+def test_limit_moves_the_split_away_from_the_unlimited_optimum():
+    # Costs alone split [5 | 1 1 1 1 1]; the second cost (all in the tail)
+    # forbids that: the tail may hold at most 6 of the 10.
+    costs = [5, 1, 1, 1, 1, 1]
+    var = [0, 0, 2, 2, 3, 3]
+    assert contiguous_split(costs, [0] * 5, 2) == [0, 1, 6]
+    bounds = contiguous_split(costs, [0] * 5, 2, limit_costs=var, limit=6)
+    assert bounds == [0, 4, 6]
+    assert min_bottleneck(costs, 2, var, 6) == 8
+
+
+def test_balanced_assignment_keeps_the_limit():
+    rng = random.Random(17)
+    for _ in range(100):
+        n, k = rng.randint(4, 40), rng.randint(2, 5)
+        costs = [rng.choice([1, 2, 3, 20]) for _ in range(n)]
+        var = [rng.choice([0, 1, 2, 5]) for _ in range(n)]
+        edges = [(rng.randrange(n), rng.randrange(n), rng.choice([0.5, 4.0])) for _ in range(2 * n)]
+        limit = 1.10 * max(sum(var) / k, max(var))
+        parts = balanced_assignment(costs, k, edges, limit_costs=var, limit=limit)
+        start = balance._lpt_limited([float(c) for c in costs], [float(v) for v in var], limit, k, {})
+        start_max = max(_loads(var, start, k))
+        # Refinement never pushes a part over the limit (or over where the
+        # greedy start left it, when that could not keep the limit).
+        assert max(_loads(var, parts, k)) <= max(limit, start_max) + 1e-9
+
+
+def test_limited_greedy_start_fits_what_plain_lpt_does_not():
+    # Plain LPT on costs piles the variable-heavy units together.
+    costs = [10, 6, 4, 1, 1]
+    var = [0, 0, 5, 0, 5]
+    assert max(_loads(var, lpt_assignment(costs, 2), 2)) == 10
+    parts = balanced_assignment(costs, 2, [], limit_costs=var, limit=6)
+    assert max(_loads(var, parts, 2)) == 5
+    assert max(_loads(costs, parts, 2)) == 11
+
+
 def test_large_contiguous_finishes():
     # Not a timing assertion: just that the O(k n) path handles a big input.
     rng = random.Random(0)
@@ -286,6 +352,13 @@ def test_balanced_assignment_larger_graph():
         (lambda: balanced_assignment([1, 2], 2, fixed={0: 7}), "7"),
         (lambda: balanced_assignment([1, 2], 2, edges=[(0, 9, 1.0)]), "(0, 9, 1.0)"),
         (lambda: balanced_assignment([1, 2], 2, edges=[(0, 1, -3.0)]), "(0, 1, -3.0)"),
+        (lambda: contiguous_split([1, 2], [1], 2, limit_costs=[1, 2]), "limit=None"),
+        (lambda: contiguous_split([1, 2], [1], 2, limit_costs=[1], limit=3), "1 entries"),
+        (lambda: contiguous_split([1, 2], [1], 2, limit_costs=[1, -1], limit=3), "-1"),
+        (lambda: contiguous_split([1, 2], [1], 2, limit_costs=[1, 2], limit=1.5), "1.5"),
+        (lambda: contiguous_split([1, 2, 3], [1, 1], 1, limit_costs=[1, 1, 1], limit=2), "limit=2"),
+        (lambda: min_bottleneck([1, 2, 3], 2, [2, 2, 2], 2.5), "limit"),
+        (lambda: balanced_assignment([1, 2], 2, limit_costs=[1, 2], limit=float("nan")), "nan"),
         (lambda: equal_count_split(-2, 2), "-2"),
         (lambda: equal_cost_greedy_split([1, 2], 0), "0"),
         (lambda: segment_costs([1, 2], [0, 3]), "[0, 3]"),

@@ -230,20 +230,22 @@ def _plan():
     return plan
 
 
-def _chain(num_layers=4, manual=None):
+def _chain(num_layers=4, manual=None, act_bytes=None):
     """x -> L0 -> L1 -> ... -> loss, then the gradients in reverse.
 
     Every layer has a variable read (4 bytes), a forward op (10 flops, 100
-    bytes out) and a gradient op (10 flops); loss and its gradient cost 0.
+    bytes out, or ``act_bytes[i]``) and a gradient op (10 flops); loss and
+    its gradient cost 0.
     """
     manual = manual or {}
+    act_bytes = act_bytes or [100] * num_layers
     spec = [{"name": "x", "type": "Placeholder", "kind": "arg", "flops": 0}]
     prev = "x"
     for i in range(num_layers):
         spec.append({"name": f"L{i}/read", "variables": [f"w{i}"], "layer": f"L{i}", "flops": 0,
                      "manual_partition": manual.get(i)})
         spec.append({"name": f"L{i}/f", "inputs": [prev, f"L{i}/read"], "layer": f"L{i}", "flops": 10,
-                     "bytes": 100})
+                     "bytes": act_bytes[i]})
         prev = f"L{i}/f"
     spec.append({"name": "loss", "inputs": [prev], "flops": 0})
     spec.append({"name": "loss/grad", "inputs": ["loss"], "forward": "loss", "flops": 0})
@@ -321,6 +323,37 @@ def test_auto_contiguous_memory_mode_weighs_variable_bytes():
     a = _plan().assign_partitions(g, 2, optimize="memory")
     assert _part(g, a, "L0/f") == 0
     assert [_part(g, a, f"L{i}/f") for i in (1, 2, 3)] == [1, 1, 1]
+
+
+@pytest.mark.parametrize("contiguous", [True, False])
+def test_memory_mode_keeps_variable_bytes_within_ten_percent_of_even(contiguous):
+    # Activations dominate the first layers, variables the last two. Memory
+    # alone would isolate L0 (10012 of 26224 bytes) and leave 2008 of the
+    # 2016 variable bytes on partition 1; the variable limit (1.10 x 1008)
+    # allows only L3 (1000 bytes) apart from the rest.
+    base = _chain(act_bytes=[10000, 10000, 100, 100])
+    g = OpGraph(base.ops, base.tensors, {**base.variable_bytes, "w2": 1000, "w3": 1000})
+    plan = _plan()
+    a = plan.assign_partitions(g, 2, optimize="memory", contiguous=contiguous)
+    per_part = [0, 0]
+    for v, nbytes in g.variable_bytes.items():
+        readers = {a[op.index] for op in g.ops if v in op.variables}
+        assert len(readers) == 1
+        per_part[readers.pop()] += nbytes
+    assert max(per_part) <= plan.VARIABLE_BALANCE * sum(per_part) / 2
+    assert _part(g, a, "L2/f") != _part(g, a, "L3/f")
+    if contiguous:
+        assert [_part(g, a, f"L{i}/f") for i in range(4)] == [0, 0, 0, 1]
+
+
+def test_variable_limit_is_what_a_contiguous_split_can_do():
+    plan = _plan()
+    # Even share 5, largest unit 4: 1.10 x 5 unless contiguity needs more.
+    assert plan.variable_limit([4, 1, 1, 4], 2, contiguous=False) == pytest.approx(5.5)
+    assert plan.variable_limit([4, 1, 1, 4], 2, contiguous=True) == pytest.approx(5.5)
+    # [4, 4, 1, 1]: the best contiguous split holds 8 | 2 or 4 | 6.
+    assert plan.variable_limit([4, 4, 1, 1], 2, contiguous=True) == pytest.approx(6)
+    assert plan.variable_limit([4, 4, 1, 1], 2, contiguous=False) == pytest.approx(5.5)
 
 
 def test_free_ops_follow_their_consumer():

@@ -109,6 +109,39 @@ def _check_cut_costs(cut_costs: Sequence[float], n: int) -> List[float]:
     return _check_costs(cut_costs, "cut_costs")
 
 
+def _check_limit(
+    limit_costs: Optional[Sequence[float]], limit: Optional[float], n: int
+) -> Tuple[Optional[List[float]], Optional[float]]:
+    """Validates a second, capped cost per unit (e.g. variable bytes)."""
+    if limit_costs is None and limit is None:
+        return None, None
+    if limit_costs is None or limit is None:
+        raise ValueError(
+            f"limit_costs and limit go together. Received: limit_costs={'None' if limit_costs is None else '...'}, "
+            f"limit={limit!r}"
+        )
+    if len(limit_costs) != n:
+        raise ValueError(f"limit_costs must have len(costs) = {n} entries. Received: {len(limit_costs)} entries")
+    v = _check_costs(limit_costs, "limit_costs")
+    lim = float(limit)
+    if not (lim >= 0.0) or lim == _INF:
+        raise ValueError(f"limit must be a finite number >= 0. Received: {limit!r}")
+    worst = max(v, default=0.0)
+    if worst > lim + _eps(sum(v)):
+        raise ValueError(
+            f"limit={limit!r} is below the largest limit_costs entry ({worst!r}): no part can hold that unit. "
+            "Raise the limit to at least the largest entry."
+        )
+    return v, lim
+
+
+def _cap_reach(v: List[float], limit: float) -> List[int]:
+    """``reach[j]``: the furthest end i with ``sum(v[j:i]) <= limit``."""
+    pv = _prefix(v)
+    bound = limit + _eps(pv[-1])
+    return [bisect_right(pv, pv[j] + bound, j) - 1 for j in range(len(v) + 1)]
+
+
 def _check_boundaries(boundaries: Sequence[int], n: Optional[int] = None) -> List[int]:
     try:
         b = [operator.index(x) for x in boundaries]
@@ -139,19 +172,64 @@ def _eps(total: float) -> float:
 # --------------------------------------------------------------------------- contiguous
 
 
-def _feasible(s: List[float], start: int, parts: int, bound: float) -> bool:
+def _feasible(s: List[float], start: int, parts: int, bound: float, cap: Optional[List[int]] = None) -> bool:
     """Greedy test: can units ``start..n-1`` be covered by `parts` segments of sum <= bound?
 
     Taking the longest admissible segment each time is optimal, and each jump
-    is one binary search, so a probe costs O(parts log n).
+    is one binary search, so a probe costs O(parts log n). With `cap` (see
+    `_cap_reach`) a segment starting at j also ends by ``cap[j]``; both limits
+    grow with j, so the longest admissible segment is still optimal.
     """
     n = len(s) - 1
     pos = start
     for _ in range(parts):
         if pos == n:
             return True
-        pos = bisect_right(s, s[pos] + bound, pos) - 1
+        end = bisect_right(s, s[pos] + bound, pos) - 1
+        pos = end if cap is None else min(end, cap[pos])
     return pos == n
+
+
+def _greedy_peak(s: List[float], k: int, bound: float, cap: List[int]) -> float:
+    """Largest segment sum of the greedy cover at `bound` (a feasible bound)."""
+    n = len(s) - 1
+    pos, peak = 0, 0.0
+    for _ in range(k):
+        if pos == n:
+            break
+        end = min(bisect_right(s, s[pos] + bound, pos) - 1, cap[pos])
+        peak = max(peak, s[end] - s[pos])
+        pos = end
+    return peak
+
+
+def _min_bottleneck_capped(s: List[float], k: int, cap: List[int]) -> float:
+    """`_min_bottleneck` when segments must also end by `cap` (bisection).
+
+    The bound is bisected down to rounding and then snapped to the peak of a
+    feasible greedy cover, which is itself a segment sum: the result is the
+    optimum up to the rounding of prefix sums.
+    """
+    n = len(s) - 1
+    if n == 0:
+        return 0.0
+    eps = _eps(s[n])
+    hi = s[n]
+    if not _feasible(s, 0, k, hi + eps, cap):
+        raise ValueError(f"limit cannot be met with {k} contiguous segments; raise it.")
+    lo = 0.0
+    if _feasible(s, 0, k, eps, cap):
+        return _greedy_peak(s, k, eps, cap)
+    # Invariant: lo infeasible, hi feasible.
+    for _ in range(200):
+        if hi - lo <= eps:
+            break
+        mid = 0.5 * (lo + hi)
+        if _feasible(s, 0, k, mid + eps, cap):
+            hi = mid
+        else:
+            lo = mid
+    return _greedy_peak(s, k, hi + eps, cap)
 
 
 def _min_bottleneck(s: List[float], k: int) -> float:
@@ -185,7 +263,12 @@ def _min_bottleneck(s: List[float], k: int) -> float:
     return min(best, max(lo, s[n] - s[i]))
 
 
-def min_bottleneck(costs: Sequence[float], k: int) -> float:
+def min_bottleneck(
+    costs: Sequence[float],
+    k: int,
+    limit_costs: Optional[Sequence[float]] = None,
+    limit: Optional[float] = None,
+) -> float:
     """Smallest achievable maximum segment cost over splits into k contiguous segments.
 
     Segments may be empty (this only matters when ``len(costs) < k``; with
@@ -194,23 +277,34 @@ def min_bottleneck(costs: Sequence[float], k: int) -> float:
     Args:
         costs: non-negative cost of each unit, in order.
         k: number of segments (>= 1).
+        limit_costs: optional second cost per unit (e.g. variable bytes)...
+        limit: ...that no segment may exceed in total. Both or neither.
 
     Returns:
         The optimal bottleneck ``B*`` (0.0 for no units). Exact up to the
         rounding of prefix sums.
 
     Raises:
-        ValueError: `k` < 1 or a cost is negative, NaN or infinite.
+        ValueError: `k` < 1, a cost is negative, NaN or infinite, or `limit`
+            cannot be met by k contiguous segments.
     """
     k = _check_k(k)
     c = _check_costs(costs)
+    v, lim = _check_limit(limit_costs, limit, len(c))
     if k >= len(c):  # one unit per segment is optimal
         return max(c, default=0.0)
+    if v is not None:
+        return _min_bottleneck_capped(_prefix(c), k, _cap_reach(v, lim))
     return _min_bottleneck(_prefix(c), k)
 
 
 def contiguous_split(
-    costs: Sequence[float], cut_costs: Sequence[float], k: int, tolerance: float = 0.0
+    costs: Sequence[float],
+    cut_costs: Sequence[float],
+    k: int,
+    tolerance: float = 0.0,
+    limit_costs: Optional[Sequence[float]] = None,
+    limit: Optional[float] = None,
 ) -> List[int]:
     """Exact two-stage contiguous split: bottleneck first, then cut cost.
 
@@ -226,36 +320,52 @@ def contiguous_split(
             i and unit i + 1; exactly ``max(n - 1, 0)`` entries.
         k: number of segments (>= 1).
         tolerance: allowed relative excess over the optimal bottleneck.
+        limit_costs: optional second cost per unit (e.g. variable bytes)...
+        limit: ...that no segment may exceed in total; the bottleneck is then
+            the optimum among the splits that respect it. Both or neither.
 
     Returns:
         Boundaries ``[0, b1, ..., n]`` (k + 1 non-decreasing entries).
 
     Raises:
         ValueError: `k` < 1, a negative / NaN / infinite cost or cut cost, a
-            `cut_costs` of the wrong length, or a negative / NaN `tolerance`.
+            `cut_costs` of the wrong length, a negative / NaN `tolerance`, or
+            a `limit` that k contiguous segments cannot meet.
     """
     k = _check_k(k)
     c = _check_costs(costs)
     n = len(c)
     cut = _check_cut_costs(cut_costs, n)
     tol = _check_tolerance(tolerance)
+    v, lim = _check_limit(limit_costs, limit, n)
     if n <= k:  # no choice: every unit alone, the rest empty
         return list(range(n + 1)) + [n] * (k - n)
+    cap = None if v is None else _cap_reach(v, lim)
     if k == 1:
+        if cap is not None and cap[0] < n:
+            raise ValueError(f"limit={limit!r} cannot be met with 1 segment (the total is {sum(v)!r}); raise it.")
         return [0, n]
 
     s = _prefix(c)
     eps = _eps(s[n])
-    bound = (1.0 + tol) * _min_bottleneck(s, k) + eps
+    best = _min_bottleneck(s, k) if cap is None else _min_bottleneck_capped(s, k, cap)
+    bound = (1.0 + tol) * best + eps
 
-    # left[i]: first j with S[i] - S[j] <= bound, i.e. segment [j, i) admissible.
+    # left[i]: first j with S[i] - S[j] <= bound (and the limit kept), i.e.
+    # segment [j, i) admissible; non-decreasing in i.
     left = [bisect_left(s, si - bound) for si in s]
+    if v is not None:
+        pv = _prefix(v)
+        vbound = lim + _eps(pv[n])
+        left = [max(a, bisect_left(pv, pv[i] - vbound)) for i, a in enumerate(left)]
     # reach[t]: furthest prefix coverable by t segments (greedy forward);
     # back[t]: smallest start whose suffix is coverable by t segments. They
     # prune the DP to positions that can lie on a feasible split.
     reach = [0] * (k + 1)
     for t in range(1, k + 1):
         reach[t] = bisect_right(s, s[reach[t - 1]] + bound) - 1
+        if cap is not None:
+            reach[t] = min(reach[t], cap[reach[t - 1]])
     back = [n] * (k + 1)
     for t in range(1, k + 1):
         back[t] = left[back[t - 1]]
@@ -350,7 +460,12 @@ def split_cut_cost(boundaries: Sequence[int], cut_costs: Sequence[float]) -> flo
 
 
 def brute_force_contiguous(
-    costs: Sequence[float], cut_costs: Sequence[float], k: int, tolerance: float = 0.0
+    costs: Sequence[float],
+    cut_costs: Sequence[float],
+    k: int,
+    tolerance: float = 0.0,
+    limit_costs: Optional[Sequence[float]] = None,
+    limit: Optional[float] = None,
 ) -> Tuple[float, float]:
     """Exhaustive reference for `min_bottleneck` / `contiguous_split` (tests, small n only).
 
@@ -362,6 +477,8 @@ def brute_force_contiguous(
         cut_costs: boundary costs (``max(n - 1, 0)`` entries).
         k: number of segments (>= 1).
         tolerance: allowed relative excess over the optimal bottleneck.
+        limit_costs, limit: as `contiguous_split`; splits with a segment over
+            the limit are left out.
 
     Returns:
         ``(optimal bottleneck, minimal cut cost among splits within
@@ -375,10 +492,16 @@ def brute_force_contiguous(
     n = len(c)
     cut = _check_cut_costs(cut_costs, n)
     tol = _check_tolerance(tolerance)
+    v, lim = _check_limit(limit_costs, limit, n)
     if n <= k:
         splits = [list(range(n + 1)) + [n] * (k - n)]
     else:
         splits = [[0, *inner, n] for inner in itertools.combinations(range(1, n), k - 1)]
+    if v is not None:
+        slack = lim + _eps(sum(v))
+        splits = [b for b in splits if all(sum(v[b[j]:b[j + 1]]) <= slack for j in range(k))]
+        if not splits:
+            raise ValueError(f"limit={limit!r} cannot be met with {k} contiguous segments; raise it.")
     scored = []
     for b in splits:
         peak = max(sum(c[b[j]:b[j + 1]]) for j in range(k))
@@ -507,6 +630,43 @@ def _lpt(c: List[float], k: int, fixed: Dict[int, int]) -> List[int]:
     return parts
 
 
+def _lpt_limited(c: List[float], v: List[float], limit: float, k: int, fixed: Dict[int, int]) -> List[int]:
+    """LPT with a second, capped cost: each unit, largest first, goes to the
+    least loaded part among those where its `v` still fits under `limit`.
+
+    "Largest" weighs both costs: units are taken by the larger of their
+    shares ``c / (total c / k)`` and ``v / limit``, so the units that are hard
+    to fit under the limit are placed while there is room. When no part has
+    room, the unit goes to the part with the least `v`.
+    """
+    n = len(c)
+    parts = [-1] * n
+    load = [0.0] * k
+    vload = [0.0] * k
+    count = [0] * k
+    for u in sorted(fixed):
+        p = fixed[u]
+        parts[u] = p
+        load[p] += c[u]
+        vload[p] += v[u]
+        count[p] += 1
+    share = (sum(c) / k) or 1.0
+    vlim = limit or 1.0
+    slack = limit + _eps(sum(v))
+    free = sorted((u for u in range(n) if parts[u] < 0), key=lambda u: (-max(c[u] / share, v[u] / vlim), u))
+    for u in free:
+        fits = [p for p in range(k) if vload[p] + v[u] <= slack]
+        if fits:
+            p = min(fits, key=lambda q: (load[q], count[q], q))
+        else:
+            p = min(range(k), key=lambda q: (vload[q], count[q], q))
+        parts[u] = p
+        load[p] += c[u]
+        vload[p] += v[u]
+        count[p] += 1
+    return parts
+
+
 def _check_edges(edges: Sequence[Tuple[int, int, float]], n: int) -> List[Tuple[int, int, float]]:
     out = []
     for e in edges:
@@ -548,6 +708,8 @@ def balanced_assignment(
     edges: Sequence[Tuple[int, int, float]] = (),
     tolerance: float = 0.05,
     fixed: Optional[Mapping[int, int]] = None,
+    limit_costs: Optional[Sequence[float]] = None,
+    limit: Optional[float] = None,
 ) -> List[int]:
     """Non-contiguous assignment: balanced loads, then fewer cut edges.
 
@@ -567,13 +729,20 @@ def balanced_assignment(
             different parts; duplicates add up, self-loops are ignored.
         tolerance: relative load slack the refinement may use.
         fixed: unit -> part pins; pinned units never move.
+        limit_costs: optional second cost per unit (e.g. variable bytes)...
+        limit: ...that each part should hold at most: the greedy start
+            places every unit where it fits under the limit when one can
+            (see `_lpt_limited`), and the refinement never pushes a part's
+            total above ``max(limit, its total after the greedy start)``.
+            Both or neither.
 
     Returns:
         The part of each unit. Every part is non-empty when ``n >= k``, unless
         the pins leave fewer free units than unpinned parts.
 
     Raises:
-        ValueError: `k` < 1, an invalid cost, edge, pin or `tolerance`.
+        ValueError: `k` < 1, an invalid cost, edge, pin, `tolerance` or
+            limit.
     """
     k = _check_k(k)
     c = _check_costs(costs)
@@ -581,15 +750,21 @@ def balanced_assignment(
     tol = _check_tolerance(tolerance)
     pins = _check_fixed(fixed, n, k)
     es = _check_edges(edges, n)
-    parts = _lpt(c, k, pins)
+    v, lim = _check_limit(limit_costs, limit, n)
+    parts = _lpt(c, k, pins) if v is None else _lpt_limited(c, v, lim, k, pins)
     if k == 1 or not es:
         return parts
 
     load = [0.0] * k
     count = [0] * k
+    vload = [0.0] * k
     for u, p in enumerate(parts):
         load[p] += c[u]
         count[p] += 1
+        if v is not None:
+            vload[p] += v[u]
+    vc = [0.0] * n if v is None else v
+    vcap = max(max(vload), lim or 0.0) + _eps(sum(vc))
     total = sum(c)
     cap = max(max(load), (1.0 + tol) * max(total / k, max(c, default=0.0))) + _eps(total)
 
@@ -630,7 +805,7 @@ def balanced_assignment(
                 gain = wq - inside
                 if q == a or gain <= min_gain:
                     continue
-                if load[q] + cu <= cap and count[a] > 1:
+                if load[q] + cu <= cap and vload[q] + vc[u] <= vcap and count[a] > 1:
                     if gain > best_gain or (gain == best_gain and (load[q], q) < (load[best_q], best_q)):
                         best_q, best_gain = q, gain
                 elif gain > blocked_gain or (gain == blocked_gain and q < blocked_q):
@@ -639,6 +814,8 @@ def balanced_assignment(
                 parts[u] = best_q
                 load[a] -= cu
                 load[best_q] += cu
+                vload[a] -= vc[u]
+                vload[best_q] += vc[u]
                 count[a] -= 1
                 count[best_q] += 1
                 moved += 1
@@ -654,6 +831,9 @@ def balanced_assignment(
             for idx, v in enumerate(partners or ()):
                 cv = c[v]
                 if parts[v] != b or load[b] - cv + cu > cap or load[a] - cu + cv > cap:
+                    continue
+                dv = vc[v] - vc[u]
+                if vload[b] - dv > vcap or vload[a] + dv > vcap:
                     continue
                 # v's gain is recomputed (parts changed since it was queued).
                 # The edge u-v stays cut although both gains counted it as
@@ -671,6 +851,8 @@ def balanced_assignment(
                     parts[u], parts[v] = b, a
                     load[a] += cv - cu
                     load[b] += cu - cv
+                    vload[a] += dv
+                    vload[b] -= dv
                     del partners[idx]
                     moved += 1
                     swapped = True

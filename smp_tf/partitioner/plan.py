@@ -8,7 +8,9 @@ The pipeline of `assign_partitions`:
 3. each unit gets a cost: ``speed`` -> its share of the estimated flops plus
    a tenth of its share of the variables; ``memory`` -> bytes of its
    variables times (1 + optimizer slots) plus the forward activations its
-   gradient ops keep alive;
+   gradient ops keep alive, and no partition may hold more than
+   `VARIABLE_BALANCE` times the even share of variable bytes (where the
+   largest unit and, for contiguous splits, the order allow);
 4. ``contiguous=True``: an exact split of the unit sequence into contiguous
    ranges (minimum bottleneck, then minimum bytes cut); otherwise a balanced
    non-contiguous assignment that keeps heavy edges inside partitions;
@@ -34,6 +36,11 @@ __all__ = ["assign_partitions", "complete_assignment", "check_assignment", "Part
 DEFAULT_SLOTS = 2.0
 #: Weight of the variable-count share next to the flop share for ``optimize="speed"``.
 VARIABLE_COUNT_WEIGHT = 0.1
+#: ``optimize="memory"``: no partition holds more than this times the ideal
+#: variable bytes (total / partitions, or the largest colocation group's when
+#: that is more), unless a contiguous split cannot do it; then the least a
+#: contiguous split can do.
+VARIABLE_BALANCE = 1.10
 
 _PASS_THROUGH = frozenset(["Identity", "IdentityN", "Snapshot", "NoOp"])
 
@@ -87,6 +94,34 @@ def unit_costs(graph: OpGraph, groups: Groups, optimize: str, slots: float = DEF
                             cost[g] += tensor.bytes
         return cost
     raise ValueError(f"optimize must be 'speed' or 'memory'. Received: optimize={optimize!r}")
+
+
+def unit_variable_bytes(graph: OpGraph, groups: Groups) -> List[float]:
+    """Bytes of the variables of each group (each variable counted once, in
+    the first group that reads it, as `unit_costs` does)."""
+    out = [0.0] * len(groups)
+    seen = set()
+    for g, ms in enumerate(groups.members):
+        for i in ms:
+            for v in graph.ops[i].variables:
+                if v not in seen:
+                    seen.add(v)
+                    out[g] += graph.variable_bytes.get(v, 0)
+    return out
+
+
+def variable_limit(var_bytes: Sequence[float], num_partitions: int, contiguous: bool) -> float:
+    """The most variable bytes a partition may hold under ``optimize="memory"``.
+
+    `VARIABLE_BALANCE` times the larger of the ideal share and the largest
+    unit; for contiguous splits at least the smallest maximum a contiguous
+    split achieves (contiguity may not allow less).
+    """
+    total = float(sum(var_bytes))
+    limit = VARIABLE_BALANCE * max(total / num_partitions, max(var_bytes, default=0.0))
+    if contiguous:
+        limit = max(limit, balance.min_bottleneck(var_bytes, num_partitions))
+    return limit
 
 
 def _cut_costs(graph: OpGraph, groups: Groups, unit_of_group: Dict[int, int], n_units: int) -> List[float]:
@@ -288,9 +323,16 @@ def assign_partitions(
         unit_of_group = {g: u for u, g in enumerate(unit_groups)}
         all_costs = unit_costs(graph, groups, optimize, slots)
         costs = [all_costs[g] for g in unit_groups]
+        # Memory: activations count, but the variables (what stays resident
+        # whatever the batch) are kept within VARIABLE_BALANCE of even.
+        limit_kw = {}
+        if optimize == "memory":
+            var_bytes = unit_variable_bytes(graph, groups)
+            unit_vb = [var_bytes[g] for g in unit_groups]
+            limit_kw = {"limit_costs": unit_vb, "limit": variable_limit(unit_vb, num_partitions, contiguous)}
         if contiguous:
             cuts = _cut_costs(graph, groups, unit_of_group, len(unit_groups))
-            bounds = balance.contiguous_split(costs, cuts, num_partitions, tolerance=tolerance)
+            bounds = balance.contiguous_split(costs, cuts, num_partitions, tolerance=tolerance, **limit_kw)
             for p in range(num_partitions):
                 for u in range(bounds[p], bounds[p + 1]):
                     part_of_group[unit_groups[u]] = p
@@ -298,7 +340,9 @@ def assign_partitions(
             _refine_light_units(graph, groups, unit_groups, costs, part_of_group, num_partitions, bottleneck * (1 + tolerance))
         else:
             edges = _unit_edges(graph, groups, unit_of_group)
-            parts = balance.balanced_assignment(costs, num_partitions, edges, tolerance=max(tolerance, 0.05))
+            parts = balance.balanced_assignment(
+                costs, num_partitions, edges, tolerance=max(tolerance, 0.05), **limit_kw
+            )
             for u, p in enumerate(parts):
                 part_of_group[unit_groups[u]] = p
         _follow_neighbours(graph, groups, part_of_group, num_partitions - 1)
