@@ -228,7 +228,7 @@ class CompiledStep:
         # Outputs computed once over all micro-batches after the pipeline
         # (opt-in: their inputs stay alive for every micro-batch).
         self.fused: Dict[int, Tuple[FusedGradient, FusedOp]] = {}
-        if getattr(cfg, "fuse_weight_gradients", False):
+        if cfg.fuse_weight_gradients:
             for f in fusable_gradients(g, self.output_tensors, self._attrs_of):
                 op = self.traced.graph.get_operation_by_name(g.ops[f.op].name)
                 data_format = op.get_attr("data_format").decode() if op.type == "BiasAddGrad" else "NHWC"
@@ -259,7 +259,7 @@ class CompiledStep:
         # Products that read a variable transposed get it transposed once
         # per step instead (opt-in: one transposed copy lives during the step).
         self.pretransposed: Dict[int, PreTransposed] = {}
-        if getattr(cfg, "pretranspose_weights", False):
+        if cfg.pretranspose_weights:
             from smp_tf.step import CapturedVariable
 
             for p in pretransposable_products(g, self._attrs_of):
@@ -350,12 +350,12 @@ class CompiledStep:
         # Variables read transposed, transposed once for the whole step on
         # the partition that reads them; free of control dependencies, they
         # run as soon as the step starts.
+        capture_of_read = {p.read: p.capture for p in self.pretransposed.values()}
         transposed: Dict[Tuple[int, int], tf.Tensor] = {}
         for task in self.tasks:
             for r in task.transposed_reads:
                 if (task.partition, r) not in transposed:
-                    p = next(p for p in self.pretransposed.values() if p.read == r)
-                    var = self.traced.captures[g.ops[p.capture].name].current
+                    var = self.traced.captures[g.ops[capture_of_read[r]].name].current
                     with tf.name_scope(f"smp/p{task.partition}/transposed"), tf.device(self.devices[task.partition]):
                         transposed[(task.partition, r)] = tf.transpose(var.read_value())
         # A tensor crosses to a partition once per micro-batch: later tasks
@@ -400,7 +400,7 @@ class CompiledStep:
                     # An input that came from another partition is taken as
                     # received there, not fetched again from its producer.
                     inputs = tuple(
-                        received.get((m, x, part)) if (m, x, part) in received
+                        received[(m, x, part)] if (m, x, part) in received
                         else self._output_value(raw, arg_values[m], m, x)
                         for x in f.inputs
                     )

@@ -70,19 +70,21 @@ class FusedOp:
     device: str = ""
 
     def apply(self, inputs: Sequence[tf.Tensor]) -> tf.Tensor:
-        """Runs the op on `inputs`."""
-        if self.op_type == "MatMul":
-            return tf.linalg.matmul(inputs[0], inputs[1], transpose_a=True)
-        if self.op_type == "BiasAddGrad":
-            return tf.raw_ops.BiasAddGrad(out_backprop=inputs[0], data_format=self.data_format)
+        """Runs the op on `inputs`, on `device`."""
+        with tf.device(self.device or None):
+            if self.op_type == "MatMul":
+                return tf.linalg.matmul(inputs[0], inputs[1], transpose_a=True)
+            if self.op_type == "BiasAddGrad":
+                return tf.raw_ops.BiasAddGrad(out_backprop=inputs[0], data_format=self.data_format)
         raise ValueError(f"FusedOp cannot run op type {self.op_type!r}; expected 'MatMul' or 'BiasAddGrad'.")
 
     def apply_summed(self, per_microbatch: Sequence[Sequence[tf.Tensor]]) -> tf.Tensor:
         """The sum over micro-batches, as one op on the concatenated inputs."""
         if len(per_microbatch) == 1:
             return self.apply(per_microbatch[0])
-        columns = zip(*per_microbatch)
-        return self.apply([tf.concat(list(c), axis=0) for c in columns])
+        with tf.device(self.device or None):
+            columns = [tf.concat(list(c), axis=0) for c in zip(*per_microbatch)]
+        return self.apply(columns)
 
 
 class StepOutput:
@@ -137,8 +139,7 @@ class StepOutput:
     def _outputs(self) -> List[Any]:
         if self._values is None:
             # Per-micro-batch values of a fused output are built on demand.
-            with tf.device(self._fused.device or None):
-                self._values = [self._fused.apply(x) for x in self._fused_inputs]
+            self._values = [self._fused.apply(x) for x in self._fused_inputs]
         return self._values
 
     # -- container protocol -------------------------------------------------
@@ -346,7 +347,7 @@ class StepOutput:
         if self._fused is not None:
             # One op over all micro-batches (see FusedOp): no per-micro-batch
             # values and no running sum are built.
-            return self._divide(self._fused.apply_summed(self._fused_inputs))
+            return self.reduce_mean()
         if all(o is None for o in self._outputs):
             return None
         if all(isinstance(o, tf.IndexedSlices) for o in self._outputs):

@@ -242,15 +242,17 @@ def test_second_step_function_does_not_move_placed_variables():
     assert all(not np.array_equal(a, b) for a, b in zip(before, after))
 
 
-def test_fused_weight_gradients_leave_the_tasks_and_run_once_per_variable():
-    """With fuse_weight_gradients, each kernel gradient is one MatMul over the
-    whole batch, on its variable's device, and no task computes it."""
+def _train_graph(config):
+    """The MLP's training step (gradients accumulated) traced under `config`.
+
+    Returns the model, the batch x, the step function, the traced graph, the
+    step's compiled entry and the accumulated gradient tensors.
+    """
     import keras
 
     keras.utils.set_random_seed(0)
     model = models.mlp()
-    M = 4
-    smp.init({"partitions": 2, "microbatches": M, "fuse_weight_gradients": True})
+    smp.init(config)
     step = smp.step(models.make_body(model, "mlp"))
     x, y = models.data("mlp")
     accumulated = []
@@ -263,7 +265,14 @@ def test_fused_weight_gradients_leave_the_tasks_and_run_once_per_variable():
         return acc
 
     graph = run.get_concrete_function(tf.constant(x), tf.constant(y)).graph
-    entry = next(iter(step._compiled.values()))
+    return model, x, step, graph, next(iter(step._compiled.values())), accumulated
+
+
+def test_fused_weight_gradients_leave_the_tasks_and_run_once_per_variable():
+    """With fuse_weight_gradients, each kernel gradient is one MatMul over the
+    whole batch, on its variable's device, and no task computes it."""
+    model, x, step, graph, entry, accumulated = _train_graph(
+        {"partitions": 2, "microbatches": 4, "fuse_weight_gradients": True})
     kernels = [v for v in model.trainable_variables if "kernel" in v.path]
     assert len(entry.fused) == len(model.trainable_variables)
     removed = {entry.plan.op_graph.ops[f.op].name for f, _ in entry.fused.values()}
@@ -311,22 +320,8 @@ def test_pretransposed_weights_are_transposed_once_per_step_on_their_device():
     """With pretranspose_weights, no task multiplies by a transposed kernel:
     each kernel read transposed is transposed once per step, by the outer
     graph, on the partition that reads it, and fed to the task."""
-    import keras
-
-    keras.utils.set_random_seed(0)
-    model = models.mlp()
-    M = 4
-    smp.init({"partitions": 2, "microbatches": M, "pretranspose_weights": True})
-    step = smp.step(models.make_body(model, "mlp"))
-    x, y = models.data("mlp")
-
-    @tf.function
-    def run(x, y):
-        _, grads, _ = step(x, y)
-        return [g.accumulate() for g in grads]
-
-    graph = run.get_concrete_function(tf.constant(x), tf.constant(y)).graph
-    entry = next(iter(step._compiled.values()))
+    model, _, _, graph, entry, _ = _train_graph(
+        {"partitions": 2, "microbatches": 4, "pretranspose_weights": True})
     kernels = [v for v in model.trainable_variables if "kernel" in v.path]
     # The first layer's input gradient is never computed (x is no variable).
     assert len(entry.pretransposed) == len(kernels) - 1
@@ -336,8 +331,7 @@ def test_pretransposed_weights_are_transposed_once_per_step_on_their_device():
     transposes = [op for op in graph.get_operations() if op.type == "Transpose" and "/transposed" in op.name]
     # One per kernel read, not one per micro-batch.
     assert len(transposes) == len(entry.pretransposed)
-    partition_of_task = {t.key: t.partition for t in entry.tasks}
-    readers = {r: partition_of_task[t.key] for t in entry.tasks for r in t.transposed_reads}
+    readers = {r: t.partition for t in entry.tasks for r in t.transposed_reads}
     assert sorted(readers) == sorted(p.read for p in entry.pretransposed.values())
     devices = sorted(tf.DeviceSpec.from_string(op.device).device_index for op in transposes)
     assert devices == sorted(readers.values())

@@ -135,11 +135,10 @@ def _check_limit(
     return v, lim
 
 
-def _cap_reach(v: List[float], limit: float) -> List[int]:
-    """``reach[j]``: the furthest end i with ``sum(v[j:i]) <= limit``."""
-    pv = _prefix(v)
+def _cap_reach(pv: List[float], limit: float) -> List[int]:
+    """``reach[j]``: the furthest end i with ``sum(v[j:i]) <= limit`` (`pv`: prefix sums of v)."""
     bound = limit + _eps(pv[-1])
-    return [bisect_right(pv, pv[j] + bound, j) - 1 for j in range(len(v) + 1)]
+    return [bisect_right(pv, pv[j] + bound, j) - 1 for j in range(len(pv))]
 
 
 def _check_boundaries(boundaries: Sequence[int], n: Optional[int] = None) -> List[int]:
@@ -294,7 +293,7 @@ def min_bottleneck(
     if k >= len(c):  # one unit per segment is optimal
         return max(c, default=0.0)
     if v is not None:
-        return _min_bottleneck_capped(_prefix(c), k, _cap_reach(v, lim))
+        return _min_bottleneck_capped(_prefix(c), k, _cap_reach(_prefix(v), lim))
     return _min_bottleneck(_prefix(c), k)
 
 
@@ -340,7 +339,8 @@ def contiguous_split(
     v, lim = _check_limit(limit_costs, limit, n)
     if n <= k:  # no choice: every unit alone, the rest empty
         return list(range(n + 1)) + [n] * (k - n)
-    cap = None if v is None else _cap_reach(v, lim)
+    pv = None if v is None else _prefix(v)
+    cap = None if pv is None else _cap_reach(pv, lim)
     if k == 1:
         if cap is not None and cap[0] < n:
             raise ValueError(f"limit={limit!r} cannot be met with 1 segment (the total is {sum(v)!r}); raise it.")
@@ -354,8 +354,7 @@ def contiguous_split(
     # left[i]: first j with S[i] - S[j] <= bound (and the limit kept), i.e.
     # segment [j, i) admissible; non-decreasing in i.
     left = [bisect_left(s, si - bound) for si in s]
-    if v is not None:
-        pv = _prefix(v)
+    if pv is not None:
         vbound = lim + _eps(pv[n])
         left = [max(a, bisect_left(pv, pv[i] - vbound)) for i, a in enumerate(left)]
     # reach[t]: furthest prefix coverable by t segments (greedy forward);
@@ -755,15 +754,14 @@ def balanced_assignment(
     if k == 1 or not es:
         return parts
 
+    vc = [0.0] * n if v is None else v
     load = [0.0] * k
     count = [0] * k
     vload = [0.0] * k
     for u, p in enumerate(parts):
         load[p] += c[u]
         count[p] += 1
-        if v is not None:
-            vload[p] += v[u]
-    vc = [0.0] * n if v is None else v
+        vload[p] += vc[u]
     vcap = max(max(vload), lim or 0.0) + _eps(sum(vc))
     total = sum(c)
     cap = max(max(load), (1.0 + tol) * max(total / k, max(c, default=0.0))) + _eps(total)

@@ -58,34 +58,37 @@ def _group_positions(graph: OpGraph, groups: Groups) -> List[Optional[int]]:
     return pos
 
 
+def _group_variables(graph: OpGraph, groups: Groups) -> List[List[str]]:
+    """The variables of each group, each variable in the first group that reads it."""
+    out: List[List[str]] = [[] for _ in range(len(groups))]
+    seen = set()
+    for g, ms in enumerate(groups.members):
+        for i in ms:
+            for v in graph.ops[i].variables:
+                if v not in seen:
+                    seen.add(v)
+                    out[g].append(v)
+    return out
+
+
 def unit_costs(graph: OpGraph, groups: Groups, optimize: str, slots: float = DEFAULT_SLOTS) -> List[float]:
     """Cost of each group under the `optimize` objective (see the module doc)."""
     n = len(groups)
     if optimize == "speed":
-        flops = [0.0] * n
-        nvars = [0.0] * n
-        seen = set()
-        for g, ms in enumerate(groups.members):
-            for i in ms:
-                flops[g] += graph.ops[i].flops
-                for v in graph.ops[i].variables:
-                    if v not in seen:
-                        seen.add(v)
-                        nvars[g] += 1
+        flops = [sum(graph.ops[i].flops for i in ms) for ms in groups.members]
+        nvars = [len(vs) for vs in _group_variables(graph, groups)]
         tf_ = sum(flops) or 1.0
         tv = sum(nvars) or 1.0
         return [flops[g] / tf_ + VARIABLE_COUNT_WEIGHT * nvars[g] / tv for g in range(n)]
     if optimize == "memory":
         cost = [0.0] * n
-        seen = set()
+        for g, vs in enumerate(_group_variables(graph, groups)):
+            for v in vs:
+                factor = 1.0 + (slots if graph.trainable.get(v, True) else 0.0)
+                cost[g] += graph.variable_bytes.get(v, 0) * factor
         for g, ms in enumerate(groups.members):
             for i in ms:
                 op = graph.ops[i]
-                for v in op.variables:
-                    if v not in seen:
-                        seen.add(v)
-                        factor = 1.0 + (slots if graph.trainable.get(v, True) else 0.0)
-                        cost[g] += graph.variable_bytes.get(v, 0) * factor
                 if not op.is_gradient:
                     # Activations kept for the backward: outputs read by gradient ops.
                     for t in op.outputs:
@@ -99,15 +102,7 @@ def unit_costs(graph: OpGraph, groups: Groups, optimize: str, slots: float = DEF
 def unit_variable_bytes(graph: OpGraph, groups: Groups) -> List[float]:
     """Bytes of the variables of each group (each variable counted once, in
     the first group that reads it, as `unit_costs` does)."""
-    out = [0.0] * len(groups)
-    seen = set()
-    for g, ms in enumerate(groups.members):
-        for i in ms:
-            for v in graph.ops[i].variables:
-                if v not in seen:
-                    seen.add(v)
-                    out[g] += graph.variable_bytes.get(v, 0)
-    return out
+    return [float(sum(graph.variable_bytes.get(v, 0) for v in vs)) for vs in _group_variables(graph, groups)]
 
 
 def variable_limit(var_bytes: Sequence[float], num_partitions: int, contiguous: bool) -> float:
