@@ -39,7 +39,8 @@ def test_pipeline_bench_quick_prints_the_table():
     for case in ("one device: plain tf.function", "two halves, CPU:0 + CPU:1 at once",
                  "pipeline P=2 simple M=2", "pipeline P=2 simple M=16",
                  "pipeline P=2 interleaved M=8", "smp.step P=1 M=1, same body",
-                 "first call, smp.step P=2 M=4"):
+                 "first call, smp.step P=2 M=4",
+                 "smp.step P=1 M=8, fused wgrad + pretransposed", "(g)    product ("):
         assert case in out, case
     # Every target gets a verdict (the verdicts themselves are not checked).
     assert out.count("PASS") + out.count("FAIL") >= 5

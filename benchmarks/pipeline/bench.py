@@ -63,6 +63,11 @@ VARIANTS = (
     ("interleaved", ("fuse_weight_gradients", "pretranspose_weights")),
 )
 _SHORT = {"fuse_weight_gradients": "fused wgrad", "pretranspose_weights": "pretransposed"}
+# The option sets of VARIANTS: each gets a one-device reference (smp.step,
+# partitions=1) that does the same work per micro-batch.
+_OPTION_SETS = tuple(dict.fromkeys(o for _, o in VARIANTS if o))
+# Products per timed chain of part (g).
+PRODUCTS_PER_CHAIN = 64
 EFFICIENCY_TARGET = 0.85
 EFFICIENCY_AT_M = 8
 OVERHEAD_TARGET = 1.05
@@ -257,6 +262,24 @@ def microbatched_train_step(tf, keras, model, num_microbatches, device):
     return train
 
 
+def product_chain(tf, rows: int, width: int, kernels: int, length: int):
+    """`length` dependent products (rows x width) @ (width x width), cycling
+    through `kernels` distinct kernels; returns a step for `Case`."""
+    with tf.device("/device:CPU:0"):
+        ws = [tf.Variable(tf.random.normal([width, width], stddev=width ** -0.5, seed=i)) for i in range(kernels)]
+        x = tf.random.normal([rows, width], seed=3)
+
+    @tf.function
+    def chain():
+        with tf.device("/device:CPU:0"):
+            h = x
+            for i in range(length):
+                h = tf.linalg.matmul(h, ws[i % kernels])
+            return tf.reduce_sum(h)
+
+    return lambda: chain().numpy()
+
+
 def smp_train_step(tf, keras, smp, model, loss_fn=None):
     """The same step with `@smp.step`: returns (train, body)."""
     opt = keras.optimizers.SGD(learning_rate=1e-4)
@@ -310,6 +333,10 @@ def _pipe_name(sched: str, options, M: int) -> str:
     return "_".join(["pipe", sched, *options, str(M)])
 
 
+def _ref_name(options, M: int) -> str:
+    return "_".join(["smpref", *options, str(M)])
+
+
 def _pipe_label(sched: str, options) -> str:
     return " + ".join([sched, *(_SHORT[o] for o in options)])
 
@@ -344,6 +371,29 @@ def part_pipeline(args) -> dict:
         with tf.device("/device:CPU:0"):
             m = build_mlp(keras, keras.Model, L, W, f"mbref{M}")
         cases.append(Case(f"mbref_{M}", runner(microbatched_train_step(tf, keras, m, M, "/device:CPU:0"), x, y), 1))
+
+    # The same for the pipelines with smp_tf-only options: smp.step itself
+    # with partitions=1 and the same options, so the reference does exactly
+    # the per-micro-batch work of those pipelines.
+    ref_models = []
+    for options in _OPTION_SETS:
+        for M in MICROBATCHES:
+            smp.init({"partitions": 1, "microbatches": M, **{o: True for o in options}})
+            name = _ref_name(options, M)
+            with tf.device("/device:CPU:0"):
+                m = build_mlp(keras, smp.DistributedModel, L, W, name)
+            train, _ = smp_train_step(tf, keras, smp, m)
+            pin.set(1)
+            train(x, y).numpy()
+            ref_models.append((m, train))
+            cases.append(Case(name, runner(train, x, y), 1))
+
+    # (g) what one product costs per B/M rows: the same kernel reused (it
+    # stays in the cache) or the model's L kernels in turn (as in a step).
+    for rows in sorted({B // EFFICIENCY_AT_M, B}):
+        for kernels in (1, L):
+            name = f"product_{rows}_{kernels}"
+            cases.append(Case(name, product_chain(tf, rows, W, kernels, PRODUCTS_PER_CHAIN), 1))
 
     # (b) ceiling: two independent halves (L/2 layers each).
     halves = {}
@@ -597,6 +647,29 @@ def build_table(res: dict, args) -> str:
             r = c[f"mbref_{M}"]
             rows.append(["(ref)", f"one device, loop over M={M} micro-batches", _t(r["wall"]), _t(r["cpu"]),
                          _f(t1 / r["wall"]), "", "", "", "", "", "", ""])
+        for options in _OPTION_SETS:
+            for M in MICROBATCHES:
+                r = c.get(_ref_name(options, M))
+                if r is None:
+                    continue
+                label = " + ".join(_SHORT[o] for o in options)
+                rows.append(["(ref)", f"one device, smp.step P=1 M={M}, {label}", _t(r["wall"]), _t(r["cpu"]),
+                             _f(t1 / r["wall"]), "", "", "", "", "", "", ""])
+        # (g): time per product, scaled to the rows of one micro-batch at
+        # M=EFFICIENCY_AT_M so that every row compares the same arithmetic;
+        # ratio: the full-batch product with the model's kernels in turn
+        # against this row (below 1: slower per row than the full batch).
+        mb_rows = B // EFFICIENCY_AT_M
+        full = c.get(f"product_{B}_{L}")
+        for rows_, kernels in ((mb_rows, 1), (mb_rows, L), (B, 1), (B, L)):
+            r = c.get(f"product_{rows_}_{kernels}")
+            if r is None or full is None:
+                continue
+            t = r["wall"] / PRODUCTS_PER_CHAIN * mb_rows / rows_
+            t_full = full["wall"] / PRODUCTS_PER_CHAIN * mb_rows / B
+            what = "one kernel, reused" if kernels == 1 else f"{L} kernels in turn ({L * W * W * 4 / 2 ** 20:.0f} MiB)"
+            rows.append(["(g)", f"product ({rows_} x {W}) @ ({W} x {W}), {what}; per {mb_rows} rows",
+                         f"{1e3 * t:.3f} ms", "", _f(t_full / t), "", "", "", "", "", "", ""])
         rows.append(["(b)", f"two halves ({L // 2} layers each), one device", _t(h1), _t(c["halves_one_device"]["cpu"]),
                      "", "", "", "", "", "", "", ""])
         rows.append(["(b)", "two halves, CPU:0 + CPU:1 at once", _t(h2), _t(c["halves_two_devices"]["cpu"]),
@@ -612,10 +685,11 @@ def build_table(res: dict, args) -> str:
                     target = f">= {EFFICIENCY_TARGET}"
                     verdict = "PASS" if eff >= EFFICIENCY_TARGET else "FAIL"
                     at_target.append((_pipe_label(sched, options), verdict))
-                # eff(mb): against the one-device micro-batch loop, which
-                # does what the pipeline does per micro-batch only without
-                # the smp_tf-only options.
-                eff_mb = None if options else (c[f"mbref_{M}"]["wall"] / r["wall"]) / (ceiling * bound / P)
+                # eff(mb): against the one-device step that does the same
+                # work per micro-batch (the plain loop, or smp.step with P=1
+                # and the same options).
+                ref = c.get(_ref_name(options, M) if options else f"mbref_{M}")
+                eff_mb = None if ref is None else (ref["wall"] / r["wall"]) / (ceiling * bound / P)
                 label = f"pipeline P={P} {_pipe_label(sched, options)} M={M}"
                 rows.append(["(a,d)", label, _t(r["wall"]), _t(r["cpu"]), _f(speedup),
                              _f(bound), _f(ceiling), _f(eff), _f(eff_mb), _f(r["sim_bubble"]), target, verdict])
