@@ -33,7 +33,7 @@ from smp_tf import state
 from smp_tf.graph_view import OpGraph, from_tf_graph
 from smp_tf.partitioner.plan import PartitionPlan, assign_partitions
 from smp_tf.split import split_arguments
-from smp_tf.step_output import StepOutput
+from smp_tf.step_output import FusedOp, StepOutput
 from smp_tf.trace import recording
 
 __all__ = ["step", "StepFunction", "register_post_partition_hook"]
@@ -356,10 +356,10 @@ class StepFunction:
 
 
 _MARK = "__smp_step_output__"
+# A fused StepOutput leaves an eager step's tf.function as its inputs under a
+# key that also spells its FusedOp (a tf.function returns tensors, not Python
+# objects): _FUSED_MARK + op_type|data_format|device.
 _FUSED_MARK = "__smp_fused_step_output__"
-# FusedOps returned by eager step functions, referred to by index in the
-# marked dicts (a tf.function returns tensors, not Python objects).
-_FUSED_OPS: List[Any] = []
 
 
 def _step_output(*values: Any) -> StepOutput:
@@ -373,9 +373,9 @@ def _step_output(*values: Any) -> StepOutput:
 
 def _mark(so: StepOutput) -> Dict[str, Any]:
     if so._fused is not None and so._values is None:
-        if so._fused not in _FUSED_OPS:
-            _FUSED_OPS.append(so._fused)
-        return {f"{_FUSED_MARK}{_FUSED_OPS.index(so._fused)}": [list(x) for x in so._fused_inputs]}
+        op = so._fused
+        key = f"{_FUSED_MARK}{op.op_type}|{op.data_format}|{op.device}"
+        return {key: [list(x) for x in so._fused_inputs]}
     return {_MARK: so.outputs}
 
 
@@ -386,7 +386,7 @@ def _rebuild_step_outputs(raw: Any) -> Any:
             return StepOutput(list(raw[_MARK]))
         if len(raw) == 1 and next(iter(raw)).startswith(_FUSED_MARK):
             key = next(iter(raw))
-            op = _FUSED_OPS[int(key[len(_FUSED_MARK):])]
+            op = FusedOp(*key[len(_FUSED_MARK):].split("|"))
             return StepOutput._from_fused(op, [tuple(x) for x in raw[key]])
         return {k: _rebuild_step_outputs(v) for k, v in raw.items()}
     if isinstance(raw, tuple) and hasattr(raw, "_fields"):

@@ -171,6 +171,13 @@ def _eps(total: float) -> float:
 # --------------------------------------------------------------------------- contiguous
 
 
+def _segment_end(s: List[float], pos: int, bound: float, cap: Optional[List[int]]) -> int:
+    """Furthest end of a segment starting at `pos` with sum <= bound (and, with
+    `cap`, ending by ``cap[pos]``)."""
+    end = bisect_right(s, s[pos] + bound, pos) - 1
+    return end if cap is None else min(end, cap[pos])
+
+
 def _feasible(s: List[float], start: int, parts: int, bound: float, cap: Optional[List[int]] = None) -> bool:
     """Greedy test: can units ``start..n-1`` be covered by `parts` segments of sum <= bound?
 
@@ -184,8 +191,7 @@ def _feasible(s: List[float], start: int, parts: int, bound: float, cap: Optiona
     for _ in range(parts):
         if pos == n:
             return True
-        end = bisect_right(s, s[pos] + bound, pos) - 1
-        pos = end if cap is None else min(end, cap[pos])
+        pos = _segment_end(s, pos, bound, cap)
     return pos == n
 
 
@@ -196,7 +202,7 @@ def _greedy_peak(s: List[float], k: int, bound: float, cap: List[int]) -> float:
     for _ in range(k):
         if pos == n:
             break
-        end = min(bisect_right(s, s[pos] + bound, pos) - 1, cap[pos])
+        end = _segment_end(s, pos, bound, cap)
         peak = max(peak, s[end] - s[pos])
         pos = end
     return peak
@@ -362,9 +368,7 @@ def contiguous_split(
     # prune the DP to positions that can lie on a feasible split.
     reach = [0] * (k + 1)
     for t in range(1, k + 1):
-        reach[t] = bisect_right(s, s[reach[t - 1]] + bound) - 1
-        if cap is not None:
-            reach[t] = min(reach[t], cap[reach[t - 1]])
+        reach[t] = _segment_end(s, reach[t - 1], bound, cap)
     back = [n] * (k + 1)
     for t in range(1, k + 1):
         back[t] = left[back[t - 1]]
