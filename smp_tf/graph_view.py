@@ -1,9 +1,17 @@
 """A read-only view of a traced graph for the partitioner.
 
-`OpGraph` is plain Python data: ops in creation order (a topological order of
-the data edges), their input and output tensors with static byte sizes, an
-estimated flop count per op, which variables each op touches, which Keras
-layer created it, and for each gradient op the forward op it differentiates.
+`OpGraph` is plain Python data: ops in a topological order of the data and
+control edges, their input and output tensors with static byte sizes, an
+estimated flop count per op, which variables each op touches and which it
+may write, which Keras layer created it, and for each gradient op the forward
+op it differentiates.
+
+The order is creation order wherever that is already topological. It is not
+always: TensorFlow's gradient of a ``tf.while_loop`` adds inputs to the
+forward ``While`` op (the accumulators of the intermediates the gradient
+needs) from ops created later. Such an op is *tied* to the ops that feed
+those late inputs and to the consumers of the matching loop outputs (the
+gradient loop): they belong together, like the ops of one layer.
 The partitioner only ever sees an `OpGraph`, so it can be tested on graphs
 written by hand (`OpGraph.from_spec`).
 
@@ -28,6 +36,7 @@ Unknown dimensions count as 1.
 
 from __future__ import annotations
 
+import heapq
 import math
 import re
 from dataclasses import dataclass, field
@@ -129,17 +138,21 @@ class OpNode:
     """One op of the traced graph.
 
     Attributes:
-        index: position in creation order (a topological order).
+        index: position in the graph's topological order.
         inputs: tensor ids of the data inputs.
         outputs: tensor ids of the outputs.
         control_inputs: op indices this op has control edges from.
         variables: keys of the variables whose handle this op takes.
+        writes: the subset of `variables` the op may write (everything but
+            reads; a function call or loop writes what its body writes).
         layer: key of the Keras layer that created it (None if none).
         forward: for a gradient op, the index of the forward op it belongs to.
         colocate_with: op names TensorFlow asks to colocate with (``_class``).
         manual_partition: partition of the enclosing `smp.partition` block.
         kind: ``"op"``, ``"arg"`` (step argument) or ``"capture"``
             (captured tensor or variable handle).
+        tied: op indices that must share this op's partition (a loop and
+            the accumulators its gradient added, see the module doc).
     """
 
     index: int
@@ -150,6 +163,7 @@ class OpNode:
     control_inputs: List[int] = field(default_factory=list)
     flops: float = 0.0
     variables: Tuple[str, ...] = ()
+    writes: Tuple[str, ...] = ()
     layer: Optional[str] = None
     forward: Optional[int] = None
     is_gradient: bool = False
@@ -157,6 +171,7 @@ class OpNode:
     colocate_with: Tuple[str, ...] = ()
     manual_partition: Optional[int] = None
     kind: str = "op"
+    tied: Tuple[int, ...] = ()
 
 
 class OpGraph:
@@ -218,9 +233,11 @@ class OpGraph:
         Each entry is a dict with ``name`` and optional ``type`` (default
         ``"Op"``), ``inputs`` (op names; each op has one output tensor),
         ``bytes`` (size of its output, default 4), ``flops`` (default 1),
-        ``variables``, ``layer``, ``forward`` (name of the forward op, marks a
-        gradient op), ``colocate_with``, ``manual_partition``, ``kind``,
-        ``stateful``, ``control_inputs``.
+        ``variables``, ``writes`` (variables it writes; they are added to
+        ``variables``), ``layer``, ``forward`` (name of the forward op, marks
+        a gradient op), ``colocate_with``, ``manual_partition``, ``kind``,
+        ``stateful`` (default: true when it writes), ``control_inputs``,
+        ``tied`` (names of earlier ops it is tied to).
         """
         ops: List[OpNode] = []
         tensors: List[TensorInfo] = []
@@ -242,14 +259,16 @@ class OpGraph:
                 outputs=[i],
                 control_inputs=[index[n] for n in s.get("control_inputs", ())],
                 flops=float(s.get("flops", 1.0)),
-                variables=tuple(s.get("variables", ())),
+                variables=tuple(dict.fromkeys(tuple(s.get("variables", ())) + tuple(s.get("writes", ())))),
+                writes=tuple(s.get("writes", ())),
                 layer=s.get("layer"),
                 forward=index[s["forward"]] if s.get("forward") else None,
                 is_gradient=bool(s.get("forward")) or bool(s.get("is_gradient", False)),
-                stateful=bool(s.get("stateful", False)),
+                stateful=bool(s.get("stateful", bool(s.get("writes")))),
                 colocate_with=tuple(s.get("colocate_with", ())),
                 manual_partition=s.get("manual_partition"),
                 kind=s.get("kind", "op"),
+                tied=tuple(index[n] for n in s.get("tied", ())),
             )
             ops.append(op)
             tensors.append(TensorInfo(id=i, producer=i, index=0, bytes=int(s.get("bytes", 4))))
@@ -360,6 +379,158 @@ def _bytes_of(dtype: Any, shape: Shape) -> int:
     return _prod(shape) * dtype.size
 
 
+#: Ops that take a resource handle and only read the resource (or its shape).
+_RESOURCE_READS = frozenset(
+    """ReadVariableOp VariableShape ResourceGather ResourceGatherNd VarIsInitializedOp
+    _ReadVariablesOp""".split()
+)
+#: Ops that pass a resource handle on unchanged (output i is input i).
+_RESOURCE_PASS = frozenset(["Identity", "IdentityN"])
+#: ``DT_RESOURCE`` in TensorFlow's ``types.proto``.
+_DT_RESOURCE = 20
+
+
+#: Ops whose inputs reach the arguments of the functions they call.
+_CALL_OPS = frozenset(
+    "While StatelessWhile If StatelessIf Case StatelessCase PartitionedCall StatefulPartitionedCall".split()
+)
+
+
+def _callees(op_type: str, attr: Any, position: int, is_function: Callable[[str], bool]) -> Optional[List[Tuple[str, int]]]:
+    """(function name, argument index) pairs that input `position` of a call
+    or control-flow op reaches, or None if the op calls no function."""
+    def fn(key):
+        return attr[key].func.name if key in attr else None
+
+    if op_type in ("While", "StatelessWhile"):
+        return [(f, position) for f in (fn("body"), fn("cond")) if f]
+    if op_type in ("If", "StatelessIf"):
+        if position == 0:
+            return []  # the predicate
+        return [(f, position - 1) for f in (fn("then_branch"), fn("else_branch")) if f]
+    if op_type in ("Case", "StatelessCase"):
+        if position == 0:
+            return []  # the branch index
+        branches = attr["branches"].list.func if "branches" in attr else []
+        return [(b.name, position - 1) for b in branches]
+    if op_type in ("PartitionedCall", "StatefulPartitionedCall"):
+        return [(fn("f"), position)] if fn("f") else None
+    if is_function(op_type):  # a direct call of a library function
+        return [(op_type, position)]
+    return None
+
+
+class _ResourceWrites:
+    """Which resource inputs an op may write, reading the `FunctionDef`s of
+    the functions it calls (and those they call). Unknown functions count as
+    writing every resource they take.
+
+    Args:
+        functions: function name -> `FunctionDef` (or None if unknown); only
+            called for ops that call functions.
+    """
+
+    def __init__(self, functions: Callable[[str], Any]) -> None:
+        self.functions = functions
+        self._memo: Dict[str, frozenset] = {}
+
+    def op_writes(self, op_type: str, attr: Any, position: int) -> bool:
+        """Whether input `position` (a resource) of an op may be written by it."""
+        if op_type in _RESOURCE_READS:
+            return False
+        callees = _callees(op_type, attr, position, lambda name: self.functions(name) is not None)
+        if callees is None:
+            return True
+        return any(pos in self.written_args(name) for name, pos in callees)
+
+    def written_args(self, name: str) -> frozenset:
+        if name in self._memo:
+            return self._memo[name]
+        fdef = self.functions(name)
+        if fdef is None:
+            return frozenset(range(10_000))
+        self._memo[name] = frozenset()  # recursion guard (recursive functions)
+        alias = {a.name: i for i, a in enumerate(fdef.signature.input_arg) if a.type == _DT_RESOURCE}
+        written = set()
+        changed = True
+        while changed:  # node_def is not in topological order: iterate to a fixpoint
+            changed = False
+            for node in fdef.node_def:
+                for position, ref in enumerate(node.input):
+                    arg = alias.get(ref)
+                    if arg is None:
+                        continue
+                    if node.op in _RESOURCE_PASS:
+                        out = f"{node.name}:output:{position if node.op == 'IdentityN' else 0}"
+                        if out not in alias:
+                            alias[out] = arg
+                            changed = True
+                    elif arg not in written and self.op_writes(node.op, node.attr, position):
+                        written.add(arg)
+                        changed = True
+        self._memo[name] = frozenset(written)
+        return self._memo[name]
+
+
+def _function_defs(graph: Any) -> Callable[[str], Any]:
+    """Name -> `FunctionDef` of the functions of `graph` (None if unknown)."""
+    cache: Dict[str, Any] = {}
+    library: List[Optional[Dict[str, Any]]] = [None]
+
+    def get(name: str) -> Any:
+        if name in cache:
+            return cache[name]
+        fdef = None
+        getter = getattr(graph, "_get_function", None)
+        f = getter(name) if getter is not None else None
+        if f is not None:
+            fdef = getattr(f, "definition", None)
+        elif getter is None:
+            if library[0] is None:
+                library[0] = {d.signature.name: d for d in graph.as_graph_def().library.function}
+            fdef = library[0].get(name)
+        cache[name] = fdef
+        return fdef
+
+    return get
+
+
+def _topological_order(tf_ops: Sequence[Any]) -> List[Any]:
+    """`tf_ops` in a topological order of data and control edges that keeps
+    creation order wherever creation order allows (Kahn's algorithm with the
+    creation position as priority)."""
+    created = {op.name: i for i, op in enumerate(tf_ops)}
+
+    def deps_of(op: Any) -> set:
+        deps = {created[t.op.name] for t in op.inputs if t.op.name in created}
+        return deps | {created[c.name] for c in op.control_inputs if c.name in created}
+
+    all_deps = [deps_of(op) for op in tf_ops]
+    late = any(d > i for i, deps in enumerate(all_deps) for d in deps)
+    if not late:
+        return list(tf_ops)
+    waiting = [0] * len(tf_ops)
+    users: List[List[int]] = [[] for _ in tf_ops]
+    for i, deps in enumerate(all_deps):
+        waiting[i] = len(deps)
+        for d in deps:
+            users[d].append(i)
+    ready = [i for i, w in enumerate(waiting) if w == 0]
+    heapq.heapify(ready)
+    order = []
+    while ready:
+        i = heapq.heappop(ready)
+        order.append(tf_ops[i])
+        for u in users[i]:
+            waiting[u] -= 1
+            if waiting[u] == 0:
+                heapq.heappush(ready, u)
+    if len(order) != len(tf_ops):
+        stuck = [tf_ops[i].name for i, w in enumerate(waiting) if w > 0][:5]
+        raise ValueError(f"The traced graph has a cycle through {stuck}; it cannot be partitioned.")
+    return order
+
+
 def from_tf_graph(
     graph: Any,
     *,
@@ -369,6 +540,9 @@ def from_tf_graph(
     manual_partition_of: Optional[Callable[[Any], Optional[int]]] = None,
 ) -> OpGraph:
     """Reads a `tf.Graph` (or `FuncGraph`) into an `OpGraph`.
+
+    Ops are indexed in a topological order (see the module doc), whatever
+    order they were created in.
 
     Args:
         graph: the traced graph.
@@ -380,7 +554,9 @@ def from_tf_graph(
     """
     arg_ops = set(arg_ops)
     captured_variables = dict(captured_variables or {})
-    tf_ops = graph.get_operations()
+    created_ops = graph.get_operations()
+    created = {op.name: i for i, op in enumerate(created_ops)}
+    tf_ops = _topological_order(created_ops)
     op_index = {op.name: i for i, op in enumerate(tf_ops)}
     ops: List[OpNode] = []
     tensors: List[TensorInfo] = []
@@ -389,6 +565,8 @@ def from_tf_graph(
     trainable: Dict[str, bool] = {}
     # Resource tensors are followed through Identity-like ops to the variable.
     var_of_tensor: Dict[int, str] = {}
+    resource_writes: Optional[_ResourceWrites] = None
+    ties: List[Tuple[int, int]] = []
 
     for i, op in enumerate(tf_ops):
         in_ids = [tensor_id[t.name] for t in op.inputs]
@@ -406,6 +584,7 @@ def from_tf_graph(
 
         kind = "op"
         variables: List[str] = []
+        writes: List[str] = []
         if op.type == "Placeholder":
             if op.name in captured_variables:
                 key, nbytes, train = captured_variables[op.name]
@@ -428,14 +607,35 @@ def from_tf_graph(
             trainable[key] = True
             var_of_tensor[out_ids[0]] = key
             variables.append(key)
-        for tid in in_ids:
+        for position, tid in enumerate(in_ids):
             key = var_of_tensor.get(tid)
-            if key is not None and key not in variables:
+            if key is None:
+                continue
+            if key not in variables:
                 variables.append(key)
-        if op.type in ("Identity", "IdentityN") and op.outputs and variables:
-            for tid in out_ids:
+            if op.type in _RESOURCE_PASS or key in writes:
+                continue
+            if resource_writes is None:
+                resource_writes = _ResourceWrites(_function_defs(graph))
+            if resource_writes.op_writes(op.type, op.node_def.attr, position):
+                writes.append(key)
+        if op.type in _RESOURCE_PASS and op.outputs and variables:
+            for position, tid in enumerate(out_ids):
                 if tensors[tid].dtype == "resource":
-                    var_of_tensor[tid] = variables[0]
+                    source = in_ids[position] if op.type == "IdentityN" and position < len(in_ids) else in_ids[0]
+                    var_of_tensor[tid] = var_of_tensor.get(source, variables[0])
+
+        # Inputs added after the op was created (a while loop's gradient
+        # accumulators): tie the op to their producers and, for a loop, to
+        # the consumers of the matching outputs (the gradient loop).
+        me = created[op.name]
+        for position, t in enumerate(op.inputs):
+            if created.get(t.op.name, -1) > me:
+                ties.append((i, op_index[t.op.name]))
+                if op.type in ("While", "StatelessWhile") and position < len(op.outputs):
+                    for c in op.outputs[position].consumers():
+                        if c.name in op_index:
+                            ties.append((i, op_index[c.name]))
 
         try:
             stateful = bool(op.op_def.is_stateful)
@@ -458,6 +658,7 @@ def from_tf_graph(
                 control_inputs=[op_index[c.name] for c in op.control_inputs if c.name in op_index],
                 flops=estimate_flops(op.type, [tensors[t].shape for t in in_ids], out_shapes),
                 variables=tuple(variables),
+                writes=tuple(writes),
                 layer=layer_of(op) if layer_of else None,
                 stateful=stateful,
                 colocate_with=coloc,
@@ -465,5 +666,8 @@ def from_tf_graph(
                 kind=kind,
             )
         )
+    for a, b in ties:
+        if b not in ops[a].tied and b != a:
+            ops[a].tied = ops[a].tied + (b,)
     _link_gradients(ops, tensors)
     return OpGraph(ops, tensors, variable_bytes, trainable)

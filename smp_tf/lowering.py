@@ -21,7 +21,6 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import tensorflow as tf
 
-from smp_tf import state
 from smp_tf.boundary import raw_input, raw_output
 from smp_tf.config import Config
 from smp_tf.partitioner.plan import PartitionPlan
@@ -38,136 +37,15 @@ from smp_tf.rewrite import (
 )
 from smp_tf.schedule import Action, Schedule, make_schedule, validate
 from smp_tf.step_output import FusedOp
+from smp_tf.trace import CapturedVariable, Traced
 
 logger = logging.getLogger("smp_tf")
 
-__all__ = ["CompiledStep", "place_variables", "move_variable"]
-
-
-def move_variable(keras_variable: Any, device: str) -> bool:
-    """Moves a Keras variable's storage to `device`, keeping the Keras object.
-
-    The Keras variable (what models, optimizers and checkpoints hold) stays
-    the same Python object; only the `tf.Variable` behind it is recreated on
-    the new device with the same value, name and attributes.
-
-    Returns:
-        True if the variable was moved, False if it already lived there.
-    """
-    old = keras_variable.value
-    if _same_device(old.device, device):
-        return False
-    with tf.init_scope(), tf.device(device):
-        new = tf.Variable(
-            old.read_value(),
-            trainable=old.trainable,
-            name=old.name.split(":")[0],
-            dtype=old.dtype,
-            aggregation=old.aggregation,
-            synchronization=old.synchronization,
-        )
-    keras_variable._value = new
-    return True
-
-
-def _same_device(a: str, b: str) -> bool:
-    da, db = tf.DeviceSpec.from_string(a), tf.DeviceSpec.from_string(b)
-    return (da.device_type or "").upper() == (db.device_type or "").upper() and (da.device_index or 0) == (db.device_index or 0)
-
-
-def _slots_of(optimizer: Any, keras_variable: Any) -> List[Any]:
-    """Keras 3 names slots after their variable's path (``add_variable_from_reference``)."""
-    prefix = keras_variable.path.replace("/", "_") + "_"
-    out = []
-    for v in getattr(optimizer, "variables", []):
-        if v is keras_variable:
-            continue
-        if getattr(v, "name", "").startswith(prefix) and tuple(v.shape) == tuple(keras_variable.shape):
-            out.append(v)
-    return out
-
-
-_SLOT_PATCH_INSTALLED = False
-
-
-def install_slot_placement() -> None:
-    """Makes Keras optimizer slots live on the device of their variable.
-
-    Keras creates a slot with ``add_variable_from_reference(variable)``; under
-    the default distribution strategy nothing places it, so a slot of a moved
-    variable would stay on the first device. This wraps that method (once per
-    process) to create the slot on the reference variable's device.
-    """
-    global _SLOT_PATCH_INSTALLED
-    if _SLOT_PATCH_INSTALLED:
-        return
-    try:
-        from keras.src.backend.tensorflow.optimizer import TFOptimizer
-    except ImportError:  # pragma: no cover - another Keras layout
-        logger.warning("smp_tf: cannot place optimizer slots on their variables' devices.")
-        return
-    original = TFOptimizer.add_variable_from_reference
-
-    def add_variable_from_reference(self, reference_variable, *args, **kwargs):
-        value = getattr(reference_variable, "value", reference_variable)
-        device = getattr(value, "device", "") or ""
-        with tf.init_scope(), tf.device(device or None):
-            return original(self, reference_variable, *args, **kwargs)
-
-    add_variable_from_reference.__wrapped__ = original
-    TFOptimizer.add_variable_from_reference = add_variable_from_reference
-    _SLOT_PATCH_INSTALLED = True
-
-
-def place_variables(captures: Dict[str, Any], plan: PartitionPlan, devices: Sequence[str], optimizers: Sequence[Any] = ()) -> Dict[str, str]:
-    """Moves every captured variable to the device of its partition.
-
-    Optimizer slot variables that already exist follow their variable; slots
-    created later are colocated with it by the Keras optimizer.
-
-    Returns:
-        Variable key -> device it lives on now.
-    """
-    from smp_tf.step import CapturedVariable
-
-    where: Dict[str, str] = {}
-    unmovable = []
-    for placeholder, cap in captures.items():
-        if not isinstance(cap, CapturedVariable):
-            continue
-        device = devices[plan.partition_of_op[plan.op_graph.op_index[placeholder]]]
-        if cap.owner is None:
-            if not _same_device(cap.variable.device or "/device:CPU:0", device):
-                unmovable.append(cap.key)
-            where[cap.key] = cap.variable.device
-            continue
-        placed = getattr(cap.owner, "_smp_tf_placed", None)
-        if placed == state.generation() and not _same_device(cap.owner.value.device, device):
-            # Another step function placed this variable since smp.init. Its
-            # graphs (and the user's tf.functions around them) hold the
-            # variable's current storage; moving it would leave them reading
-            # and updating a stale copy. It stays, and is read across devices.
-            where[cap.key] = cap.owner.value.device
-            continue
-        move_variable(cap.owner, device)
-        cap.owner._smp_tf_placed = state.generation()
-        for opt in optimizers:
-            for slot in _slots_of(opt, cap.owner):
-                move_variable(slot, device)
-        where[cap.key] = cap.owner.value.device
-    if unmovable:
-        logger.warning(
-            "smp_tf: %d variable(s) are plain tf.Variables not owned by a Keras "
-            "layer and stay where they are (they are read across devices): %s",
-            len(unmovable), unmovable[:10],
-        )
-    return where
+__all__ = ["CompiledStep", "FusedValue"]
 
 
 def _task_body(sub, input_names, captured, outputs, captures):
     """The Python body of a task function: imports the task's GraphDef."""
-    from smp_tf.step import CapturedVariable
-
     # Inputs no node reads any more (a stashed variable read whose product
     # now reads the transposed copy) stay arguments but are not mapped:
     # import_graph_def rejects mappings for tensors nothing reads.
@@ -179,13 +57,35 @@ def _task_body(sub, input_names, captured, outputs, captures):
         for name in captured:
             cap = captures[name]
             # Variables are captured from where they live now (after placement).
-            handle = cap.current.handle if isinstance(cap, CapturedVariable) else cap
-            input_map[f"{name}:0"] = fg.capture(handle)
+            handle = cap.variable.handle if isinstance(cap, CapturedVariable) else cap
+            internal = fg.capture(handle)
+            if isinstance(cap, CapturedVariable):
+                _annotate_resource(internal, cap.variable)
+            input_map[f"{name}:0"] = internal
         outs = tf.graph_util.import_graph_def(sub, input_map=input_map, return_elements=outputs, name="")
         # A last output gives every call a handle to depend on.
         return list(outs) + [tf.constant(True)]
 
     return body
+
+
+def _annotate_resource(placeholder: tf.Tensor, variable: Any) -> None:
+    """Tells the task function's graph optimiser the dtype and shape of the
+    variable behind a captured handle.
+
+    A function called eagerly gets them from the runtime (``_handle_dtypes``
+    and ``_handle_shapes`` on its resource arguments); a task function is
+    called from inside a graph and would not, so grappler would rewrite it
+    with less shape information than a single-device run has, and round
+    differently (for example it folds additions into ``AddN`` only where
+    shapes are known).
+    """
+    from tensorflow.core.framework import attr_value_pb2
+
+    dtypes = attr_value_pb2.AttrValue(list=attr_value_pb2.AttrValue.ListValue(type=[variable.dtype.as_datatype_enum]))
+    shapes = attr_value_pb2.AttrValue(list=attr_value_pb2.AttrValue.ListValue(shape=[variable.shape.as_proto()]))
+    placeholder.op._set_attr("_handle_dtypes", dtypes)
+    placeholder.op._set_attr("_handle_shapes", shapes)
 
 
 def _transposed_name(read_name: str) -> str:
@@ -210,12 +110,11 @@ class CompiledStep:
         schedule: the validated `Schedule`.
         simulation: its simulation on the tasks' estimated costs.
         plan: the `PartitionPlan`.
-        variable_devices: variable key -> device after placement.
         fused: flat output position -> (`FusedGradient`, `FusedOp`) for the
             outputs computed after the pipeline (``fuse_weight_gradients``).
     """
 
-    def __init__(self, traced: Any, plan: PartitionPlan, cfg: Config, optimizers: Sequence[Any] = ()) -> None:
+    def __init__(self, traced: Traced, plan: PartitionPlan, cfg: Config) -> None:
         self.traced = traced
         self.plan = plan
         self.num_microbatches = cfg.microbatches
@@ -253,15 +152,11 @@ class CompiledStep:
         self.emit_order: List[Action] = sorted(
             self.simulation.start, key=lambda a: (self.simulation.start[a], a.partition, a.wave, a.microbatch)
         )
-        install_slot_placement()
-        self.variable_devices = place_variables(traced.captures, plan, self.devices, optimizers)
         self._arg_index = {name: i for i, name in enumerate(traced.arg_names)}
         # Products that read a variable transposed get it transposed once
         # per step instead (opt-in: one transposed copy lives during the step).
         self.pretransposed: Dict[int, PreTransposed] = {}
         if cfg.pretranspose_weights:
-            from smp_tf.step import CapturedVariable
-
             for p in pretransposable_products(g, self._attrs_of):
                 info = g.tensors[g.ops[p.read].outputs[0]]
                 known = info.shape is not None and len(info.shape) == 2 and None not in info.shape
@@ -355,7 +250,7 @@ class CompiledStep:
         for task in self.tasks:
             for r in task.transposed_reads:
                 if (task.partition, r) not in transposed:
-                    var = self.traced.captures[g.ops[capture_of_read[r]].name].current
+                    var = self.traced.captures[g.ops[capture_of_read[r]].name].variable
                     with tf.name_scope(f"smp/p{task.partition}/transposed"), tf.device(self.devices[task.partition]):
                         transposed[(task.partition, r)] = tf.transpose(var.read_value())
         # A tensor crosses to a partition once per micro-batch: later tasks

@@ -3,7 +3,10 @@
 The *wave* of an op is the number of partition boundaries on the longest
 path into it. Ops that depend on no step argument and no other partition
 (variable reads, seed updates, ...) are not bound by that path; they join the
-earliest task of their partition that needs them. For a chain of P stages
+earliest task of their partition that needs them. Every access of a resource
+the step writes (a seed state, BatchNorm statistics) is in one task, so the
+state advances exactly once per micro-batch, in micro-batch order (see
+`waves`). For a chain of P stages
 this yields, on stage p < P-1, a forward task (wave p) and a backward task
 (wave 2P-2-p), and on the last stage one fused forward+backward task.
 
@@ -46,6 +49,7 @@ __all__ = [
     "task_graph_def",
     "duplicable_ops",
     "waves",
+    "StateOrderError",
 ]
 
 
@@ -107,69 +111,220 @@ def duplicable_ops(graph: OpGraph, keep: Sequence[int] = ()) -> List[bool]:
     return dup
 
 
+class StateOrderError(ValueError):
+    """The step's state accesses cannot all run in one task per micro-batch.
+
+    A resource the step writes (a seed, BatchNorm statistics, any variable
+    write) must be read and written within one task, so that each
+    micro-batch sees exactly the state the previous one left, as in the
+    reference loop. Raised when the graph makes that impossible: a path
+    between two accesses of the state leaves the partition and comes back.
+    """
+
+
+def _strongly_connected(succ: Sequence[Sequence[int]]) -> List[int]:
+    """Component id of every node; ids are in reverse topological order of
+    the component graph (Tarjan's algorithm, iterative)."""
+    n = len(succ)
+    index = [-1] * n
+    low = [0] * n
+    on_stack = [False] * n
+    comp = [-1] * n
+    stack: List[int] = []
+    counter = 0
+    ncomp = 0
+    for root in range(n):
+        if index[root] != -1:
+            continue
+        work = [(root, 0)]
+        index[root] = low[root] = counter
+        counter += 1
+        stack.append(root)
+        on_stack[root] = True
+        while work:
+            v, k = work[-1]
+            if k < len(succ[v]):
+                work[-1] = (v, k + 1)
+                w = succ[v][k]
+                if index[w] == -1:
+                    index[w] = low[w] = counter
+                    counter += 1
+                    stack.append(w)
+                    on_stack[w] = True
+                    work.append((w, 0))
+                elif on_stack[w]:
+                    low[v] = min(low[v], index[w])
+                continue
+            work.pop()
+            if work:
+                u = work[-1][0]
+                low[u] = min(low[u], low[v])
+            if low[v] == index[v]:
+                while True:
+                    w = stack.pop()
+                    on_stack[w] = False
+                    comp[w] = ncomp
+                    if w == v:
+                        break
+                ncomp += 1
+    return comp
+
+
 def waves(graph: OpGraph, partition_of_op: Sequence[int], dup: Sequence[bool]) -> List[Optional[int]]:
     """The wave of every non-duplicable op (None for duplicable ones).
 
+    Rules, in order:
+
+    1. An op *depends on data* when it reads a step argument (directly or
+       through duplicable ops computed from it, such as a ``Cast`` or a
+       rescaling of the input), another partition, or an op that depends on
+       data. Its wave is the most partition boundaries on a path into it.
+    2. Every op that takes the handle of a resource the step writes (seed
+       states, BatchNorm statistics, any variable write) is in the task of
+       every other such op of that resource, so that each micro-batch reads
+       exactly what the previous micro-batch wrote, as in the reference
+       loop. Ops on a path between two of them join that task as well.
+    3. Ops that depend on no data join the earliest task of their partition
+       that needs them (the latest wave that still precedes every
+       consumer), or the partition's first task if nothing consumes them.
+
     Cross-partition control edges are ignored: the schedule orders tasks.
+
+    Raises:
+        StateOrderError: rule 2 cannot hold (see `StateOrderError`).
     """
     n = len(graph.ops)
     tensors = graph.tensors
     part = partition_of_op
-    # 1. Which ops depend on data: a step argument or another partition.
-    data_dep = [False] * n
-    asap: List[Optional[int]] = [None] * n
+    # Duplicable ops computed from a step argument carry the dependence.
+    dup_data = [False] * n
     for op in graph.ops:
-        i = op.index
-        if dup[i]:
-            data_dep[i] = op.kind == "arg"
-            continue
-        w = 0
-        dd = False
-        for t in op.inputs:
-            j = tensors[t].producer
-            if dup[j]:
-                dd = dd or data_dep[j]
-                continue
-            cross = part[j] != part[i]
-            if cross or data_dep[j]:
-                dd = True
-                w = max(w, asap[j] + (1 if cross else 0))
-        for j in op.control_inputs:
-            if not dup[j] and part[j] == part[i] and data_dep[j]:
-                dd = True
-                w = max(w, asap[j])
-        data_dep[i] = dd
-        asap[i] = w
+        if dup[op.index]:
+            dup_data[op.index] = op.kind == "arg" or any(dup_data[tensors[t].producer] for t in op.inputs)
 
-    # 2. Ops that depend on no data join the earliest task of their
-    # partition that needs them (latest start that still precedes every
-    # consumer), or the partition's first task.
-    first_wave: Dict[int, int] = {}
-    for i in range(n):
-        if not dup[i] and data_dep[i]:
-            p = part[i]
-            first_wave[p] = min(first_wave.get(p, asap[i]), asap[i])
-    consumers: List[List[Tuple[int, bool]]] = [[] for _ in range(n)]
+    # Units: non-duplicable ops, joined per written resource (rule 2).
+    unit = list(range(n))
+
+    def find(x: int) -> int:
+        while unit[x] != x:
+            unit[x] = unit[unit[x]]
+            x = unit[x]
+        return x
+
+    written = {v for op in graph.ops for v in op.writes}
+    first_access: Dict[str, int] = {}
     for op in graph.ops:
         if dup[op.index]:
             continue
+        for v in op.variables:
+            if v in written:
+                a, b = find(first_access.setdefault(v, op.index)), find(op.index)
+                if a != b:
+                    unit[max(a, b)] = min(a, b)
+
+    # Edges between units: data edges, and control edges inside a partition.
+    edges: Dict[Tuple[int, int], int] = {}
+    reads_data = [False] * n
+    for op in graph.ops:
+        i = op.index
+        if dup[i]:
+            continue
+        ui = find(i)
         for t in op.inputs:
             j = tensors[t].producer
-            if not dup[j]:
-                consumers[j].append((op.index, part[j] != part[op.index]))
+            if dup[j]:
+                reads_data[ui] = reads_data[ui] or dup_data[j]
+                continue
+            uj = find(j)
+            if uj != ui or part[j] != part[i]:
+                key = (uj, ui)
+                edges[key] = max(edges.get(key, 0), int(part[j] != part[i]))
         for j in op.control_inputs:
-            if not dup[j] and part[j] == part[op.index]:
-                consumers[j].append((op.index, False))
-    wave: List[Optional[int]] = list(asap)
-    for i in range(n - 1, -1, -1):
-        if dup[i] or data_dep[i]:
+            if not dup[j] and part[j] == part[i] and find(j) != ui:
+                edges.setdefault((find(j), ui), 0)
+
+    roots = sorted({find(i) for i in range(n) if not dup[i]})
+    node_of = {r: k for k, r in enumerate(roots)}
+    succ: List[List[int]] = [[] for _ in roots]
+    for (a, b) in edges:
+        if a != b:
+            succ[node_of[a]].append(node_of[b])
+    comp_of_node = _strongly_connected(succ)
+    ncomp = max(comp_of_node, default=-1) + 1
+    comp = [-1] * n
+    for i in range(n):
+        if not dup[i]:
+            comp[i] = comp_of_node[node_of[find(i)]]
+
+    # A component is one task: it cannot span partitions or contain a boundary.
+    comp_part: Dict[int, int] = {}
+    for i in range(n):
+        if not dup[i]:
+            if comp_part.setdefault(comp[i], part[i]) != part[i]:
+                _raise_state_order(graph, part, comp, comp[i], written)
+    comp_edges: Dict[Tuple[int, int], int] = {}
+    for (a, b), cross in edges.items():
+        ca, cb = comp[a], comp[b]
+        if ca == cb:
+            if cross:
+                _raise_state_order(graph, part, comp, ca, written)
             continue
-        limits = [wave[c] - (1 if cross else 0) for c, cross in consumers[i]]
-        wave[i] = min(limits) if limits else first_wave.get(part[i], 0)
+        comp_edges[(ca, cb)] = max(comp_edges.get((ca, cb), 0), cross)
+    preds: List[List[Tuple[int, int]]] = [[] for _ in range(ncomp)]
+    succs: List[List[Tuple[int, int]]] = [[] for _ in range(ncomp)]
+    for (a, b), cross in comp_edges.items():
+        preds[b].append((a, cross))
+        succs[a].append((b, cross))
+    comp_reads_data = [False] * ncomp
+    for i in range(n):
+        if not dup[i] and reads_data[find(i)]:
+            comp_reads_data[comp[i]] = True
+
+    # Tarjan numbers components in reverse topological order.
+    topo = list(range(ncomp - 1, -1, -1))
+    data_dep = [False] * ncomp
+    asap = [0] * ncomp
+    for c in topo:
+        dd = comp_reads_data[c]
+        w = 0
+        for p, cross in preds[c]:
+            if cross or data_dep[p]:
+                dd = True
+                w = max(w, asap[p] + cross)
+        data_dep[c] = dd
+        asap[c] = w
+
+    first_wave: Dict[int, int] = {}
+    for c in range(ncomp):
+        if data_dep[c]:
+            p = comp_part[c]
+            first_wave[p] = min(first_wave.get(p, asap[c]), asap[c])
+    wave_of = list(asap)
+    for c in reversed(topo):
+        if data_dep[c]:
+            continue
+        limits = [wave_of[s] - cross for s, cross in succs[c]]
+        wave_of[c] = min(limits) if limits else first_wave.get(comp_part[c], 0)
+    wave: List[Optional[int]] = [None if dup[i] else wave_of[comp[i]] for i in range(n)]
     lowest = min((w for w in wave if w is not None), default=0)
     if lowest < 0:
         wave = [None if w is None else w - lowest for w in wave]
     return wave
+
+
+def _raise_state_order(graph: OpGraph, part: Sequence[int], comp: Sequence[int], c: int, written: Set[str]) -> None:
+    members = [i for i in range(len(graph.ops)) if comp[i] == c]
+    state = sorted({v for i in members for v in graph.ops[i].variables if v in written})
+    accessors = [graph.ops[i].name for i in members if set(graph.ops[i].variables) & set(state)][:4]
+    parts = sorted({part[i] for i in members})
+    outside = [graph.ops[i].name for i in members if not set(graph.ops[i].variables) & set(state)][:3]
+    raise StateOrderError(
+        f"The step writes {state[:3]} and reads or writes it in ops {accessors}, which must run "
+        f"in one pipeline task per micro-batch for the result to equal the single-device "
+        f"loop; but a path between those ops crosses partitions {parts} (through {outside}). "
+        "Keep every read and write of that state in one layer (or one `smp.partition` block), "
+        "or place the ops between them on one partition with `smp.partition`."
+    )
 
 
 @dataclass(frozen=True)

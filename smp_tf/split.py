@@ -33,7 +33,7 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 import numpy as np
 import tensorflow as tf
 
-__all__ = ["split_arguments", "microbatch_indices", "merge_microbatches"]
+__all__ = ["split_arguments", "check_split_sizes", "microbatch_indices", "merge_microbatches"]
 
 
 # --------------------------------------------------------------------------
@@ -380,6 +380,64 @@ def split_arguments(
         mb = inspect.BoundArguments(signature, arguments)
         result.append((tuple(mb.args), dict(mb.kwargs)))
     return result
+
+
+def _check_value_sizes(value: Any, m_count: int, axis: int, what: str) -> None:
+    if callable(getattr(value, "smp_slice", None)):
+        return
+    for leaf in tf.nest.flatten(value) if tf.nest.is_nested(value) else [value]:
+        if _is_variable(leaf) or not isinstance(leaf, (tf.Tensor, np.ndarray)):
+            continue
+        shape = tuple(leaf.shape)
+        if len(shape) == 0:
+            continue
+        a = _normalize_axis(axis, len(shape), what, shape)
+        _check_static_size(shape[a], what, a, m_count)
+
+
+def check_split_sizes(
+    signature: inspect.Signature,
+    args: tuple,
+    kwargs: dict,
+    num_microbatches: int,
+    non_split_inputs: Sequence[str] = (),
+    input_split_axes: Optional[Mapping[str, int]] = None,
+) -> None:
+    """Checks, without splitting, that concrete arguments can be split.
+
+    For eager values, whose sizes are known, before they enter a graph
+    where the size may be unknown (an ``input_signature`` with ``None``
+    dimensions) and a bad size would only fail at run time.
+
+    Raises:
+        ValueError: as `split_arguments` for a size not divisible by
+            `num_microbatches`.
+        TypeError: `args`/`kwargs` do not match `signature`.
+    """
+    m_count = _check_num_microbatches(num_microbatches)
+    if m_count == 1:
+        return
+    non_split = set(non_split_inputs or ())
+    axes = dict(input_split_axes or {})
+    try:
+        bound = signature.bind(*args, **kwargs)
+    except TypeError as e:
+        raise TypeError(f"The arguments do not match the step function{signature}: {e}") from None
+    bound.apply_defaults()
+    params = signature.parameters
+    for name, value in bound.arguments.items():
+        if name in non_split:
+            continue
+        kind = params[name].kind
+        if kind is inspect.Parameter.VAR_POSITIONAL:
+            for i, v in enumerate(value):
+                _check_value_sizes(v, m_count, axes.get(name, 0), f"argument '{name}[{i}]'")
+        elif kind is inspect.Parameter.VAR_KEYWORD:
+            for key, v in value.items():
+                if key not in non_split:
+                    _check_value_sizes(v, m_count, axes.get(key, axes.get(name, 0)), f"argument {key!r}")
+        else:
+            _check_value_sizes(value, m_count, axes.get(name, 0), f"argument {name!r}")
 
 
 def microbatch_indices(batch_size: int, num_microbatches: int, microbatch: int) -> np.ndarray:

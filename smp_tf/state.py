@@ -69,6 +69,8 @@ class _State:
         self.topology: Optional[Topology] = None
         self.post_partition_hooks: list = []
         self.generation = 0
+        # The generation in which the post-partition hooks last ran.
+        self.hooks_generation = -1
 
 
 _STATE = _State()

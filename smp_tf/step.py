@@ -23,170 +23,78 @@ import functools
 import inspect
 import threading
 import time
-from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import numpy as np
 import tensorflow as tf
 
-from smp_tf import state
-from smp_tf.graph_view import OpGraph, from_tf_graph
+from smp_tf import placement, state
+from smp_tf.lowering import CompiledStep, FusedValue
 from smp_tf.partitioner.plan import PartitionPlan, assign_partitions
-from smp_tf.split import split_arguments
+from smp_tf.split import check_split_sizes, split_arguments
 from smp_tf.step_output import FusedOp, StepOutput
-from smp_tf.trace import recording
+from smp_tf.trace import Traced, trace_microbatch
 
 __all__ = ["step", "StepFunction", "register_post_partition_hook"]
 
 
-@dataclass
-class CapturedVariable:
-    """A variable the traced step reads or writes.
-
-    Attributes:
-        key: unique readable name (the Keras variable path when there is one).
-        variable: the `tf.Variable` captured by the trace.
-        owner: the Keras variable wrapping it, if any (its value can be moved).
-    """
-
-    key: str
-    variable: Any
-    owner: Any = None
-
-    @property
-    def current(self) -> Any:
-        """The `tf.Variable` to use now (the owner may have been moved)."""
-        return self.owner.value if self.owner is not None else self.variable
-
-
-@dataclass
-class Traced:
-    """One traced micro-batch step.
-
-    Attributes:
-        graph: a plain `tf.Graph` copy of the traced graph (it holds no
-            reference to the captured variables, so moved variables are freed).
-        op_graph: the `OpGraph` view.
-        arg_names: placeholder names of the flat tensor arguments, in order.
-        output_names: names of the flat output tensors (None for None outputs).
-        output_structure: the returned structure, for packing.
-        captures: placeholder name -> `CapturedVariable`, or -> the external
-            tensor for captured non-variable tensors.
-        layers: the Keras layers called during the trace.
-        view_seconds: time spent building `op_graph`.
-    """
-
-    graph: tf.Graph
-    op_graph: OpGraph
-    arg_names: List[str]
-    output_names: List[Optional[str]]
-    output_structure: Any
-    captures: Dict[str, Any]
-    layers: List[Any] = field(default_factory=list)
-    view_seconds: float = 0.0
-
-
-def _keras_variables_of(layers: Sequence[Any]) -> Dict[int, Any]:
-    """id(tf.Variable) -> Keras variable, for the variables of `layers`."""
-    out: Dict[int, Any] = {}
-    for layer in layers:
-        try:
-            variables = list(layer.variables)
-        except Exception:  # pragma: no cover - exotic layers
-            continue
-        for kv in variables:
-            value = getattr(kv, "_value", None)
-            if isinstance(value, tf.Variable):
-                out[id(value)] = kv
-    return out
-
-
-def _unique(key: str, used: Dict[str, int]) -> str:
-    n = used.get(key, 0)
-    used[key] = n + 1
-    return key if n == 0 else f"{key}_{n}"
-
-
-def trace_microbatch(
-    fn: Callable, mb_args: tuple, mb_kwargs: dict, *, extra_variables: Sequence[Any] = (), tf_function_kwargs: Optional[dict] = None
-) -> Traced:
-    """Traces `fn` for one micro-batch into a `Traced` (see `Traced`).
-
-    Tensor leaves of the arguments become placeholders (in flatten order);
-    everything else is baked into the trace, as `tf.function` does.
-    """
-    structure = (mb_args, mb_kwargs)
-    leaves = tf.nest.flatten(structure)
-    positions = [i for i, x in enumerate(leaves) if isinstance(x, tf.Tensor)]
-    specs = [tf.TensorSpec(leaves[i].shape, leaves[i].dtype, name=f"arg{k}") for k, i in enumerate(positions)]
-
-    def flat_fn(*tensors):
-        filled = list(leaves)
-        for i, t in zip(positions, tensors):
-            filled[i] = t
-        a, k = tf.nest.pack_sequence_as(structure, filled)
-        return fn(*a, **k)
-
-    kwargs = dict(tf_function_kwargs or {})
-    kwargs.pop("input_signature", None)
-    kwargs.pop("jit_compile", None)
-    with recording() as records:
-        concrete = tf.function(flat_fn, **kwargs).get_concrete_function(*specs)
-    fg = concrete.graph
-    record = next((r for r in records if r.graph is fg), None)
-    layers = list(record.layers) if record is not None else []
-
-    n_args = len(fg.inputs) - len(fg.internal_captures)
-    arg_names = [t.op.name for t in fg.inputs[:n_args]]
-
-    # Map captured resource handles back to their variables.
-    keras_of = _keras_variables_of(layers)
-    for v in extra_variables:
-        value = getattr(v, "_value", None)
-        if isinstance(value, tf.Variable):
-            keras_of.setdefault(id(value), v)
-    var_by_handle = {id(v.handle): v for v in fg.variables}
-    captures: Dict[str, Any] = {}
-    captured_vars: Dict[str, Tuple[str, int, bool]] = {}
-    used: Dict[str, int] = {}
-    for external, internal in fg.captures:
-        name = internal.op.name
-        var = var_by_handle.get(id(external))
-        if var is None:
-            captures[name] = external
-            continue
-        owner = keras_of.get(id(var))
-        key = _unique(owner.path if owner is not None else var.name.split(":")[0], used)
-        captures[name] = CapturedVariable(key, var, owner)
-        nbytes = int(np.prod(var.shape.as_list() or [1])) * var.dtype.size if var.shape.is_fully_defined() else 0
-        captured_vars[name] = (key, nbytes, bool(var.trainable))
-
-    t_view = time.perf_counter()
-    op_graph = from_tf_graph(
-        fg,
-        arg_ops=arg_names,
-        captured_variables=captured_vars,
-        layer_of=record.layer_name_of if record is not None else None,
-        manual_partition_of=record.partition_of if record is not None else None,
-    )
-    view_seconds = time.perf_counter() - t_view
-    outputs = tf.nest.flatten(fg.structured_outputs, expand_composites=True)
-    output_names = [None if t is None else t.name for t in outputs]
-
-    # A capture-free copy of the graph for inspection (see Traced.graph).
-    graph = tf.Graph()
-    with graph.as_default():
-        tf.graph_util.import_graph_def(fg.as_graph_def(), name="")
-    return Traced(graph, op_graph, arg_names, output_names, fg.structured_outputs, captures, layers, view_seconds)
-
-
 def register_post_partition_hook(fn: Callable[[], Any]) -> Callable[[], Any]:
-    """Decorator: `fn()` runs once after the first partitioning of each step,
-    before the first pipelined execution (e.g. to load a checkpoint into the
-    moved variables).
+    """Decorator: `fn()` runs after the model is first partitioned and its
+    variables are placed, before the first pipelined execution (e.g. to load
+    a checkpoint into the placed variables).
+
+    It runs once per `smp.init`: after the first partitioning of the first
+    step called since then (a later `smp.init` runs it again). It runs
+    eagerly, also when the step is first called inside a `tf.function`, so
+    its ops never become part of a traced step.
     """
+    if not callable(fn):
+        raise ValueError(f"register_post_partition_hook expects a callable. Received: {fn!r}")
     state._STATE.post_partition_hooks.append(fn)
     return fn
+
+
+def _run_post_partition_hooks() -> None:
+    """Runs the registered hooks once per `smp.init`, eagerly."""
+    st = state._STATE
+    if st.hooks_generation == state.generation():
+        return
+    st.hooks_generation = state.generation()
+    with tf.init_scope():
+        for hook in list(st.post_partition_hooks):
+            hook()
+
+
+_TRAINABLE_WRITE_HELP = """Optimizer updates belong outside the step: the step computes the gradients of
+one micro-batch, smp_tf accumulates them over the micro-batches, and the
+optimizer applies the accumulated gradient once per batch:
+
+    @smp.step
+    def train_step(x, y):
+        with tf.GradientTape() as tape:
+            loss = loss_fn(y, model(x, training=True))
+        return loss, tape.gradient(loss, model.trainable_variables)
+
+    @tf.function
+    def train(x, y):
+        loss, grads = train_step(x, y)
+        optimizer.apply_gradients(zip([g.accumulate() for g in grads], model.trainable_variables))
+        return loss.reduce_mean()"""
+
+
+def _check_no_trainable_writes(traced: Traced) -> None:
+    """Raises if the step body writes a trainable variable (an optimizer
+    update inside the step would run once per micro-batch, in an order that
+    depends on the schedule)."""
+    g = traced.op_graph
+    bad = [(op, v) for op in g.ops for v in op.writes if g.trainable.get(v, False)]
+    if bad:
+        names = sorted({v for _, v in bad})
+        ops = [f"{op.name} ({op.type})" for op, _ in bad[:3]]
+        raise ValueError(
+            f"The smp.step body writes trainable variable(s) {names[:5]} (ops {ops}), for example "
+            f"with optimizer.apply_gradients or variable.assign_sub. {_TRAINABLE_WRITE_HELP}"
+        )
 
 
 class StepFunction:
@@ -221,7 +129,6 @@ class StepFunction:
         self._compiled: Dict[Any, Any] = {}
         self._generation = -1
         self._eager_fn = None
-        self._hooks_ran = False
         self.schedule = None
         self.last_plan: Optional[PartitionPlan] = None
         functools.update_wrapper(self, fn)
@@ -261,10 +168,8 @@ class StepFunction:
         cfg = state.config()
         topo = state.topology()
         t0 = time.perf_counter()
-        from smp_tf.keras_model import live_models
-
-        extra = [v for m in live_models() for v in m.variables]
-        traced = trace_microbatch(self._fn, mb[0], mb[1], extra_variables=extra, tf_function_kwargs=self._tf_kwargs)
+        traced = trace_microbatch(self._fn, mb[0], mb[1], tf_function_kwargs=self._tf_kwargs)
+        _check_no_trainable_writes(traced)
         t1 = time.perf_counter()
         assignment = assign_partitions(
             traced.op_graph,
@@ -273,6 +178,9 @@ class StepFunction:
             contiguous=cfg.contiguous,
             auto_partition=cfg.auto_partition,
             default_partition=cfg.default_partition or 0,
+            # Variables placed by an earlier step since smp.init stay; their
+            # ops go where they live.
+            pinned=placement.pinned_partitions(traced.captures, topo.devices),
         )
         # Partitioning time: the graph view, the groups and the assignment.
         plan = PartitionPlan(
@@ -302,23 +210,19 @@ class StepFunction:
 
     # -- running -------------------------------------------------------------
     def _compile(self, mbs: List[Tuple[tuple, dict]]):
-        from smp_tf.lowering import CompiledStep
-
         key = self._cache_key(mbs[0])
         entry = self._compiled.get(key)
         if entry is None:
             traced, plan = self._trace_and_partition(mbs[0])
             cfg = state.config()
-            from smp_tf.keras_model import live_models
-
-            optimizers = [m.optimizer for m in live_models() if getattr(m, "optimizer", None) is not None]
-            entry = CompiledStep(traced, plan, cfg, optimizers)
+            variable_devices = placement.place_variables(
+                traced.captures, plan.partition_of_variable(), plan.devices
+            )
+            _run_post_partition_hooks()
+            entry = CompiledStep(traced, plan, cfg)
+            entry.variable_devices = variable_devices
             self._compiled[key] = entry
             self.last_plan = plan
-            if not self._hooks_ran:
-                self._hooks_ran = True
-                for hook in list(state._STATE.post_partition_hooks):
-                    hook()
         self.schedule = entry.schedule
         return entry
 
@@ -333,9 +237,13 @@ class StepFunction:
         return tf.nest.map_structure(_step_output, *per_mb)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        state.config()  # raises a clear error before smp.init
+        cfg = state.config()  # raises a clear error before smp.init
         if not tf.executing_eagerly():
             return self._emit(args, kwargs)
+        # Eager values have known sizes; check them here, where a bad size
+        # gets the clear error, not a run-time failure inside the graph (an
+        # input_signature may leave the batch size unknown to the trace).
+        check_split_sizes(self._signature, args, kwargs, cfg.microbatches, self._non_split, self._split_axes)
         with self._lock:
             self._check_generation()
             if self._eager_fn is None:
@@ -364,8 +272,6 @@ _FUSED_MARK = "__smp_fused_step_output__"
 
 def _step_output(*values: Any) -> StepOutput:
     """The StepOutput of one output from its per-micro-batch values."""
-    from smp_tf.lowering import FusedValue
-
     if isinstance(values[0], FusedValue):
         return StepOutput._from_fused(values[0].op, [v.inputs for v in values])
     return StepOutput(list(values))

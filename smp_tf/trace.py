@@ -1,4 +1,8 @@
-"""Records, while a step is traced, which Keras layer and which
+"""Tracing one micro-batch of a step, and what the trace records.
+
+`trace_microbatch` traces the step body for one micro-batch into a graph and
+returns a `Traced`: the graph, its `OpGraph` view, and the variables it
+captured. While it traces, it records which Keras layer and which
 `smp.partition(i)` block created each op.
 
 Op names are not enough for either: TensorFlow uniquifies name scopes per
@@ -12,9 +16,16 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from typing import Any, Dict, Iterator, List, Optional
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
-__all__ = ["partition", "TraceRecord", "recording"]
+import numpy as np
+import tensorflow as tf
+
+from smp_tf.graph_view import OpGraph, from_tf_graph
+
+__all__ = ["partition", "TraceRecord", "recording", "CapturedVariable", "Traced", "trace_microbatch"]
 
 _local = threading.local()
 
@@ -24,8 +35,6 @@ def _current_record() -> Optional["TraceRecord"]:
     records = getattr(_local, "records", None)
     if records is None:
         return None
-    import tensorflow as tf
-
     if tf.executing_eagerly():
         return None
     graph = tf.compat.v1.get_default_graph()
@@ -55,6 +64,7 @@ class TraceRecord:
         self.layer_of_op: Dict[int, Any] = {}
         self.partition_of_op: Dict[int, int] = {}
         self.layers: List[Any] = []
+        self.models: List[Any] = []
 
     def _close(self, start: int, target: Dict[int, Any], value: Any) -> None:
         end = _next_op_id(self.graph)
@@ -91,10 +101,15 @@ _original_call = None
 
 def _patched_layer_call(self, *args, **kwargs):
     record = _current_record()
-    if record is None or _is_model(self):
+    if record is None:
+        return _original_call(self, *args, **kwargs)
+    if _is_model(self):
         # A model's own ops (the glue in a subclassed model's call: residual
         # adds, a tied projection) span the whole network; grouping them as
-        # one "layer" would pin them all together. Its layers still record.
+        # one "layer" would pin them all together. Its layers still record;
+        # the model is kept only to name its variables.
+        if not any(m is self for m in record.models):
+            record.models.append(self)
         return _original_call(self, *args, **kwargs)
     if not any(l is self for l in record.layers):
         record.layers.append(self)
@@ -182,3 +197,146 @@ class partition(contextlib.ContextDecorator):
     def __exit__(self, *exc) -> bool:
         cm, self._cm = self._cm, None
         return bool(cm.__exit__(*exc))
+
+
+@dataclass
+class CapturedVariable:
+    """A variable the traced step reads or writes.
+
+    Attributes:
+        key: unique readable name (the Keras variable path when there is one).
+        variable: the `tf.Variable` captured by the trace. Placement moves it
+            in place (same object, new handle), so it is always current.
+        owner: the Keras variable wrapping it, if any.
+    """
+
+    key: str
+    variable: Any
+    owner: Any = None
+
+    @property
+    def current(self) -> Any:
+        """The `tf.Variable` to use now (the same object as `variable`)."""
+        return self.variable
+
+
+@dataclass
+class Traced:
+    """One traced micro-batch step.
+
+    Attributes:
+        graph: a plain `tf.Graph` copy of the traced graph (it holds no
+            reference to the captured variables, so moved variables are freed).
+        op_graph: the `OpGraph` view.
+        arg_names: placeholder names of the flat tensor arguments, in order.
+        output_names: names of the flat output tensors (None for None outputs).
+        output_structure: the returned structure, for packing.
+        captures: placeholder name -> `CapturedVariable`, or -> the external
+            tensor for captured non-variable tensors.
+        layers: the Keras layers called during the trace.
+        view_seconds: time spent building `op_graph`.
+    """
+
+    graph: tf.Graph
+    op_graph: OpGraph
+    arg_names: List[str]
+    output_names: List[Optional[str]]
+    output_structure: Any
+    captures: Dict[str, Any]
+    layers: List[Any] = field(default_factory=list)
+    view_seconds: float = 0.0
+
+
+def _keras_variables_of(layers: Sequence[Any]) -> Dict[int, Any]:
+    """id(tf.Variable) -> Keras variable, for the variables of `layers`."""
+    out: Dict[int, Any] = {}
+    for layer in layers:
+        try:
+            variables = list(layer.variables)
+        except Exception:  # pragma: no cover - exotic layers
+            continue
+        for kv in variables:
+            value = getattr(kv, "_value", None)
+            if isinstance(value, tf.Variable):
+                out[id(value)] = kv
+    return out
+
+
+def _unique(key: str, used: Dict[str, int]) -> str:
+    n = used.get(key, 0)
+    used[key] = n + 1
+    return key if n == 0 else f"{key}_{n}"
+
+
+def trace_microbatch(
+    fn: Callable, mb_args: tuple, mb_kwargs: dict, *, extra_variables: Sequence[Any] = (), tf_function_kwargs: Optional[dict] = None
+) -> Traced:
+    """Traces `fn` for one micro-batch into a `Traced` (see `Traced`).
+
+    Tensor leaves of the arguments become placeholders (in flatten order);
+    everything else is baked into the trace, as `tf.function` does.
+    """
+    structure = (mb_args, mb_kwargs)
+    leaves = tf.nest.flatten(structure)
+    positions = [i for i, x in enumerate(leaves) if isinstance(x, tf.Tensor)]
+    specs = [tf.TensorSpec(leaves[i].shape, leaves[i].dtype, name=f"arg{k}") for k, i in enumerate(positions)]
+
+    def flat_fn(*tensors):
+        filled = list(leaves)
+        for i, t in zip(positions, tensors):
+            filled[i] = t
+        a, k = tf.nest.pack_sequence_as(structure, filled)
+        return fn(*a, **k)
+
+    kwargs = dict(tf_function_kwargs or {})
+    kwargs.pop("input_signature", None)
+    kwargs.pop("jit_compile", None)
+    with recording() as records:
+        concrete = tf.function(flat_fn, **kwargs).get_concrete_function(*specs)
+    fg = concrete.graph
+    record = next((r for r in records if r.graph is fg), None)
+    layers = list(record.layers) if record is not None else []
+    models = list(record.models) if record is not None else []
+
+    n_args = len(fg.inputs) - len(fg.internal_captures)
+    arg_names = [t.op.name for t in fg.inputs[:n_args]]
+
+    # Map captured resource handles back to their variables.
+    keras_of = _keras_variables_of(layers + models)
+    for v in extra_variables:
+        value = getattr(v, "_value", None)
+        if isinstance(value, tf.Variable):
+            keras_of.setdefault(id(value), v)
+    var_by_handle = {id(v.handle): v for v in fg.variables}
+    captures: Dict[str, Any] = {}
+    captured_vars: Dict[str, Tuple[str, int, bool]] = {}
+    used: Dict[str, int] = {}
+    for external, internal in fg.captures:
+        name = internal.op.name
+        var = var_by_handle.get(id(external))
+        if var is None:
+            captures[name] = external
+            continue
+        owner = keras_of.get(id(var))
+        key = _unique(owner.path if owner is not None else var.name.split(":")[0], used)
+        captures[name] = CapturedVariable(key, var, owner)
+        nbytes = int(np.prod(var.shape.as_list() or [1])) * var.dtype.size if var.shape.is_fully_defined() else 0
+        captured_vars[name] = (key, nbytes, bool(var.trainable))
+
+    t_view = time.perf_counter()
+    op_graph = from_tf_graph(
+        fg,
+        arg_ops=arg_names,
+        captured_variables=captured_vars,
+        layer_of=record.layer_name_of if record is not None else None,
+        manual_partition_of=record.partition_of if record is not None else None,
+    )
+    view_seconds = time.perf_counter() - t_view
+    outputs = tf.nest.flatten(fg.structured_outputs, expand_composites=True)
+    output_names = [None if t is None else t.name for t in outputs]
+
+    # A capture-free copy of the graph for inspection (see Traced.graph).
+    graph = tf.Graph()
+    with graph.as_default():
+        tf.graph_util.import_graph_def(fg.as_graph_def(), name="")
+    return Traced(graph, op_graph, arg_names, output_names, fg.structured_outputs, captures, layers, view_seconds)

@@ -7,7 +7,9 @@ Rules (each one is a union in a union-find over op indices):
    embeddings keep all their users together;
 2. ops created by one Keras layer;
 3. a gradient op and the forward op it differentiates;
-4. TensorFlow's own colocation (``_class = ["loc:@other"]``) of forward ops.
+4. TensorFlow's own colocation (``_class = ["loc:@other"]``) of forward ops;
+5. ops *tied* together by the graph view: a while loop and the accumulators
+   (and the gradient loop) its gradient added to it.
 
 "Free" ops are left out of every group: ops that read nothing but constants
 and step arguments (constants, shapes, argument placeholders). They cost
@@ -139,6 +141,9 @@ def colocation_groups(graph: OpGraph, free: Optional[List[bool]] = None) -> Grou
         for name in () if op.is_gradient else op.colocate_with:
             j = graph.op_index.get(name)
             if j is not None and not free[j]:
+                uf.union(i, j)
+        for j in op.tied:
+            if not free[j]:
                 uf.union(i, j)
         if op.type == "ReadVariableOp" and op.variables:
             for j in _value_users(graph, i):

@@ -23,7 +23,7 @@ Everything here is plain Python over `OpGraph`.
 
 from __future__ import annotations
 
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Dict, List, Mapping, Optional, Sequence
 
 from smp_tf.graph_view import OpGraph
 from smp_tf.partitioner import balance
@@ -273,6 +273,7 @@ def assign_partitions(
     slots: float = DEFAULT_SLOTS,
     tolerance: float = 0.0,
     groups: Optional[Groups] = None,
+    pinned: Optional[Mapping[str, int]] = None,
 ) -> List[int]:
     """Assigns every op of `graph` to a partition.
 
@@ -288,6 +289,10 @@ def assign_partitions(
         tolerance: for contiguous splits, the bottleneck may exceed the optimum
             by this fraction if that lowers the bytes cut.
         groups: precomputed colocation groups.
+        pinned: variable key -> partition for variables that already live on
+            a partition (placed by an earlier step). With
+            ``auto_partition=True`` their groups stay there and every other
+            group follows the neighbours it exchanges most bytes with.
 
     Returns:
         The partition of each op, indexed like ``graph.ops``.
@@ -299,6 +304,18 @@ def assign_partitions(
 
     if num_partitions == 1:
         part_of_group = [0] * len(groups)
+    elif pinned and auto_partition:
+        for g, ms in enumerate(groups.members):
+            for v in (v for i in ms for v in graph.ops[i].variables):
+                if v in pinned:
+                    if not 0 <= pinned[v] < num_partitions:
+                        raise ValueError(
+                            f"pinned partition {pinned[v]} of variable {v!r} is out of range "
+                            f"[0, {num_partitions})."
+                        )
+                    part_of_group[g] = pinned[v]
+                    break
+        _follow_neighbours(graph, groups, part_of_group, default_partition)
     elif not auto_partition:
         # Forward ops outside every smp.partition block go to
         # default_partition; pass-through ops (the step's output identities)

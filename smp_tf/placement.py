@@ -1,0 +1,349 @@
+"""Placement: every variable a step uses lives on the device of its partition.
+
+Variables are moved once per `smp.init`, by the first step that is
+partitioned; a step partitioned later in the same run keeps them where they
+are and puts the ops that use them there too (`pinned_partitions`).
+
+A move keeps the variable's identity. The `tf.Variable` object (and the
+Keras variable around it) stays the same Python object; only the resource
+behind its handle is created anew on the target device, with the same value.
+So everything that keys on the variable keeps working: a Keras optimizer
+built earlier finds its state (it keys on the variable's ``_unique_id``),
+``tf.train.Checkpoint`` and ``GradientTape`` see the same object, and new
+traces read the new handle.
+
+What captured the old handle before the move is re-pointed at the new one:
+
+* every `tf.function` traced earlier (each of its concrete functions, found
+  by a scan of live objects, gets its captured inputs replaced);
+* every graph being traced at the moment of the move (the user's
+  `tf.function` that called the step), whose capture of the old handle is
+  re-keyed to the new handle, so that later reads in that trace share it.
+  Keras's cached ``train``/``test``/``predict`` functions are such functions:
+  they read the moved variables from then on, without a retrace;
+* optimizer slots (Adam's moments, momentum, ...) of a moved variable move
+  with it, and slots created later are created on its device.
+
+The old resource is freed once nothing refers to it. What holds a raw handle
+of its own (a TF1 ``Session`` graph, a handle tensor kept by the user) keeps
+the old value: see ``docs/partitioning.md``, "Variables and functions
+traced before the first step".
+"""
+
+from __future__ import annotations
+
+import gc
+import logging
+import weakref
+from typing import Any, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
+
+import tensorflow as tf
+
+from smp_tf import state
+from smp_tf.trace import CapturedVariable
+
+logger = logging.getLogger("smp_tf")
+
+__all__ = [
+    "relocate_variable",
+    "place_variables",
+    "pinned_partitions",
+    "install_slot_placement",
+]
+
+#: Attribute set on a moved `tf.Variable`: the `state.generation()` it was placed in.
+_PLACED = "_smp_tf_generation"
+#: Attribute set on a Keras optimizer slot: a weak reference to its variable.
+_REFERENCE = "_smp_tf_reference"
+
+_OPTIMIZERS: "weakref.WeakSet[Any]" = weakref.WeakSet()
+
+
+def same_device(a: str, b: str) -> bool:
+    """Whether two device strings name the same device (type and index)."""
+    da, db = tf.DeviceSpec.from_string(a or ""), tf.DeviceSpec.from_string(b or "")
+    return (da.device_type or "CPU").upper() == (db.device_type or "CPU").upper() and (
+        da.device_index or 0
+    ) == (db.device_index or 0)
+
+
+def _resource_variable(variable: Any) -> Optional[Any]:
+    """The `tf.Variable` behind a Keras variable (or the variable itself);
+    None if it cannot be moved in place (not a plain resource variable)."""
+    from tensorflow.python.ops import resource_variable_ops
+
+    v = getattr(variable, "value", variable) if not isinstance(variable, tf.Variable) else variable
+    if type(v).__name__ in ("MirroredVariable", "SyncOnReadVariable", "DistributedVariable"):
+        return None
+    if isinstance(v, resource_variable_ops.BaseResourceVariable) and getattr(v, "_handle", None) is not None:
+        return v
+    return None
+
+
+def relocate_variable(variable: Any, device: str) -> Optional[Any]:
+    """Moves `variable`'s storage to `device`, keeping the Python object.
+
+    Args:
+        variable: a `tf.Variable` or a Keras variable.
+        device: the target device.
+
+    Returns:
+        The old handle (a resource tensor) if the variable moved, None if it
+        already lived on `device`.
+
+    Raises:
+        TypeError: `variable` is not a resource variable (e.g. a variable of a
+            `tf.distribute` strategy), which cannot be moved in place.
+    """
+    v = _resource_variable(variable)
+    if v is None:
+        raise TypeError(
+            f"smp_tf can only move plain resource variables to their partition's device. "
+            f"Received: {variable!r} ({type(variable).__name__})."
+        )
+    old = v.handle
+    if same_device(old.device, device):
+        return None
+    from tensorflow.python.ops import resource_variable_ops
+
+    with tf.init_scope(), tf.device(device):
+        fresh = resource_variable_ops.ResourceVariable(
+            v.read_value(), dtype=v.dtype, shape=v.shape, trainable=False,
+            name=v.name.split(":")[0],
+        )
+    new = fresh._handle
+    fresh._handle = None  # the new resource now belongs to `v`
+    new._parent_trackable = weakref.ref(v)
+    new._name = getattr(old, "_name", new._name)
+    new._unique_id = getattr(old, "_unique_id", v._unique_id)
+    v._handle = new
+    v._cached_value = None
+    return old
+
+
+# --------------------------------------------------------------------------
+# optimizer slots
+# --------------------------------------------------------------------------
+def install_slot_placement() -> None:
+    """Makes Keras optimizer slots live on the device of their variable.
+
+    Keras creates a slot with ``add_variable_from_reference(variable)``; under
+    the default distribution strategy nothing places it, so a slot of a moved
+    variable would land on the default device. This wraps that method (once
+    per process) to create the slot on the reference variable's device and
+    to remember which variable each slot belongs to.
+    """
+    try:
+        from keras.src.backend.tensorflow.optimizer import TFOptimizer
+    except ImportError:  # pragma: no cover - another Keras layout
+        logger.warning("smp_tf: cannot place optimizer slots on their variables' devices.")
+        return
+    if getattr(TFOptimizer.add_variable_from_reference, "_smp_tf", False):
+        return
+    original = TFOptimizer.add_variable_from_reference
+
+    def add_variable_from_reference(self, reference_variable, *args, **kwargs):
+        value = getattr(reference_variable, "value", reference_variable)
+        device = getattr(value, "device", "") or ""
+        with tf.init_scope(), tf.device(device or None):
+            slot = original(self, reference_variable, *args, **kwargs)
+        try:
+            setattr(slot, _REFERENCE, weakref.ref(reference_variable))
+        except (AttributeError, TypeError):  # pragma: no cover - exotic variables
+            pass
+        _OPTIMIZERS.add(self)
+        return slot
+
+    add_variable_from_reference.__wrapped__ = original
+    add_variable_from_reference._smp_tf = True
+    TFOptimizer.add_variable_from_reference = add_variable_from_reference
+
+
+def _slots_by_reference(optimizer: Any) -> List[Tuple[Any, Any]]:
+    """(slot, reference variable) pairs of a Keras optimizer.
+
+    Slots created after `smp.init` remember their variable. For older ones
+    the Keras naming rule is used (``{variable.path with / as _}_{name}``):
+    the optimizer's variable with the longest matching path and the same
+    shape.
+    """
+    references = list(getattr(optimizer, "_trainable_variables", None) or [])
+    prefixes = sorted(
+        ((getattr(r, "path", "").replace("/", "_") + "_", r) for r in references if getattr(r, "path", "")),
+        key=lambda pr: -len(pr[0]),
+    )
+    own = {id(r) for r in references}
+    pairs = []
+    for slot in getattr(optimizer, "variables", []):
+        if id(slot) in own:
+            continue
+        ref = getattr(slot, _REFERENCE, None)
+        reference = ref() if ref is not None else None
+        if reference is None:
+            name = getattr(slot, "name", "") or ""
+            for prefix, r in prefixes:
+                if name.startswith(prefix) and tuple(slot.shape) == tuple(r.shape):
+                    reference = r
+                    break
+        if reference is not None:
+            pairs.append((slot, reference))
+    return pairs
+
+
+# --------------------------------------------------------------------------
+# re-pointing what captured an old handle
+# --------------------------------------------------------------------------
+def _live_objects() -> Dict[str, List[Any]]:
+    """Concrete functions, function graphs and Keras optimizers alive."""
+    from tensorflow.python.eager.polymorphic_function.concrete_function import ConcreteFunction
+    from tensorflow.python.framework.func_graph import FuncGraph
+
+    kinds: List[Tuple[str, type]] = [("functions", ConcreteFunction), ("graphs", FuncGraph)]
+    try:
+        import keras
+
+        kinds.append(("optimizers", keras.optimizers.Optimizer))
+    except ImportError:  # pragma: no cover - Keras is a dependency
+        pass
+    found: Dict[str, List[Any]] = {k: [] for k, _ in kinds}
+    classes = tuple(c for _, c in kinds)
+    for o in gc.get_objects():
+        if isinstance(o, classes):
+            for k, c in kinds:
+                if isinstance(o, c):
+                    found[k].append(o)
+    return found
+
+
+def _retarget_graph(graph: Any, moved: Mapping[int, Any]) -> int:
+    """Re-keys a function graph's captures of old handles to the new handles."""
+    captures = getattr(graph, "_function_captures", None)
+    if captures is None:
+        return 0
+    n = 0
+    for key, external in list(captures.by_val_external.items()):
+        new = moved.get(id(external))
+        if new is None:
+            continue
+        internal = captures.by_val_internal[key]
+        captures.pop(key, is_by_ref=False)
+        captures.add_or_replace(key=id(new), external=new, internal=internal, is_by_ref=False)
+        n += 1
+    return n
+
+
+def _retarget_function(function: Any, moved: Mapping[int, Any]) -> int:
+    inputs = getattr(function, "_captured_inputs", None)
+    if not inputs or not any(id(x) in moved for x in inputs):
+        return 0
+    replaced = [moved.get(id(x), x) for x in inputs]
+    setter = getattr(function, "set_external_captures", None)
+    if setter is not None:
+        setter(replaced)
+    else:  # pragma: no cover - older TensorFlow
+        function._captured_inputs = replaced
+    return 1
+
+
+def _current_graphs() -> List[Any]:
+    """The graphs being traced now, innermost first."""
+    from tensorflow.python.framework.func_graph import FuncGraph
+
+    out = []
+    g = tf.compat.v1.get_default_graph()
+    while isinstance(g, FuncGraph):
+        out.append(g)
+        g = getattr(g, "outer_graph", None)
+    return out
+
+
+def place_variables(
+    captures: Mapping[str, Any], partition_of_variable: Mapping[str, int], devices: Sequence[str]
+) -> Dict[str, str]:
+    """Moves every captured variable to the device of its partition.
+
+    A variable already placed since the last `smp.init` stays where it is
+    (the partitioner pinned its ops there, see `pinned_partitions`). After
+    the moves, optimizer slots follow their variables and everything that
+    captured an old handle is re-pointed (see the module doc).
+
+    Args:
+        captures: placeholder name -> `CapturedVariable` (other entries are
+            ignored).
+        partition_of_variable: variable key -> partition.
+        devices: device of each partition.
+
+    Returns:
+        Variable key -> the device it lives on now.
+    """
+    generation = state.generation()
+    where: Dict[str, str] = {}
+    moved: Dict[int, Any] = {}  # id(old handle) -> new handle
+    moved_variables: Dict[int, str] = {}  # id(tf.Variable) -> device
+    unmovable = []
+    for cap in captures.values():
+        if not isinstance(cap, CapturedVariable):
+            continue
+        v = _resource_variable(cap.current)
+        if v is None:
+            unmovable.append(cap.key)
+            where[cap.key] = cap.current.device
+            continue
+        if getattr(v, _PLACED, None) == generation or cap.key not in partition_of_variable:
+            where[cap.key] = v.device
+            continue
+        device = devices[partition_of_variable[cap.key]]
+        old = relocate_variable(v, device)
+        if old is not None:
+            moved[id(old)] = v.handle
+            moved_variables[id(v)] = device
+        setattr(v, _PLACED, generation)
+        where[cap.key] = v.device
+    if unmovable:
+        logger.warning(
+            "smp_tf: %d variable(s) are not plain resource variables and stay where they are "
+            "(they are read across devices): %s", len(unmovable), unmovable[:10],
+        )
+    if not moved:
+        return where
+    live = _live_objects()
+    for opt in list(_OPTIMIZERS) + [o for o in live.get("optimizers", []) if o not in _OPTIMIZERS]:
+        for slot, reference in _slots_by_reference(opt):
+            rv, sv = _resource_variable(reference), _resource_variable(slot)
+            if rv is None or sv is None or id(rv) not in moved_variables:
+                continue
+            old = relocate_variable(sv, moved_variables[id(rv)])
+            if old is not None:
+                moved[id(old)] = sv.handle
+                moved_variables[id(sv)] = moved_variables[id(rv)]
+            setattr(sv, _PLACED, generation)
+    functions = sum(_retarget_function(f, moved) for f in live["functions"])
+    graphs = set(map(id, live["graphs"]))
+    current = [g for g in _current_graphs() if id(g) not in graphs]
+    traced = sum(_retarget_graph(g, moved) for g in live["graphs"] + current)
+    logger.info(
+        "smp_tf: moved %d variables; re-pointed %d traced functions and %d graph captures",
+        len(moved), functions, traced,
+    )
+    return where
+
+
+def pinned_partitions(captures: Mapping[str, Any], devices: Sequence[str]) -> Dict[str, int]:
+    """Variable key -> partition, for the captured variables placed since the
+    last `smp.init` (their ops must go where they live)."""
+    generation = state.generation()
+    out: Dict[str, int] = {}
+    for cap in captures.values():
+        if not isinstance(cap, CapturedVariable):
+            continue
+        v = _resource_variable(cap.current)
+        if v is None or getattr(v, _PLACED, None) != generation:
+            continue
+        for p, d in enumerate(devices):
+            if same_device(v.device, d):
+                out[cap.key] = p
+                break
+    return out
+
+# Created once per process: slots of moved variables are created on their devices.
+install_slot_placement()

@@ -1,0 +1,3 @@
+"""The zoo's results of this test run: (model, partitions, schedule) -> worst relative error."""
+
+RESULTS = {}
