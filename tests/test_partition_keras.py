@@ -124,7 +124,12 @@ def check_free_ops(plan: PartitionPlan, default_partition: int = 0) -> int:
 
 
 def check_gradients_follow_forward(plan: PartitionPlan) -> List[int]:
-    """Gradient ops sit with their forward op; returns the (free-op) exceptions."""
+    """Gradient ops sit with their forward op; returns the (free-op) exceptions.
+
+    Sums of gradient contributions (``AddN``) are the other exception: they
+    sit where their terms are computed; when every term comes from one
+    partition, on that partition.
+    """
     g = plan.op_graph
     free = colocation_groups(g).free
     part = plan.partition_of_op
@@ -135,6 +140,12 @@ def check_gradients_follow_forward(plan: PartitionPlan) -> List[int]:
             continue
         n_linked += 1
         if part[op.index] == part[op.forward]:
+            continue
+        if op.type == "AddN" and op.layer is None:
+            term_parts = {part[g.tensors[t].producer] for t in op.inputs} - {-1}
+            assert len(term_parts) > 1 or part[op.index] in term_parts, (
+                f"gradient sum {op.name} on partition {part[op.index]}, its terms on {term_parts}"
+            )
             continue
         assert free[op.index], (
             f"gradient op {op.name} ({op.type}) on partition {part[op.index]}, "

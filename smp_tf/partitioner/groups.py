@@ -6,7 +6,12 @@ Rules (each one is a union in a union-find over op indices):
    the value read from it (through ``Identity`` / ``Cast``), so that tied
    embeddings keep all their users together;
 2. ops created by one Keras layer;
-3. a gradient op and the forward op it differentiates;
+3. a gradient op and the forward op it differentiates, except the sums of
+   gradient contributions (``AddN``): a sum goes where its terms come from
+   (it follows the neighbours it exchanges most bytes with), so that when
+   one partition computes every term it also adds them up, sends one tensor
+   instead of several, and the graph optimiser sees the terms and their sum
+   in one function, as in a single-device run;
 4. TensorFlow's own colocation (``_class = ["loc:@other"]``) of forward ops;
 5. ops *tied* together by the graph view: a while loop and the accumulators
    (and the gradient loop) its gradient added to it.
@@ -110,6 +115,11 @@ def _value_users(graph: OpGraph, read: int) -> List[int]:
     return out
 
 
+def _is_gradient_sum(op) -> bool:
+    """The sum of the gradient contributions that reach one forward tensor."""
+    return op.is_gradient and op.type == "AddN" and op.layer is None and not op.variables
+
+
 def colocation_groups(graph: OpGraph, free: Optional[List[bool]] = None) -> Groups:
     """Computes the colocation groups of `graph` (see the module doc).
 
@@ -132,7 +142,7 @@ def colocation_groups(graph: OpGraph, free: Optional[List[bool]] = None) -> Grou
         if op.layer is not None:
             j = first_op_of_layer.setdefault(op.layer, i)
             uf.union(i, j)
-        if op.forward is not None and not free[op.forward]:
+        if op.forward is not None and not free[op.forward] and not _is_gradient_sum(op):
             uf.union(i, op.forward)
         # Gradient ops are placed by rule 3. TensorFlow's own colocation of
         # them (tf.gradients colocates every gradient op with its forward op,

@@ -248,11 +248,14 @@ def _follow_neighbours(graph: OpGraph, groups: Groups, part_of_group: List[Optio
                         p = part_of_group[pg]
                         score[p] = score.get(p, 0.0) + graph.tensors[t].bytes + 1e-9
                 for t in op.outputs:
+                    # A tensor is sent once to each partition that reads it.
+                    parts = set()
                     for c in graph.tensors[t].consumers:
                         cg = groups.group_of[c]
                         if cg >= 0 and part_of_group[cg] is not None:
-                            p = part_of_group[cg]
-                            score[p] = score.get(p, 0.0) + graph.tensors[t].bytes + 1e-9
+                            parts.add(part_of_group[cg])
+                    for p in parts:
+                        score[p] = score.get(p, 0.0) + graph.tensors[t].bytes + 1e-9
             if score:
                 part_of_group[g] = max(sorted(score), key=lambda p: score[p])
             else:
