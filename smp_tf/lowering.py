@@ -16,6 +16,7 @@ of its body, so the device runs its actions exactly in schedule order.
 
 from __future__ import annotations
 
+import copy
 import logging
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
@@ -142,16 +143,7 @@ class CompiledStep:
         self._sent_tensors = {
             tin for t in self.tasks for tin in t.inputs if t.producer_of_input[tin][0] != t.partition
         }
-        specs = task_specs(self.tasks)
-        self.schedule: Schedule = make_schedule(specs, cfg.microbatches, cfg.pipeline)
-        validate(self.schedule)
-        self.simulation = self.schedule.simulate()
-        # Emit in simulated start order: it respects dependencies and every
-        # device's order, so each control dependency points at an op that
-        # already exists.
-        self.emit_order: List[Action] = sorted(
-            self.simulation.start, key=lambda a: (self.simulation.start[a], a.partition, a.wave, a.microbatch)
-        )
+        self._set_schedule(cfg.pipeline)
         self._arg_index = {name: i for i, name in enumerate(traced.arg_names)}
         # Products that read a variable transposed get it transposed once
         # per step instead (opt-in: one transposed copy lives during the step).
@@ -163,6 +155,27 @@ class CompiledStep:
                 if known and isinstance(traced.captures.get(g.ops[p.capture].name), CapturedVariable):
                     self.pretransposed[p.op] = p
         self._functions = self._build_functions()
+
+    def _set_schedule(self, kind: str) -> None:
+        self.schedule: Schedule = make_schedule(task_specs(self.tasks), self.num_microbatches, kind)
+        validate(self.schedule)
+        self.simulation = self.schedule.simulate()
+        # Emit in simulated start order: it respects dependencies and every
+        # device's order, so each control dependency points at an op that
+        # already exists.
+        self.emit_order: List[Action] = sorted(
+            self.simulation.start, key=lambda a: (self.simulation.start[a], a.partition, a.wave, a.microbatch)
+        )
+
+    def rescheduled(self, kind: str) -> "CompiledStep":
+        """The same tasks and task functions under another schedule kind.
+
+        Only the order of the actions differs between schedules, so nothing
+        is traced, partitioned or optimised again.
+        """
+        other = copy.copy(self)
+        other._set_schedule(kind)
+        return other
 
     def _attrs_of(self, index: int) -> Dict[str, Any]:
         op = self.traced.graph.get_operation_by_name(self.plan.op_graph.ops[index].name)

@@ -19,6 +19,7 @@ its ops into the caller's graph.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import inspect
 import threading
@@ -52,6 +53,14 @@ def register_post_partition_hook(fn: Callable[[], Any]) -> Callable[[], Any]:
         raise ValueError(f"register_post_partition_hook expects a callable. Received: {fn!r}")
     state._STATE.post_partition_hooks.append(fn)
     return fn
+
+
+def _config_key() -> tuple:
+    """What a compiled step depends on: the config but its schedule kind,
+    and the devices."""
+    cfg = state.config()
+    fields = tuple((f.name, getattr(cfg, f.name)) for f in dataclasses.fields(cfg) if f.name != "pipeline")
+    return fields + (tuple(state.topology().devices),)
 
 
 def _run_post_partition_hooks() -> None:
@@ -159,8 +168,11 @@ class StepFunction:
         return (repr(tf.nest.map_structure(lambda _: 0, mb)), tuple(key))
 
     def _check_generation(self) -> None:
+        """After `smp.init`, keeps only what was compiled for the same config
+        (except the schedule kind, which `_compile` changes without a retrace)."""
         if self._generation != state.generation():
-            self._compiled.clear()
+            key = _config_key()
+            self._compiled = {k: v for k, v in self._compiled.items() if k[1] == key}
             self._eager_fn = None
             self._generation = state.generation()
 
@@ -201,8 +213,7 @@ class StepFunction:
         with self._lock:
             self._check_generation()
             mbs = self._split(args, kwargs, cfg.microbatches)
-            key = self._cache_key(mbs[0])
-            entry = self._compiled.get(key)
+            entry = self._compiled.get((self._cache_key(mbs[0]), _config_key()))
             if entry is not None:
                 return entry.plan
             _, plan = self._trace_and_partition(mbs[0])
@@ -210,19 +221,34 @@ class StepFunction:
 
     # -- running -------------------------------------------------------------
     def _compile(self, mbs: List[Tuple[tuple, dict]]):
-        key = self._cache_key(mbs[0])
+        cfg = state.config()
+        key = (self._cache_key(mbs[0]), _config_key())
         entry = self._compiled.get(key)
+        if entry is not None and entry.generation != state.generation():
+            # Compiled under an earlier smp.init with the same config: reuse
+            # it if the variables may stay where its plan put them.
+            pins = placement.pinned_partitions(entry.traced.captures, entry.plan.devices)
+            planned = entry.plan.partition_of_variable()
+            if any(planned.get(k, p) != p for k, p in pins.items()):
+                entry = None
+            else:
+                entry.variable_devices = placement.place_variables(entry.traced.captures, planned, entry.plan.devices)
+                _run_post_partition_hooks()
+                entry.generation = state.generation()
         if entry is None:
             traced, plan = self._trace_and_partition(mbs[0])
-            cfg = state.config()
             variable_devices = placement.place_variables(
                 traced.captures, plan.partition_of_variable(), plan.devices
             )
             _run_post_partition_hooks()
             entry = CompiledStep(traced, plan, cfg)
             entry.variable_devices = variable_devices
-            self._compiled[key] = entry
+            entry.generation = state.generation()
             self.last_plan = plan
+        if entry.schedule.kind != cfg.pipeline:
+            entry = entry.rescheduled(cfg.pipeline)
+        self._compiled[key] = entry
+        self.last_plan = entry.plan
         self.schedule = entry.schedule
         return entry
 

@@ -30,7 +30,6 @@ Tags:
 from __future__ import annotations
 
 import dataclasses
-import os
 from typing import Any, Callable, Dict, Optional, Set
 
 import keras
@@ -129,7 +128,7 @@ def _classes(rng: np.random.Generator, n: int, shape=()) -> np.ndarray:
 
 #: All four applications below accept 32x32 inputs, their minimum
 #: (`imagenet_utils.obtain_input_shape(min_size=32)`).
-APP_IMAGE_SHAPE = tuple(int(v) for v in os.environ.get("APPSHAPE", "32,32,3").split(","))
+APP_IMAGE_SHAPE = (32, 32, 3)
 APP_CLASSES = 4
 
 
