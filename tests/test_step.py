@@ -197,3 +197,43 @@ def test_reinit_discards_cached_pipelines(mlp):
     loss = step(x, y)[0]
     assert len(loss.outputs) == 4
     assert step.last_plan.num_partitions == 3
+
+
+def test_optimizer_update_inside_the_step_is_a_clear_error(mlp):
+    import keras
+
+    smp.init({"partitions": 2, "microbatches": 2})
+    opt = keras.optimizers.SGD(0.1)
+    opt.build(mlp.trainable_variables)
+    body = models.make_body(mlp, "mlp")
+
+    def bad(x, y):
+        loss, grads, _ = body(x, y)
+        opt.apply_gradients(zip(grads, mlp.trainable_variables))
+        return loss
+
+    with pytest.raises(ValueError, match=r"(?s)writes trainable variable.*apply_gradients.*g\.accumulate\(\)"):
+        smp.step(bad)(*models.data("mlp"))
+
+    w = tf.Variable(tf.ones([16, 4]), name="manual_w")
+
+    def manual_sgd(x, y):
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_mean(tf.square(x @ w - y))
+        w.assign_sub(0.1 * tape.gradient(loss, w))
+        return loss
+
+    with pytest.raises(ValueError, match="manual_w"):
+        smp.step(manual_sgd)(*models.data("mlp"))
+
+
+def test_unknown_batch_size_not_divisible_is_the_static_error_first():
+    """With an input_signature that leaves the batch size unknown, an eager
+    call gets the same clear ValueError as a static shape, before anything runs."""
+    smp.init({"partitions": 2, "microbatches": 4})
+    step = smp.step(lambda x: x * 2.0, input_signature=[tf.TensorSpec([None, 3], tf.float32)])
+    np.testing.assert_allclose(step(tf.ones([8, 3])).merge(), 2 * np.ones([8, 3]))
+    with pytest.raises(ValueError, match=r"Batch size 10 of argument 'x' \(axis 0\) is not divisible by microbatches=4"):
+        step(tf.ones([10, 3]))
+    with pytest.raises(ValueError, match="Batch size 6"):
+        step(np.ones([6, 3], np.float32))
