@@ -16,85 +16,65 @@ TensorFlow, without a cloud::
 
     loss, grads = train_step(x, y)
     optimizer.apply_gradients(zip([g.accumulate() for g in grads], model.trainable_variables))
+
+Public names are loaded on first use, so that the parts that need no
+TensorFlow (the configuration, the partitioner, the schedules, the task
+rewrite) import without it, e.g. in a launcher or a planning tool.
 """
 
-def _exclude_from_autograph() -> None:
-    """Keeps AutoGraph from rewriting smp_tf when a user's tf.function calls it.
+from __future__ import annotations
 
-    smp_tf's Python runs at trace time and has no tensor-dependent control
-    flow; converting it would only slow tracing down and break on its
-    closures. TensorFlow excludes Keras the same way.
-    """
-    try:
-        from tensorflow.python.autograph.core import config as ag_config
-    except ImportError:  # pragma: no cover - layout of a future TensorFlow
-        return
-    rule = ag_config.DoNotConvert("smp_tf")
-    if not any(getattr(r, "_prefix", None) == "smp_tf" for r in ag_config.CONVERSION_RULES):
-        ag_config.CONVERSION_RULES = (rule,) + tuple(ag_config.CONVERSION_RULES)
-
-
-_exclude_from_autograph()
-
-from smp_tf.boundary import smp_input, smp_output  # noqa: E402
-from smp_tf.config import Config  # noqa: E402
-from smp_tf.keras_model import DistributedModel  # noqa: E402
-from smp_tf.partitioner.plan import PartitionPlan  # noqa: E402
-from smp_tf.schedule import Action, Schedule, ScheduleError, Simulation, TaskSpec  # noqa: E402
-from smp_tf.state import (  # noqa: E402
-    current_config,
-    Topology,
-    dp_rank,
-    dp_size,
-    init,
-    is_initialized,
-    local_rank,
-    local_size,
-    mp_rank,
-    mp_size,
-    num_microbatches,
-    pp_rank,
-    pp_size,
-    rank,
-    size,
-    topology,
-)
-from smp_tf.step import StepFunction, register_post_partition_hook, step  # noqa: E402
-from smp_tf.step_output import StepOutput  # noqa: E402
-from smp_tf.trace import partition  # noqa: E402
+import importlib
+from typing import Any, List
 
 __version__ = "0.1.0"
 
-__all__ = [
-    "Action",
-    "Config",
-    "DistributedModel",
-    "PartitionPlan",
-    "Schedule",
-    "ScheduleError",
-    "Simulation",
-    "StepFunction",
-    "StepOutput",
-    "TaskSpec",
-    "Topology",
-    "current_config",
-    "dp_rank",
-    "dp_size",
-    "init",
-    "is_initialized",
-    "local_rank",
-    "local_size",
-    "mp_rank",
-    "mp_size",
-    "num_microbatches",
-    "partition",
-    "pp_rank",
-    "pp_size",
-    "rank",
-    "register_post_partition_hook",
-    "size",
-    "smp_input",
-    "smp_output",
-    "step",
-    "topology",
-]
+#: Public name -> the module that defines it.
+_EXPORTS = {
+    "Action": "smp_tf.schedule",
+    "Config": "smp_tf.config",
+    "DistributedModel": "smp_tf.keras_model",
+    "PartitionPlan": "smp_tf.partitioner.plan",
+    "Schedule": "smp_tf.schedule",
+    "ScheduleError": "smp_tf.schedule",
+    "Simulation": "smp_tf.schedule",
+    "StepFunction": "smp_tf.step_function",
+    "StepOutput": "smp_tf.step_output",
+    "TaskSpec": "smp_tf.schedule",
+    "Topology": "smp_tf.state",
+    "current_config": "smp_tf.state",
+    "dp_rank": "smp_tf.state",
+    "dp_size": "smp_tf.state",
+    "init": "smp_tf.state",
+    "is_initialized": "smp_tf.state",
+    "local_rank": "smp_tf.state",
+    "local_size": "smp_tf.state",
+    "mp_rank": "smp_tf.state",
+    "mp_size": "smp_tf.state",
+    "num_microbatches": "smp_tf.state",
+    "partition": "smp_tf.trace",
+    "pp_rank": "smp_tf.state",
+    "pp_size": "smp_tf.state",
+    "rank": "smp_tf.state",
+    "register_post_partition_hook": "smp_tf.step_function",
+    "size": "smp_tf.state",
+    "smp_input": "smp_tf.boundary",
+    "smp_output": "smp_tf.boundary",
+    "step": "smp_tf.step_function",
+    "topology": "smp_tf.state",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'smp_tf' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> List[str]:
+    return sorted(set(globals()) | set(__all__))

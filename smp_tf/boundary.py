@@ -13,6 +13,8 @@ the boundary of the backward pass.
 
 from __future__ import annotations
 
+import smp_tf._autograph  # noqa: F401  (keeps AutoGraph out of smp_tf)
+
 import tensorflow as tf
 
 __all__ = ["smp_input", "smp_output", "SMP_INPUT", "SMP_OUTPUT", "is_smp_input", "is_smp_output"]

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import smp_tf._autograph  # noqa: F401  (keeps AutoGraph out of smp_tf)
+
 import weakref
 from typing import Any, List
 

@@ -10,6 +10,8 @@ TensorFlow ops, so they work eagerly and inside `tf.function`.
 
 from __future__ import annotations
 
+import smp_tf._autograph  # noqa: F401  (keeps AutoGraph out of smp_tf)
+
 import functools
 from dataclasses import dataclass
 from typing import Any, Iterator, List, Optional, Sequence, Tuple

@@ -14,6 +14,8 @@ ops created in between; the innermost context wins.
 
 from __future__ import annotations
 
+import smp_tf._autograph  # noqa: F401  (keeps AutoGraph out of smp_tf)
+
 import contextlib
 import threading
 import time

@@ -418,3 +418,100 @@ def test_from_tf_graph_gradient_tape_names():
     mm = og.op("model/dense/MatMul")
     assert mm.flops == pytest.approx(30.0)
     assert og.tensors[mm.outputs[0]].bytes == 20
+
+
+# --------------------------------------------------------------------------
+# from_tf_graph: creation order, while-loop gradients, resource writes
+# --------------------------------------------------------------------------
+
+
+def _traced(fn, *specs):
+    """The FuncGraph of `fn` and its captured variables, as smp.step reads it."""
+    graph = tf.function(fn, autograph=False).get_concrete_function(*specs).graph
+    captured = {}
+    for external, internal in graph.captures:
+        for v in graph.variables:
+            if v.handle is external:
+                captured[internal.op.name] = (v.name.split(":")[0], 4, v.trainable)
+    return graph, captured
+
+
+def test_while_loop_gradient_is_read_in_topological_order():
+    # The gradient of a tf.while_loop that keeps intermediates adds inputs
+    # (accumulators) to the forward While op, created after it: creation
+    # order is not topological. The view must still index every producer
+    # before its consumers, and tie the loop to its accumulators and to the
+    # gradient loop that reads them.
+    w = tf.Variable(tf.ones([3, 3]) * 0.5, name="w")
+
+    def fn(x):
+        with tf.GradientTape() as tape:
+            def body(i, h):
+                return i + 1, tf.tanh(tf.matmul(h, w))
+
+            _, h = tf.while_loop(lambda i, h: i < 4, body, (0, x))
+            loss = tf.reduce_sum(h)
+        return tape.gradient(loss, w)
+
+    graph, captured = _traced(fn, tf.TensorSpec([2, 3]))
+    created = [op.name for op in graph.get_operations()]
+    fwd = next(op for op in graph.get_operations() if op.type in ("While", "StatelessWhile") and "grad" not in op.name)
+    assert any(created.index(t.op.name) > created.index(fwd.name) for t in fwd.inputs)  # the premise
+
+    g = from_tf_graph(graph, captured_variables=captured)
+    for op in g.ops:
+        for t in op.inputs:
+            assert g.tensors[t].producer < op.index, op.name
+    loop = g.op(fwd.name)
+    tied = {g.ops[i].name for i in loop.tied}
+    grad_loop = next(op.name for op in g.ops if op.type.endswith("While") and op.name != fwd.name)
+    assert grad_loop in tied
+    assert any("accumulator" in n for n in tied)
+
+
+def test_while_loop_is_kept_with_its_gradient_on_one_partition():
+    w = tf.Variable(tf.ones([3, 3]) * 0.5, name="w2")
+
+    def fn(x):
+        with tf.GradientTape() as tape:
+            _, h = tf.while_loop(lambda i, h: i < 4, lambda i, h: (i + 1, tf.tanh(h @ w)), (0, x))
+            loss = tf.reduce_sum(h)
+        return tape.gradient(loss, w)
+
+    from smp_tf.partitioner.groups import colocation_groups
+
+    graph, captured = _traced(fn, tf.TensorSpec([2, 3]))
+    g = from_tf_graph(graph, captured_variables=captured)
+    groups = colocation_groups(g)
+    loops = [op.index for op in g.ops if op.type.endswith("While")]
+    assert len(loops) == 2
+    assert len({groups.group_of[i] for i in loops}) == 1
+
+
+def test_resource_writes_are_read_from_ops_and_loop_bodies():
+    # AssignAddVariableOp writes; ReadVariableOp only reads. A loop writes
+    # what its body writes: the loop over `acc` writes it, the loop that
+    # only reads `w` does not.
+    w = tf.Variable(1.0, name="w_read")
+    acc = tf.Variable(0.0, name="acc_written")
+
+    def fn(x):
+        y = x * w.read_value()
+        acc.assign_add(1.0)
+        _, r = tf.while_loop(lambda i, a: i < 3, lambda i, a: (i + 1, a + w.read_value()), (0, x))
+
+        def bump(i):
+            acc.assign_add(1.0)
+            return i + 1
+
+        n = tf.while_loop(lambda i: i < 2, bump, [0])
+        return y + r + tf.cast(n, tf.float32)
+
+    graph, captured = _traced(fn, tf.TensorSpec([]))
+    g = from_tf_graph(graph, captured_variables=captured)
+    writes = {(op.type, v) for op in g.ops for v in op.writes}
+    reads = {(op.type, v) for op in g.ops for v in op.variables if v not in op.writes and op.kind == "op"}
+    assert ("AssignAddVariableOp", "acc_written") in writes
+    assert ("ReadVariableOp", "w_read") in reads
+    loop_writes = [op.writes for op in g.ops if op.type.endswith("While")]
+    assert sorted(loop_writes) == [(), ("acc_written",)]

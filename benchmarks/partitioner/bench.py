@@ -76,8 +76,8 @@ from smp_tf.partitioner.plan import (  # noqa: E402
     unit_costs,
 )
 
-# `smp_tf.step` the attribute is the decorator; the module is needed for the view timing.
-smp_step = importlib.import_module("smp_tf.step")
+# The module of `smp.step`, needed for the view timing.
+smp_step = importlib.import_module("smp_tf.step_function")
 
 REPS = 3
 #: Targets (see README.md).

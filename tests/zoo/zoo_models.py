@@ -612,6 +612,20 @@ def noise_spatial_dropout1d() -> ZooCase:
     return _noise_case("noise_spatial_dropout1d", inp, out, x, rng)
 
 
+def noise_embedding_dropout() -> ZooCase:
+    """Embedding(32, 8) on int tokens (6) -> Dropout(0.3) -> Flatten -> Dense(16) -> Dense(4)."""
+    keras.utils.set_random_seed(SEED)
+    inp = keras.Input((6,), dtype="int32", name="tokens")
+    h = keras.layers.Embedding(32, 8, name="embed")(inp)
+    h = keras.layers.Dropout(0.3, seed=18, name="dropout")(h)
+    h = keras.layers.Flatten(name="flatten")(h)
+    h = keras.layers.Dense(16, activation="relu", name="d0")(h)
+    out = keras.layers.Dense(4, name="head")(h)
+    rng = _rng()
+    x = rng.integers(0, 32, size=(BATCH, 6)).astype("int32")
+    return _noise_case("noise_embedding_dropout", inp, out, x, rng)
+
+
 def noise_spatial_dropout2d() -> ZooCase:
     """Rescaling(1/255) -> Conv2D(4) -> SpatialDropout2D(0.3) -> Conv2D(4) -> pool -> Dense(4), on 8x8x3."""
     keras.utils.set_random_seed(SEED)
@@ -687,6 +701,7 @@ ENTRIES: Dict[str, Callable[[], ZooCase]] = {
     "mixed_bfloat16_cnn": mixed_bfloat16_cnn,
     "noise_dropout": noise_dropout,
     "noise_flatten_dropout": noise_flatten_dropout,
+    "noise_embedding_dropout": noise_embedding_dropout,
     "noise_spatial_dropout1d": noise_spatial_dropout1d,
     "noise_spatial_dropout2d": noise_spatial_dropout2d,
     "noise_gaussian_noise": noise_gaussian_noise,
