@@ -76,8 +76,8 @@ from smp_tf.partitioner.plan import (  # noqa: E402
     unit_costs,
 )
 
-# The module of `smp.step`, needed for the view timing.
-smp_step = importlib.import_module("smp_tf.step_function")
+# The module that traces a step (it builds the graph view), for the view timing.
+smp_trace = importlib.import_module("smp_tf.trace")
 
 REPS = 3
 #: Targets (see README.md).
@@ -305,7 +305,7 @@ def evaluate(graph: OpGraph, groups: Groups, assignment: List[int], P: int, best
 @contextlib.contextmanager
 def timed_views(sink: List[float]):
     """Records the time of every `from_tf_graph` call made by `smp.step` (the graph view)."""
-    original = smp_step.from_tf_graph
+    original = smp_trace.from_tf_graph
 
     def wrapper(*args: Any, **kwargs: Any) -> OpGraph:
         t = time.perf_counter()
@@ -313,11 +313,11 @@ def timed_views(sink: List[float]):
         sink.append(time.perf_counter() - t)
         return out
 
-    smp_step.from_tf_graph = wrapper
+    smp_trace.from_tf_graph = wrapper
     try:
         yield
     finally:
-        smp_step.from_tf_graph = original
+        smp_trace.from_tf_graph = original
 
 
 def time_assign(graphs: Sequence[OpGraph], fn: Callable[[OpGraph], List[int]]) -> Tuple[List[float], List[int]]:
