@@ -25,3 +25,25 @@ def test_every_public_name_resolves_and_is_documented():
         value = getattr(smp_tf, name)
         assert value.__doc__, f"smp_tf.{name} has no docstring"
     assert callable(smp_tf.step) and smp_tf.step.__module__ == "smp_tf.step_function"
+
+
+def test_the_data_path_points_one_way():
+    """No two modules of smp_tf import each other (at module or function level)."""
+    import ast
+    import pathlib
+
+    root = pathlib.Path(smp_tf.__file__).parent
+    names = {".".join(p.relative_to(root.parent).with_suffix("").parts).removesuffix(".__init__") for p in root.rglob("*.py")}
+    imports = {}
+    for p in root.rglob("*.py"):
+        name = ".".join(p.relative_to(root.parent).with_suffix("").parts).removesuffix(".__init__")
+        deps = set()
+        for node in ast.walk(ast.parse(p.read_text())):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("smp_tf"):
+                deps.add(node.module)
+                deps.update(f"{node.module}.{a.name}" for a in node.names if f"{node.module}.{a.name}" in names)
+            elif isinstance(node, ast.Import):
+                deps.update(a.name for a in node.names if a.name.startswith("smp_tf"))
+        imports[name] = deps - {name, "smp_tf"}
+    mutual = sorted({tuple(sorted((a, b))) for a, ds in imports.items() for b in ds if a in imports.get(b, ())})
+    assert not mutual, f"modules that import each other: {mutual}"

@@ -21,7 +21,6 @@ import tensorflow as tf
 
 import smp_tf as smp
 from tests.zoo import zoo_models
-from tests.zoo.results import RESULTS
 
 M = 4
 CONFIGS = [(2, "simple"), (2, "interleaved"), (3, "simple"), (3, "interleaved")]
@@ -75,9 +74,15 @@ def _relative_errors(got: List[List[np.ndarray]], expected: List[List[np.ndarray
     return errors
 
 
+def _grouped(names):
+    # With pytest-xdist (--dist loadgroup) one worker runs all configurations
+    # of a model, so the model and its reference are built once.
+    return [pytest.param(n, marks=pytest.mark.xdist_group(n)) for n in names]
+
+
 @pytest.mark.parametrize("partitions,schedule", CONFIGS, ids=[f"P{p}-{s}" for p, s in CONFIGS])
-@pytest.mark.parametrize("name", list(zoo_models.ENTRIES))
-def test_zoo_transparency(name, partitions, schedule):
+@pytest.mark.parametrize("name", _grouped(zoo_models.ENTRIES))
+def test_zoo_transparency(name, partitions, schedule, record_property):
     case, init, ref_losses, ref_grads, ref_state, step = _reference(name)
     model = case.model
     for v, value in zip(model.variables, init):
@@ -94,7 +99,7 @@ def test_zoo_transparency(name, partitions, schedule):
         for v, s in zip(model.variables, ref_state)
     ]
     worst = max(errors + loss_errors + state_errors)
-    RESULTS[(name, partitions, schedule)] = worst
+    record_property("zoo_worst_error", worst)  # printed at the end of the run
 
     # Every partition got work, and the variables live where their ops run.
     plan = step.last_plan
