@@ -167,14 +167,23 @@ class CompiledStep:
             self.simulation.start, key=lambda a: (self.simulation.start[a], a.partition, a.wave, a.microbatch)
         )
 
-    def rescheduled(self, kind: str) -> "CompiledStep":
-        """The same tasks and task functions under another schedule kind.
+    def scheduled(self, kind: str, num_microbatches: int) -> "CompiledStep":
+        """The same tasks and task functions under a schedule of another kind
+        or another number of micro-batches (cached).
 
-        Only the order of the actions differs between schedules, so nothing
-        is traced, partitioned or optimised again.
+        Only the actions and their order differ, so nothing is traced,
+        partitioned or optimised again.
         """
-        other = copy.copy(self)
-        other._set_schedule(kind)
+        if (kind, num_microbatches) == (self.schedule.kind, self.num_microbatches):
+            return self
+        variants = self.__dict__.setdefault("_variants", {})
+        other = variants.get((kind, num_microbatches))
+        if other is None:
+            other = copy.copy(self)
+            other.num_microbatches = num_microbatches
+            other._set_schedule(kind)
+            other._variants = variants
+            variants[(kind, num_microbatches)] = other
         return other
 
     def _attrs_of(self, index: int) -> Dict[str, Any]:

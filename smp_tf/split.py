@@ -130,7 +130,7 @@ def _is_variable(value: Any) -> bool:
     return variable_cls is not None and isinstance(value, variable_cls)
 
 
-def _split_tensor(t: tf.Tensor, m_count: int, axis: int, what: str) -> List[tf.Tensor]:
+def _split_tensor(t: tf.Tensor, m_count: int, axis: int, what: str, uneven: bool = False) -> List[tf.Tensor]:
     rank = t.shape.rank
     if rank == 0:
         return [t] * m_count  # a scalar has no batch axis
@@ -138,6 +138,9 @@ def _split_tensor(t: tf.Tensor, m_count: int, axis: int, what: str) -> List[tf.T
     size = t.shape[axis] if rank is not None else None
     if m_count == 1:
         return [t]  # no ops for an unsplit batch (axis still validated)
+    if uneven and (size is None or size % m_count):
+        # Micro-batch m takes rows m, m+M, ...: sizes differ by at most one.
+        return [t[_axis_slices(axis, slice(m, None, m_count))] for m in range(m_count)]
     _check_static_size(size, what, axis, m_count)
     if size is None:
         # Only in graph mode (eager tensors have fully known shapes).
@@ -157,13 +160,14 @@ def _split_tensor(t: tf.Tensor, m_count: int, axis: int, what: str) -> List[tf.T
     return [t[_axis_slices(axis, slice(m, None, m_count))] for m in range(m_count)]
 
 
-def _split_numpy(a: np.ndarray, m_count: int, axis: int, what: str) -> List[np.ndarray]:
+def _split_numpy(a: np.ndarray, m_count: int, axis: int, what: str, uneven: bool = False) -> List[np.ndarray]:
     if a.ndim == 0:
         return [a] * m_count
     axis = _normalize_axis(axis, a.ndim, what, a.shape)
     if m_count == 1:
         return [a]
-    _check_static_size(a.shape[axis], what, axis, m_count)
+    if not uneven:
+        _check_static_size(a.shape[axis], what, axis, m_count)
     return [a[_axis_slices(axis, slice(m, None, m_count))] for m in range(m_count)]
 
 
@@ -220,7 +224,7 @@ def _split_ragged(rt: tf.RaggedTensor, m_count: int, axis: int, what: str) -> Li
     return [rt[m::m_count] for m in range(m_count)]
 
 
-def _split_leaf(value: Any, m_count: int, axis: int, what: str) -> List[Any]:
+def _split_leaf(value: Any, m_count: int, axis: int, what: str, uneven: bool = False) -> List[Any]:
     """Splits one non-nested value into `m_count` micro-batches."""
     if _is_variable(value):
         return [value] * m_count
@@ -229,22 +233,22 @@ def _split_leaf(value: Any, m_count: int, axis: int, what: str) -> List[Any]:
     if isinstance(value, tf.RaggedTensor):
         return _split_ragged(value, m_count, axis, what)
     if isinstance(value, tf.Tensor):
-        return _split_tensor(value, m_count, axis, what)
+        return _split_tensor(value, m_count, axis, what, uneven)
     if isinstance(value, np.ndarray):
-        return _split_numpy(value, m_count, axis, what)
+        return _split_numpy(value, m_count, axis, what, uneven)
     if callable(getattr(value, "smp_slice", None)):
         return [value.smp_slice(m_count, m, axis) for m in range(m_count)]
     return [value] * m_count
 
 
-def _split_value(value: Any, m_count: int, axis: int, what: str) -> List[Any]:
+def _split_value(value: Any, m_count: int, axis: int, what: str, uneven: bool = False) -> List[Any]:
     """Splits a possibly nested value into `m_count` micro-batches."""
     # An object that knows how to slice itself wins even if it is also a
     # list/tuple/dict that tf.nest would descend into.
     if callable(getattr(value, "smp_slice", None)) or not tf.nest.is_nested(value):
-        return _split_leaf(value, m_count, axis, what)
+        return _split_leaf(value, m_count, axis, what, uneven)
     leaves = tf.nest.flatten(value)
-    split_leaves = [_split_leaf(leaf, m_count, axis, what) for leaf in leaves]
+    split_leaves = [_split_leaf(leaf, m_count, axis, what, uneven) for leaf in leaves]
     return [
         tf.nest.pack_sequence_as(value, [parts[m] for parts in split_leaves])
         for m in range(m_count)
@@ -264,6 +268,7 @@ def split_arguments(
     num_microbatches: int,
     non_split_inputs: Sequence[str] = (),
     input_split_axes: Optional[Mapping[str, int]] = None,
+    uneven: bool = False,
 ) -> List[Tuple[tuple, Dict[str, Any]]]:
     """Splits the arguments of a call into `num_microbatches` micro-batches.
 
@@ -283,6 +288,10 @@ def split_arguments(
             parameters are taken as keys of it that this call may omit.
         input_split_axes: parameter (or ``**kwargs`` key) name to split axis;
             axis 0 for parameters not listed. Negative axes count from the end.
+        uneven: allow tensor and array sizes that are not multiples of
+            `num_microbatches`: the micro-batches then differ in size by at
+            most one row (the first ones are larger). The caller makes sure
+            that no micro-batch is empty.
 
     Returns:
         A list of ``M`` ``(args, kwargs)`` pairs, one per micro-batch, to call
@@ -357,7 +366,7 @@ def split_arguments(
         elif name == var_pos:
             axis = split_axes.get(name, 0)
             items = [
-                _split_value(v, m_count, axis, f"argument '{name}[{i}]'")
+                _split_value(v, m_count, axis, f"argument '{name}[{i}]'", uneven)
                 for i, v in enumerate(value)
             ]
             per_param[name] = [tuple(parts[m] for parts in items) for m in range(m_count)]
@@ -369,10 +378,10 @@ def split_arguments(
                     items[key] = [v] * m_count
                 else:
                     axis = split_axes.get(key, default_axis)
-                    items[key] = _split_value(v, m_count, axis, f"argument {key!r}")
+                    items[key] = _split_value(v, m_count, axis, f"argument {key!r}", uneven)
             per_param[name] = [{k: parts[m] for k, parts in items.items()} for m in range(m_count)]
         else:
-            per_param[name] = _split_value(value, m_count, split_axes.get(name, 0), f"argument {name!r}")
+            per_param[name] = _split_value(value, m_count, split_axes.get(name, 0), f"argument {name!r}", uneven)
 
     result = []
     for m in range(m_count):
@@ -470,15 +479,31 @@ def microbatch_indices(batch_size: int, num_microbatches: int, microbatch: int) 
 
 
 @tf.autograph.experimental.do_not_convert
+def _merge_uneven(tensors: List[tf.Tensor], axis: int) -> tf.Tensor:
+    """Merges parts whose sizes may differ (by at most one, as an uneven
+    strided split makes them): row ``i * M + m`` comes from row ``i`` of part ``m``."""
+    m_count = len(tensors)
+    if axis != 0:
+        perm = [axis] + [d for d in range(tensors[0].shape.rank) if d != axis]
+        inverse = [perm.index(d) for d in range(len(perm))]
+        return tf.transpose(_merge_uneven([tf.transpose(t, perm) for t in tensors], 0), inverse)
+    sizes = [tf.shape(t, out_type=tf.int32)[0] for t in tensors]
+    total = tf.add_n(sizes)
+    indices = [tf.range(m, total, m_count) for m in range(m_count)]
+    return tf.dynamic_stitch(indices, tensors)
+
+
 def merge_microbatches(parts: Sequence[Any], axis: int = 0) -> tf.Tensor:
     """Merges micro-batches back into one batch in the original row order.
 
     The inverse of the strided split: row ``i * M + m`` of the result is row
-    ``i`` of ``parts[m]``. Works with dynamic shapes inside `tf.function`.
+    ``i`` of ``parts[m]``. Works with dynamic shapes inside `tf.function`,
+    and with parts whose sizes differ by one (an uneven split).
 
     Args:
         parts: the ``M`` per-micro-batch tensors (or values convertible to
-            tensors), each with the same shape and dtype.
+            tensors) of one dtype; their sizes along `axis` are equal or,
+            after an uneven split, decrease by at most one.
         axis: the axis that was split; negative axes count from the end.
 
     Returns:
@@ -510,6 +535,11 @@ def merge_microbatches(parts: Sequence[Any], axis: int = 0) -> tf.Tensor:
         )
     if m_count == 1:
         return tensors[0]
+    # Sizes unknown or unequal: an uneven split (or one that may be). With an
+    # unknown rank the parts are merged as equal-sized ones.
+    sizes = [t.shape[axis] for t in tensors] if rank is not None else []
+    if None in sizes or len(set(sizes)) > 1:
+        return _merge_uneven(tensors, axis)
     # [..., n, ...] x M  ->  [..., n, M, ...]  ->  [..., n * M, ...]: element
     # (i, m) lands at row i * M + m, which undoes the strided split.
     stacked = tf.stack(tensors, axis=axis + 1)

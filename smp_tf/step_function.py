@@ -143,9 +143,9 @@ class StepFunction:
         functools.update_wrapper(self, fn)
 
     # -- splitting -------------------------------------------------------
-    def _split(self, args: tuple, kwargs: dict, num_microbatches: int) -> List[Tuple[tuple, dict]]:
+    def _split(self, args: tuple, kwargs: dict, num_microbatches: int, uneven: bool = False) -> List[Tuple[tuple, dict]]:
         parts = split_arguments(
-            self._signature, args, kwargs, num_microbatches, self._non_split, self._split_axes
+            self._signature, args, kwargs, num_microbatches, self._non_split, self._split_axes, uneven=uneven
         )
         # numpy arrays become tensors so that they are traced, not baked in.
         def to_tensor(x):
@@ -154,18 +154,33 @@ class StepFunction:
         return [tf.nest.map_structure(to_tensor, p) for p in parts]
 
     # -- tracing and partitioning ------------------------------------------
-    def _cache_key(self, mb: Tuple[tuple, dict]) -> Any:
+    @staticmethod
+    def _trace_shapes(mbs: List[Tuple[tuple, dict]]) -> List[tf.TensorShape]:
+        """The shape each tensor argument is traced with: the most specific
+        shape of all micro-batches (sizes differ after an uneven split)."""
+        leaves = [[x for x in tf.nest.flatten(mb) if isinstance(x, tf.Tensor)] for mb in mbs]
+        shapes = []
+        for column in zip(*leaves):
+            shape = column[0].shape
+            for t in column[1:]:
+                shape = shape.most_specific_common_supertype([t.shape]) if shape != t.shape else shape
+            shapes.append(shape)
+        return shapes
+
+    def _cache_key(self, mbs: List[Tuple[tuple, dict]]) -> Any:
+        shapes = iter(self._trace_shapes(mbs))
         key = []
-        for x in tf.nest.flatten(mb):
+        for x in tf.nest.flatten(mbs[0]):
             if isinstance(x, tf.Tensor):
-                key.append(("T", tuple(x.shape.as_list()) if x.shape.rank is not None else None, x.dtype.name))
+                shape = next(shapes)
+                key.append(("T", tuple(shape.as_list()) if shape.rank is not None else None, x.dtype.name))
             else:
                 try:
                     hash(x)
                     key.append(("V", type(x).__name__, x))
                 except TypeError:
                     key.append(("O", id(x)))
-        return (repr(tf.nest.map_structure(lambda _: 0, mb)), tuple(key))
+        return (repr(tf.nest.map_structure(lambda _: 0, mbs[0])), tuple(key))
 
     def _check_generation(self) -> None:
         """After `smp.init`, keeps only what was compiled for the same config
@@ -176,11 +191,13 @@ class StepFunction:
             self._eager_fn = None
             self._generation = state.generation()
 
-    def _trace_and_partition(self, mb: Tuple[tuple, dict]):
+    def _trace_and_partition(self, mbs: List[Tuple[tuple, dict]]):
         cfg = state.config()
         topo = state.topology()
         t0 = time.perf_counter()
-        traced = trace_microbatch(self._fn, mb[0], mb[1], tf_function_kwargs=self._tf_kwargs)
+        traced = trace_microbatch(
+            self._fn, mbs[0][0], mbs[0][1], shapes=self._trace_shapes(mbs), tf_function_kwargs=self._tf_kwargs
+        )
         _check_no_trainable_writes(traced)
         t1 = time.perf_counter()
         assignment = assign_partitions(
@@ -213,16 +230,19 @@ class StepFunction:
         with self._lock:
             self._check_generation()
             mbs = self._split(args, kwargs, cfg.microbatches)
-            entry = self._compiled.get((self._cache_key(mbs[0]), _config_key()))
+            entry = self._compiled.get((self._cache_key(mbs), _config_key()))
             if entry is not None:
                 return entry.plan
-            _, plan = self._trace_and_partition(mbs[0])
+            _, plan = self._trace_and_partition(mbs)
             return plan
 
     # -- running -------------------------------------------------------------
     def _compile(self, mbs: List[Tuple[tuple, dict]]):
+        """The compiled step for these micro-batches: traced, partitioned and
+        lowered once per signature and config; scheduled once per schedule
+        kind and micro-batch count."""
         cfg = state.config()
-        key = (self._cache_key(mbs[0]), _config_key())
+        key = (self._cache_key(mbs), _config_key())
         entry = self._compiled.get(key)
         if entry is not None and entry.generation != state.generation():
             # Compiled under an earlier smp.init with the same config: reuse
@@ -236,7 +256,7 @@ class StepFunction:
                 _run_post_partition_hooks()
                 entry.generation = state.generation()
         if entry is None:
-            traced, plan = self._trace_and_partition(mbs[0])
+            traced, plan = self._trace_and_partition(mbs)
             variable_devices = placement.place_variables(
                 traced.captures, plan.partition_of_variable(), plan.devices
             )
@@ -244,18 +264,29 @@ class StepFunction:
             entry = CompiledStep(traced, plan, cfg)
             entry.variable_devices = variable_devices
             entry.generation = state.generation()
-            self.last_plan = plan
-        if entry.schedule.kind != cfg.pipeline:
-            entry = entry.rescheduled(cfg.pipeline)
-        self._compiled[key] = entry
+            self._compiled[key] = entry
         self.last_plan = entry.plan
-        self.schedule = entry.schedule
-        return entry
+        scheduled = entry.scheduled(cfg.pipeline, len(mbs))
+        self.schedule = scheduled.schedule
+        return scheduled
 
-    def _emit(self, args: tuple, kwargs: dict):
-        """Emits the pipelined step into the current graph; returns StepOutputs."""
+    def _emit(
+        self, args: tuple, kwargs: dict, num_microbatches: Optional[int] = None, uneven: bool = False
+    ):
+        """Emits the pipelined step into the current graph; returns StepOutputs.
+
+        Args:
+            args, kwargs: the call's arguments.
+            num_microbatches: split into this many micro-batches instead of
+                the config's (the step is traced, partitioned and lowered
+                once for all counts).
+            uneven: allow batch sizes that are not multiples of the count
+                (micro-batches then differ in size by at most one row; the
+                caller makes sure none is empty).
+        """
         cfg = state.config()
-        mbs = self._split(args, kwargs, cfg.microbatches)
+        m = cfg.microbatches if num_microbatches is None else num_microbatches
+        mbs = self._split(args, kwargs, m, uneven=uneven)
         with self._lock:
             self._check_generation()
             entry = self._compile(mbs)

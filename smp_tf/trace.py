@@ -271,17 +271,26 @@ def _unique(key: str, used: Dict[str, int]) -> str:
 
 
 def trace_microbatch(
-    fn: Callable, mb_args: tuple, mb_kwargs: dict, *, extra_variables: Sequence[Any] = (), tf_function_kwargs: Optional[dict] = None
+    fn: Callable,
+    mb_args: tuple,
+    mb_kwargs: dict,
+    *,
+    shapes: Optional[Sequence[Any]] = None,
+    extra_variables: Sequence[Any] = (),
+    tf_function_kwargs: Optional[dict] = None,
 ) -> Traced:
     """Traces `fn` for one micro-batch into a `Traced` (see `Traced`).
 
-    Tensor leaves of the arguments become placeholders (in flatten order);
-    everything else is baked into the trace, as `tf.function` does.
+    Tensor leaves of the arguments become placeholders (in flatten order),
+    with the given `shapes` (default: the leaves' own shapes); everything
+    else is baked into the trace, as `tf.function` does.
     """
     structure = (mb_args, mb_kwargs)
     leaves = tf.nest.flatten(structure)
     positions = [i for i, x in enumerate(leaves) if isinstance(x, tf.Tensor)]
-    specs = [tf.TensorSpec(leaves[i].shape, leaves[i].dtype, name=f"arg{k}") for k, i in enumerate(positions)]
+    if shapes is None:
+        shapes = [leaves[i].shape for i in positions]
+    specs = [tf.TensorSpec(shape, leaves[i].dtype, name=f"arg{k}") for k, (i, shape) in enumerate(zip(positions, shapes))]
 
     def flat_fn(*tensors):
         filled = list(leaves)

@@ -1,0 +1,2 @@
+"""Keras integration: `DistributedModel`, its pipelined train/test/predict
+steps, and layout-free checkpoints."""
