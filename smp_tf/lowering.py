@@ -301,7 +301,10 @@ class CompiledStep:
                 for r in task.transposed_reads:
                     inputs.append(transposed[(task.partition, r)])
                 outs = self._functions[task.key](*inputs)
-            last[task.partition] = outs[-1].op
+            # Eagerly (Keras's run_eagerly) the actions simply run one after
+            # another in this order; in a graph the next action of the
+            # device waits for this call.
+            last[task.partition] = outs[-1] if tf.executing_eagerly() else outs[-1].op
             with tf.name_scope(scope), tf.device(device):
                 for t, value in zip(task.outputs, outs[:-1]):
                     raw[(m, t)] = value
