@@ -33,6 +33,7 @@ __version__ = "0.1.0"
 _EXPORTS = {
     "Action": "smp_tf.schedule",
     "Config": "smp_tf.config",
+    "CheckpointManager": "smp_tf.keras.checkpoint",
     "DistributedModel": "smp_tf.keras.model",
     "PartitionPlan": "smp_tf.partitioner.plan",
     "Schedule": "smp_tf.schedule",
