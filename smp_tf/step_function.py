@@ -267,7 +267,10 @@ class StepFunction:
             self._compiled[key] = entry
         self.last_plan = entry.plan
         scheduled = entry.scheduled(cfg.pipeline, len(mbs))
-        self.schedule = scheduled.schedule
+        if len(mbs) == cfg.microbatches or self.schedule is None:
+            # The schedule of the configured micro-batch count (not of a
+            # short batch's one-micro-batch pipeline).
+            self.schedule = scheduled.schedule
         return scheduled
 
     def _emit(

@@ -74,6 +74,17 @@ class DistributedModel(keras.Model):
             steps = self.__dict__["_smp_tf_steps"] = PipelinedSteps(self)
         return steps
 
+    @property
+    def step_functions(self) -> PipelinedSteps:
+        """The `smp.step` functions behind ``fit``, ``evaluate`` and ``predict``.
+
+        ``model.step_functions.train`` (and ``.test``, ``.predict``) is a
+        `smp.StepFunction`: after the first batch, its ``last_plan`` is the
+        `PartitionPlan` (``print(plan.report())``) and its ``schedule`` the
+        pipeline schedule (``print(schedule)``).
+        """
+        return self._pipelined_steps()
+
     def _check_pipelinable(self) -> None:
         if tf.distribute.has_strategy():
             raise ValueError(
