@@ -412,3 +412,36 @@ def test_fit_before_smp_init_is_a_clear_error(monkeypatch):
     monkeypatch.setattr(state._STATE, "config", None)
     with pytest.raises(RuntimeError, match=r"smp\.init"):
         model.fit(X, Y, batch_size=16, verbose=0)
+
+
+def test_loss_scale_optimizer_matches_plain_keras():
+    """The loss scale is read per batch, not frozen into the cached step."""
+    def optimizer():
+        return keras.optimizers.LossScaleOptimizer(keras.optimizers.Adam(1e-2), initial_scale=4.0,
+                                                   dynamic_growth_steps=1)
+
+    histories, models = [], []
+    for smp_form in (False, True):
+        if smp_form:
+            smp.init({"partitions": 2, "microbatches": M})
+        model = build("functional", smp_form)
+        model.compile(optimizer=optimizer(), loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+        histories.append(model.fit(X, Y, batch_size=16, epochs=2, shuffle=False, verbose=0).history)
+        models.append(model)
+    assert_history_equal(histories[1], histories[0])
+    assert_weights_equal(models[1], models[0])
+    assert float(models[1].optimizer.dynamic_scale) == float(models[0].optimizer.dynamic_scale) > 4.0
+
+
+def test_evaluate_and_predict_run_forward_only_pipelines():
+    smp.init({"partitions": 2, "microbatches": M})
+    model = compile_(build("functional", True))
+    model.fit(X[:32], Y[:32], batch_size=16, verbose=0)
+    model.evaluate(XV, YV, batch_size=8, verbose=0)
+    model.predict(XV, batch_size=8, verbose=0)
+    steps = model.step_functions
+    assert any(t.backward for t in steps.train.schedule.tasks)
+    for fn in (steps.test, steps.predict):
+        assert fn.schedule.num_microbatches == M
+        assert not any(t.backward for t in fn.schedule.tasks), fn.schedule
+        assert {t.partition for t in fn.schedule.tasks} == {0, 1}
