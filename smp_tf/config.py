@@ -28,6 +28,16 @@ fuse_weight_gradients  False          (smp_tf only) compute dense weight and
 pretranspose_weights   False          (smp_tf only) transpose dense kernels
                                       once per step for the products that
                                       read them transposed
+dp_timeout             60.0           (smp_tf only) seconds after which a
+                                      dead or stalled replica stops the
+                                      others with an error
+shard_inputs           True           (smp_tf only) Keras fit/evaluate with
+                                      data parallelism: every replica takes
+                                      its share of each (global) batch
+uneven_inputs          "join"         (smp_tf only) a replica that runs out
+                                      of data first: ``"join"`` (it keeps
+                                      joining the collectives) or
+                                      ``"raise"`` (every replica raises)
 =====================  =============  =======================================
 
 As on SageMaker, the JSON object in the environment variable
@@ -60,9 +70,12 @@ _CHOICES: Dict[str, Tuple[str, ...]] = {
     "pipeline": ("interleaved", "simple"),
     "optimize": ("speed", "memory"),
     "placement_strategy": ("cluster", "spread"),
+    "uneven_inputs": ("join", "raise"),
 }
 _INT_KEYS = ("partitions", "microbatches", "default_partition")
-_BOOL_KEYS = ("auto_partition", "contiguous", "horovod", "fuse_weight_gradients", "pretranspose_weights")
+_BOOL_KEYS = (
+    "auto_partition", "contiguous", "horovod", "fuse_weight_gradients", "pretranspose_weights", "shard_inputs",
+)
 
 
 @dataclass(frozen=True)
@@ -88,6 +101,20 @@ class Config:
             over all micro-batches instead of once per micro-batch (faster;
             keeps those layers' inputs and output gradients of every
             micro-batch alive until the end of the step).
+        dp_timeout: with data parallelism, the seconds after which a replica
+            that died, hung, or stopped joining the collectives makes the
+            others stop with an error naming it (heartbeats detect a dead
+            replica within min(10, dp_timeout) seconds).
+        shard_inputs: with data parallelism, Keras ``fit`` and ``evaluate``
+            give each replica its share of every batch (rows ``rank``,
+            ``rank + size``, ...), so that ``batch_size`` is the global batch
+            as with ``tf.distribute``; False: each replica trains on the data
+            it is given (shard it yourself, e.g. with ``dataset.shard``).
+        uneven_inputs: with data parallelism, what happens when a replica
+            runs out of data before the others: ``"join"`` (it keeps joining
+            the collectives, contributing nothing, until all are done; see
+            `smp.join`) or ``"raise"`` (every replica raises at the first
+            uneven step).
         pretranspose_weights: give the products that read a kernel
             transposed (a dense layer's input gradient ``dY @ W^T``) a copy of
             the kernel transposed once per step, instead of a transposed read
@@ -110,6 +137,9 @@ class Config:
     horovod: bool = False
     fuse_weight_gradients: bool = False
     pretranspose_weights: bool = False
+    dp_timeout: float = 60.0
+    shard_inputs: bool = True
+    uneven_inputs: str = "join"
 
     def __post_init__(self) -> None:
         for key in _INT_KEYS:
@@ -124,6 +154,13 @@ class Config:
         for key, options in _CHOICES.items():
             _check_choice(key, getattr(self, key), options)
 
+        timeout = self.dp_timeout
+        if isinstance(timeout, bool) or not isinstance(timeout, numbers.Real) or not (0 < float(timeout) < float("inf")):
+            raise ValueError(
+                "Config parameter 'dp_timeout' must be a positive number of seconds. "
+                f"Received: dp_timeout={timeout!r}"
+            )
+        object.__setattr__(self, "dp_timeout", float(timeout))
         for key in ("partitions", "microbatches"):
             if getattr(self, key) < 1:
                 raise ValueError(

@@ -310,6 +310,8 @@ class CompiledStep:
                     raw[(m, t)] = value
                     if t in self._sent_tensors:
                         sent[(m, t)] = raw_output(value)
+        # The last action of each device: what runs after the pipeline waits on it.
+        self.last_ops = dict(last)
         results = []
         for m in range(M):
             flat = []
@@ -329,6 +331,32 @@ class CompiledStep:
                     flat.append(None if t is None else self._output_value(raw, arg_values[m], m, t))
             results.append(tf.nest.pack_sequence_as(self.traced.output_structure, flat, expand_composites=True))
         return results
+
+    def output_info(self) -> List[Optional[Tuple[bool, int, int]]]:
+        """Per flat output: (is a gradient, partition, bytes), None for None outputs."""
+        g = self.plan.op_graph
+        info: List[Optional[Tuple[bool, int, int]]] = []
+        for k, t in enumerate(self.output_tensors):
+            if t is None:
+                info.append(None)
+                continue
+            producer = self.fused[k][0].op if k in self.fused else g.tensors[t].producer
+            op = g.ops[producer]
+            tensor = g.tensors[t]
+            floating = tensor.dtype.startswith(("float", "bfloat", "half", "double"))
+            info.append((op.is_gradient and floating and op.kind == "op", self.plan.partition_of_op[producer], tensor.bytes))
+        return info
+
+    def written_state(self) -> List[Tuple[Any, int]]:
+        """(variable, partition) of the float variables the step writes that are not trained."""
+        g = self.plan.op_graph
+        written = {v for op in g.ops for v in op.writes if not g.trainable.get(v, True)}
+        part = self.plan.partition_of_variable()
+        out = []
+        for cap in self.traced.captures.values():
+            if isinstance(cap, CapturedVariable) and cap.key in written and cap.variable.dtype.is_floating:
+                out.append((cap.variable, part[cap.key]))
+        return out
 
     def _output_value(self, raw, args, m: int, t: int) -> tf.Tensor:
         """A step output: a task's output, or a step argument returned as is."""

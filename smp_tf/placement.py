@@ -49,6 +49,10 @@ __all__ = [
     "place_variables",
     "pinned_partitions",
     "install_slot_placement",
+    "known_optimizers",
+    "live_models",
+    "register_model",
+    "same_device",
 ]
 
 #: Attribute set on a moved `tf.Variable`: the `state.generation()` it was placed in.
@@ -57,6 +61,17 @@ _PLACED = "_smp_tf_generation"
 _REFERENCE = "_smp_tf_reference"
 
 _OPTIMIZERS: "weakref.WeakSet[Any]" = weakref.WeakSet()
+_MODELS: "weakref.WeakSet[Any]" = weakref.WeakSet()
+
+
+def register_model(model: Any) -> None:
+    """Records a `DistributedModel` (for `live_models`)."""
+    _MODELS.add(model)
+
+
+def live_models() -> List[Any]:
+    """The `DistributedModel` instances alive in this process."""
+    return list(_MODELS)
 
 
 def same_device(a: str, b: str) -> bool:
@@ -157,6 +172,11 @@ def install_slot_placement() -> None:
     add_variable_from_reference.__wrapped__ = original
     add_variable_from_reference._smp_tf = True
     TFOptimizer.add_variable_from_reference = add_variable_from_reference
+
+
+def known_optimizers() -> List[Any]:
+    """The Keras optimizers that created slots since smp_tf was imported."""
+    return list(_OPTIMIZERS)
 
 
 def _slots_by_reference(optimizer: Any) -> List[Tuple[Any, Any]]:
@@ -280,6 +300,7 @@ def place_variables(
     where: Dict[str, str] = {}
     moved: Dict[int, Any] = {}  # id(old handle) -> new handle
     moved_variables: Dict[int, str] = {}  # id(tf.Variable) -> device
+    placed_now: List[Tuple[Any, int]] = []  # (variable, partition), first placed by this call
     unmovable = []
     for cap in captures.values():
         if not isinstance(cap, CapturedVariable):
@@ -298,11 +319,20 @@ def place_variables(
             moved[id(old)] = v.handle
             moved_variables[id(v)] = device
         setattr(v, _PLACED, generation)
+        placed_now.append((v, partition_of_variable[cap.key]))
         where[cap.key] = v.device
     if unmovable:
         logger.warning(
             "smp_tf: %d variable(s) are not plain resource variables and stay where they are "
             "(they are read across devices): %s", len(unmovable), unmovable[:10],
+        )
+    if placed_now and state.data_parallel():
+        # Replicas start from rank 0's values (and stay equal: every step
+        # averages the gradients and the state it writes).
+        from smp_tf.distributed import collectives
+
+        collectives.broadcast_variables(
+            [v for v, _ in placed_now], [p for _, p in placed_now], devices, f"place/{generation}"
         )
     if not moved:
         return where

@@ -1,9 +1,28 @@
-"""Process-wide state: the active config and the device topology.
+"""Process-wide state: the active config, the device topology and the ranks.
 
-`smp.init(config)` validates the config, picks one device per partition and
-stores both here. One process drives a whole pipeline (every partition), so
-the model-parallel rank of the process is 0 and its model-parallel size is
-the number of partitions; data parallelism adds processes.
+`smp.init(config)` validates the config, reads the cluster from the
+environment, picks one device per partition and, with several processes,
+joins the data-parallel group; it stores all of it here.
+
+Ranks. One process drives a whole pipeline replica (every partition of it),
+where the SageMaker library ran one process per device. A process therefore
+plays the part of all the ranks of one replica:
+
+==================  =====================================================
+``rank()``          this process's index among all processes (0 first)
+``size()``          the number of processes (pipeline replicas)
+``dp_rank()``       = ``rank()``: the index of this pipeline replica
+``dp_size()``       = ``size()``
+``mp_rank()``       0 (``pp_rank``): the process drives partition 0 and
+                    all the others of its replica
+``mp_size()``       the number of partitions (``pp_size``)
+``local_rank()``    this process's index among the processes of its host
+``local_size()``    the number of processes on its host
+==================  =====================================================
+
+So ``if smp.rank() == 0:`` runs on exactly one process, and
+``dataset.shard(smp.dp_size(), smp.dp_rank())`` gives each replica its own
+part of the data, as with the original's numbering.
 """
 
 from __future__ import annotations
@@ -11,7 +30,7 @@ from __future__ import annotations
 import logging
 import threading
 from dataclasses import dataclass
-from typing import Any, Mapping, Optional
+from typing import Any, Mapping, Optional, Tuple
 
 from smp_tf.config import Config, parse_config
 
@@ -35,6 +54,8 @@ __all__ = [
     "dp_rank",
     "dp_size",
     "num_microbatches",
+    "data_parallel",
+    "process_group",
 ]
 
 
@@ -67,6 +88,8 @@ class _State:
         self.lock = threading.RLock()
         self.config: Optional[Config] = None
         self.topology: Optional[Topology] = None
+        self.cluster: Any = None  # smp_tf.distributed.cluster.ClusterInfo
+        self.group: Any = None  # smp_tf.distributed.runtime.ProcessGroup
         self.post_partition_hooks: list = []
         self.generation = 0
         # The generation in which the post-partition hooks last ran.
@@ -85,7 +108,23 @@ def _require_init() -> _State:
     return _STATE
 
 
-def _setup_devices(num_partitions: int) -> Topology:
+def gpu_indices(num_gpus: int, num_partitions: int, local_rank: int, local_size: int, strategy: str) -> Tuple[int, ...]:
+    """The visible GPUs this process's partitions use (``placement_strategy``).
+
+    When each process sees only its own GPUs (`smp_tf.launch` sets
+    ``CUDA_VISIBLE_DEVICES``), they are GPUs 0..P-1. When the processes of a
+    host see all of them, replica r of R uses ``r*P + p`` (``"cluster"``:
+    a replica's partitions are neighbours) or ``r + p*R`` (``"spread"``: the
+    replicas of one partition are neighbours).
+    """
+    if num_gpus < num_partitions * local_size or local_size == 1:
+        return tuple(range(num_partitions))
+    if strategy == "spread":
+        return tuple(local_rank + p * local_size for p in range(num_partitions))
+    return tuple(local_rank * num_partitions + p for p in range(num_partitions))
+
+
+def _setup_devices(num_partitions: int, local_rank: int = 0, local_size: int = 1, strategy: str = "cluster") -> Topology:
     """Returns one device per partition, creating logical CPU devices if needed."""
     import tensorflow as tf
 
@@ -97,9 +136,8 @@ def _setup_devices(num_partitions: int) -> Topology:
                 f"{len(gpus)} are visible. Lower `partitions` or make more GPUs "
                 "visible (CUDA_VISIBLE_DEVICES)."
             )
-        return Topology(
-            tuple(f"/device:GPU:{i}" for i in range(num_partitions)), "GPU", False
-        )
+        indices = gpu_indices(len(gpus), num_partitions, local_rank, local_size, strategy)
+        return Topology(tuple(f"/device:GPU:{i}" for i in indices), "GPU", False)
 
     cpus = tf.config.list_physical_devices("CPU")
     configured = tf.config.get_logical_device_configuration(cpus[0])
@@ -158,12 +196,30 @@ def init(config: Optional[Mapping[str, Any]] = None) -> Config:
             and there are fewer logical CPU devices than partitions.
     """
     cfg = parse_config(config)
-    topo = _setup_devices(cfg.partitions)
+    from smp_tf.distributed.cluster import from_environment
+
+    info = from_environment()
+    topo = _setup_devices(cfg.partitions, info.local_rank, info.local_size, cfg.placement_strategy)
+    group = None
+    if info.is_distributed:
+        import json
+
+        from smp_tf.distributed import runtime
+
+        group = runtime.start(info, cfg.dp_timeout, json.dumps(cfg.to_dict(), sort_keys=True))
+        if not cfg.horovod:
+            logger.warning(
+                "smp_tf: %d processes but horovod=False: the replicas will not average their "
+                "gradients and will drift apart. Set {'horovod': True} for data parallelism.",
+                info.size,
+            )
     with _STATE.lock:
         _STATE.config = cfg
         _STATE.topology = topo
+        _STATE.cluster = info
+        _STATE.group = group
         _STATE.generation += 1
-    logger.info("smp_tf initialised: %s on %s", cfg, topo.devices)
+    logger.info("smp_tf initialised: %s on %s (rank %d of %d)", cfg, topo.devices, info.rank, info.size)
     return cfg
 
 
@@ -193,31 +249,27 @@ def topology() -> Topology:
 
 
 def rank() -> int:
-    """Global rank of this process (one process drives one whole pipeline)."""
-    _require_init()
-    return 0
+    """Global rank of this process (one process drives one pipeline replica)."""
+    return _require_init().cluster.rank
 
 
 def size() -> int:
-    """Number of processes."""
-    _require_init()
-    return 1
+    """Number of processes (pipeline replicas)."""
+    return _require_init().cluster.size
 
 
 def local_rank() -> int:
-    """Rank of this process on its host."""
-    _require_init()
-    return 0
+    """Rank of this process among the processes of its host."""
+    return _require_init().cluster.local_rank
 
 
 def local_size() -> int:
     """Number of processes on this host."""
-    _require_init()
-    return 1
+    return _require_init().cluster.local_size
 
 
 def mp_rank() -> int:
-    """Model-parallel rank: 0, since this process drives every partition."""
+    """Model-parallel rank: 0, since this process drives every partition of its replica."""
     _require_init()
     return 0
 
@@ -238,15 +290,25 @@ def pp_size() -> int:
 
 
 def dp_rank() -> int:
-    """Data-parallel rank of this process's pipeline replica."""
-    _require_init()
-    return 0
+    """Data-parallel rank: the index of this process's pipeline replica (= `rank`)."""
+    return _require_init().cluster.rank
 
 
 def dp_size() -> int:
-    """Number of data-parallel pipeline replicas."""
-    _require_init()
-    return 1
+    """Number of data-parallel pipeline replicas (= `size`)."""
+    return _require_init().cluster.size
+
+
+def data_parallel() -> bool:
+    """True when gradients are averaged across several replicas (``horovod``
+    is on and there is more than one process)."""
+    st = _require_init()
+    return bool(st.config.horovod and st.group is not None and st.cluster.size > 1)
+
+
+def process_group() -> Any:
+    """The data-parallel process group, or None with one process."""
+    return _require_init().group
 
 
 def num_microbatches() -> int:

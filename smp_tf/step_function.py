@@ -140,6 +140,10 @@ class StepFunction:
         self._eager_fn = None
         self.schedule = None
         self.last_plan: Optional[PartitionPlan] = None
+        self.last_compiled: Optional[CompiledStep] = None
+        # With data parallelism, `accumulate()` of the gradients averages over
+        # the replicas (Keras's fit turns this off and reduces by itself).
+        self.reduce_over_replicas = True
         functools.update_wrapper(self, fn)
 
     # -- splitting -------------------------------------------------------
@@ -294,7 +298,56 @@ class StepFunction:
             self._check_generation()
             entry = self._compile(mbs)
         per_mb = entry.emit([tf.nest.flatten(mb) for mb in mbs])
-        return tf.nest.map_structure(_step_output, *per_mb)
+        outputs = tf.nest.map_structure(_step_output, *per_mb)
+        self.last_compiled = entry
+        if self.reduce_over_replicas and state.data_parallel():
+            self._average_over_replicas(entry, outputs)
+        return outputs
+
+    def _average_over_replicas(self, entry: CompiledStep, outputs: Any) -> None:
+        """Data parallelism: the step's gradient outputs are averaged over the
+        replicas by `StepOutput.accumulate`, and the state the step writes
+        (BatchNorm statistics) is averaged right after the pipeline."""
+        from smp_tf.distributed import collectives
+
+        graph = tf.compat.v1.get_default_graph()
+        # Names this emission alike on every rank: the step's name and how
+        # many steps this graph emitted before.
+        count = getattr(graph, "_smp_tf_emissions", 0)
+        graph._smp_tf_emissions = count + 1
+        site = f"{getattr(self._fn, '__qualname__', 'step')}/{count}"
+        raise_if_uneven = state.config().uneven_inputs == "raise"
+        plan = collectives._Plan()
+        state_vars = entry.written_state()
+        if state_vars:
+            collectives.sync_state(
+                [v for v, _ in state_vars], [p for _, p in state_vars], entry.devices,
+                entry.last_ops, site, plan, raise_if_uneven,
+            )
+        flat = tf.nest.flatten(outputs)
+        # One StepOutput per returned value; a composite value (IndexedSlices)
+        # is several flat outputs of the trace: take its first component.
+        expanded = entry.output_info()
+        info, position = [], 0
+        for leaf in tf.nest.flatten(entry.traced.output_structure):
+            info.append(expanded[position] if position < len(expanded) else None)
+            position += max(1, len(tf.nest.flatten(leaf, expand_composites=True)))
+        members = [k for k, i in enumerate(info) if i is not None and i[0] and isinstance(flat[k], StepOutput)]
+        if not members:
+            return
+        reducer = collectives.GradientReducer(
+            local_values={k: flat[k]._local_accumulate for k in members},
+            members=members,
+            partition_of={k: info[k][1] for k in members},
+            devices=entry.devices,
+            nbytes={k: info[k][2] for k in members},
+            dtypes={k: _dtype_of(flat[k]) for k in members},
+            site=site,
+            raise_if_uneven=raise_if_uneven,
+            plan=plan,
+        )
+        for k in members:
+            flat[k]._replicas = (reducer, k)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         cfg = state.config()  # raises a clear error before smp.init
@@ -328,6 +381,13 @@ _MARK = "__smp_step_output__"
 # key that also spells its FusedOp (a tf.function returns tensors, not Python
 # objects): _FUSED_MARK + op_type|data_format|device.
 _FUSED_MARK = "__smp_fused_step_output__"
+
+
+def _dtype_of(so: StepOutput) -> tf.DType:
+    if so._fused is not None:
+        return tf.as_dtype(so._fused_inputs[0][0].dtype)
+    value = next(v for v in so._values if v is not None) if any(v is not None for v in so._values) else None
+    return tf.float32 if value is None else tf.as_dtype(value.dtype)
 
 
 def _step_output(*values: Any) -> StepOutput:

@@ -127,6 +127,9 @@ class StepOutput:
         self._values: Optional[List[Any]] = list(outputs)
         self._fused: Optional[FusedOp] = None
         self._fused_inputs: List[Tuple[Any, ...]] = []
+        # With data parallelism: (reducer, index) averaging this output over
+        # the replicas too, in buckets with the other gradients.
+        self._replicas: Optional[Tuple[Any, int]] = None
 
     @classmethod
     def _from_fused(cls, op: FusedOp, per_microbatch_inputs: Sequence[Sequence[Any]]) -> "StepOutput":
@@ -326,7 +329,8 @@ class StepOutput:
 
     @_combination
     def accumulate(self) -> Optional[Any]:
-        """Mean of the per-micro-batch values, built as a running sum.
+        """Mean of the per-micro-batch values, built as a running sum; with
+        data parallelism, also over the replicas.
 
         Meant for gradients: the value equals `reduce_mean`, but it is summed
         one micro-batch at a time (``acc = o0; acc += o1; ...``) so that at
@@ -339,6 +343,13 @@ class StepOutput:
         (``fuse_weight_gradients``) is computed with one op over all
         micro-batches instead.
 
+        With data parallelism (``horovod`` and several processes), the
+        accumulated gradient is then averaged over the replicas: gradients
+        are all-reduced in buckets, per partition, on the partition's device,
+        as soon as the partition's micro-batches are done. Every replica gets
+        the same value (dense, for sparse gradients). Other outputs (a loss)
+        are averaged over the micro-batches only.
+
         Returns:
             A tensor, a `tf.IndexedSlices`, or None.
 
@@ -346,6 +357,13 @@ class StepOutput:
             ValueError: only some values are None, the values are not numeric,
                 or their dtypes differ.
         """
+        if self._replicas is not None:
+            reducer, index = self._replicas
+            return reducer.value(index)
+        return self._local_accumulate()
+
+    def _local_accumulate(self) -> Optional[Any]:
+        """`accumulate` over this replica's micro-batches only."""
         if self._fused is not None:
             # One op over all micro-batches (see FusedOp): no per-micro-batch
             # values and no running sum are built.

@@ -56,6 +56,9 @@ def test_defaults():
         "horovod": False,
         "fuse_weight_gradients": False,
         "pretranspose_weights": False,
+        "dp_timeout": 60.0,
+        "shard_inputs": True,
+        "uneven_inputs": "join",
     }
     assert parse({}) == cfg
 
@@ -73,6 +76,9 @@ def test_all_keys_set():
         "horovod": True,
         "fuse_weight_gradients": True,
         "pretranspose_weights": True,
+        "dp_timeout": 12.5,
+        "shard_inputs": False,
+        "uneven_inputs": "raise",
     }
     cfg = parse(given)
     assert cfg.to_dict() == given
@@ -283,3 +289,15 @@ def test_reads_os_environ_by_default(monkeypatch):
     assert parse_config({"microbatches": 2}).microbatches == 4
     monkeypatch.delenv(ENV_VAR)
     assert parse_config({"microbatches": 2}).microbatches == 2
+
+
+@pytest.mark.parametrize("value", [0, -1, float("inf"), "10", True, None])
+def test_dp_timeout_must_be_a_positive_number(value):
+    with pytest.raises(ValueError, match=r"'dp_timeout' must be a positive number of seconds. Received: dp_timeout="):
+        parse({"dp_timeout": value})
+
+
+def test_uneven_inputs_choices():
+    assert parse({"uneven_inputs": "raise"}).uneven_inputs == "raise"
+    with pytest.raises(ValueError, match=r"'uneven_inputs' must be one of 'join', 'raise'"):
+        parse({"uneven_inputs": "pad"})

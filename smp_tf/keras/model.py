@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import smp_tf._autograph  # noqa: F401  (keeps AutoGraph out of smp_tf)
 
-import weakref
 from typing import Any, List
 
 import keras
@@ -23,12 +22,11 @@ from keras.src.models.model import functional_init_arguments
 from keras.src.trainers.data_adapters import data_adapter_utils
 from keras.src.trainers.trainer import Trainer
 
+from smp_tf import placement, state
+from smp_tf.keras import data_parallel
 from smp_tf.keras.steps import PipelinedSteps, loss_scale_of, merge
 
 __all__ = ["DistributedModel", "live_models"]
-
-_MODELS: "weakref.WeakSet[DistributedModel]" = weakref.WeakSet()
-
 
 @keras.saving.register_keras_serializable(package="smp_tf")
 class DistributedModel(keras.Model):
@@ -64,7 +62,7 @@ class DistributedModel(keras.Model):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        _MODELS.add(self)
+        placement.register_model(self)
 
     # -- the pipelined Keras steps ----------------------------------------------
     def _pipelined_steps(self) -> PipelinedSteps:
@@ -98,6 +96,9 @@ class DistributedModel(keras.Model):
         """One pipelined training step on a batch (see `smp_tf.keras.steps`)."""
         self._check_pipelinable()
         x, y, sample_weight = data_adapter_utils.unpack_x_y_sample_weight(data)
+        group = state.process_group() if state.data_parallel() else None
+        if group is not None and state.config().shard_inputs:
+            x, y, sample_weight = data_parallel.shard((x, y, sample_weight), group.rank, group.size)
         steps = self._pipelined_steps()
         batch_size = _batch_size(x)
         loss_scale = loss_scale_of(self)
@@ -109,7 +110,20 @@ class DistributedModel(keras.Model):
             )
             return loss.reduce_mean(), [g.accumulate() for g in grads], merge(y_pred)
 
-        loss, grads, y_pred = steps.run(x, emit)
+        if group is None:
+            loss, grads, y_pred = steps.run(x, emit)
+        else:
+            loss, grads, y_pred = data_parallel.run_or_contribute_nothing(
+                batch_size, lambda: steps.run(x, emit), [v.shape for v in self.trainable_weights]
+            )
+            raise_if_uneven = state.config().uneven_inputs == "raise"
+            rows = tf.cast(batch_size, tf.float32)
+            data_parallel.sync_written_state(
+                steps.train, rows, [loss] + [g for g in grads if g is not None], "fit/state", raise_if_uneven
+            )
+            grads = data_parallel.reduce_gradients(
+                grads, list(self.trainable_weights), rows, "fit/grad", raise_if_uneven
+            )
         if self.trainable_weights:
             self.optimizer.apply_gradients(zip(grads, self.trainable_weights))
         self._loss_tracker.update_state(loss, sample_weight=batch_size)
@@ -119,6 +133,9 @@ class DistributedModel(keras.Model):
         """One pipelined evaluation step (forward only) on a batch."""
         self._check_pipelinable()
         x, y, sample_weight = data_adapter_utils.unpack_x_y_sample_weight(data)
+        group = state.process_group() if state.data_parallel() else None
+        if group is not None and state.config().shard_inputs:
+            x, y, sample_weight = data_parallel.shard((x, y, sample_weight), group.rank, group.size)
         steps = self._pipelined_steps()
         batch_size = _batch_size(x)
 
@@ -129,12 +146,23 @@ class DistributedModel(keras.Model):
             )
             return loss.reduce_mean(), merge(y_pred)
 
-        loss, y_pred = steps.run(x, emit)
+        if group is None:
+            loss, y_pred = steps.run(x, emit)
+        else:
+            # This replica's share may be empty (the last, small batch).
+            def forward():
+                loss, y_pred = steps.run(x, emit)
+                return loss, [], y_pred
+
+            loss, _, y_pred = data_parallel.run_or_contribute_nothing(batch_size, forward, [])
         self._loss_tracker.update_state(loss, sample_weight=batch_size)
         return self.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
 
     def predict_step(self, data: Any) -> Any:
-        """Pipelined predictions (forward only) for a batch, in row order."""
+        """Pipelined predictions (forward only) for a batch, in row order.
+
+        With data parallelism every replica predicts every row (predictions
+        are not sharded)."""
         self._check_pipelinable()
         x, _, _ = data_adapter_utils.unpack_x_y_sample_weight(data)
         steps = self._pipelined_steps()
@@ -143,6 +171,44 @@ class DistributedModel(keras.Model):
             return (merge(steps.predict._emit((x,), {}, num_microbatches=k, uneven=uneven)),)
 
         return steps.run(x, emit)[0]
+
+    # -- the epoch's logs with data parallelism -----------------------------------
+    def make_train_function(self, force: bool = False) -> Any:
+        super().make_train_function(force)
+        return self._mark_phase("train_function", "train")
+
+    def make_test_function(self, force: bool = False) -> Any:
+        super().make_test_function(force)
+        return self._mark_phase("test_function", "test")
+
+    def _mark_phase(self, attribute: str, phase: str) -> Any:
+        # Which loop ran last (training or evaluation) decides what the end
+        # of the epoch must join (see _get_metrics_result_or_logs).
+        function = getattr(self, attribute)
+        if function is None or getattr(function, "_smp_tf_phase", None) == phase:
+            return function
+
+        def marked(*args, **kwargs):
+            self.__dict__["_smp_tf_phase"] = phase
+            return function(*args, **kwargs)
+
+        marked._smp_tf_phase = phase
+        setattr(self, attribute, marked)
+        return marked
+
+    def _get_metrics_result_or_logs(self, logs: Any) -> Any:
+        # With data parallelism, the end of a training or evaluation loop:
+        # a replica that ran out of data first joins the others' remaining
+        # steps, then the logs are computed from the metrics of all replicas.
+        if not (state.is_initialized() and state.data_parallel()):
+            return super()._get_metrics_result_or_logs(logs)
+        if self.__dict__.get("_smp_tf_phase") == "train":
+            from smp_tf.distributed.join import finish_uneven
+
+            variables = list(self.variables) + (list(self.optimizer.variables) if self.optimizer else [])
+            finish_uneven(state.config().uneven_inputs == "raise", lambda: variables)
+        self.__dict__["_smp_tf_phase"] = None
+        return data_parallel.global_metrics(self)
 
     # -- XLA ---------------------------------------------------------------------
     def _resolve_auto_jit_compile(self) -> bool:
@@ -199,9 +265,9 @@ class FunctionalDistributedModel(Functional, DistributedModel):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         Trainer.__init__(self)
         Functional.__init__(self, *args, **kwargs)
-        _MODELS.add(self)
+        placement.register_model(self)
 
 
 def live_models() -> List[DistributedModel]:
     """The `DistributedModel` instances alive in this process."""
-    return list(_MODELS)
+    return placement.live_models()

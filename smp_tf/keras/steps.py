@@ -90,6 +90,10 @@ class PipelinedSteps:
         self.train = StepFunction(self._train_body, non_split_inputs=extra + ["loss_scale"])
         self.test = StepFunction(self._test_body, non_split_inputs=extra)
         self.predict = StepFunction(self._predict_body)
+        for fn in (self.train, self.test, self.predict):
+            # The Keras steps average over the replicas themselves, weighting
+            # each replica by its rows (see smp_tf.keras.data_parallel).
+            fn.reduce_over_replicas = False
 
     # -- step bodies (one micro-batch) -----------------------------------------
     def _forward(self, x: Any, training: bool) -> Any:

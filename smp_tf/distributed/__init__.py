@@ -1,0 +1,1 @@
+"""Data parallelism across processes: cluster environment, launcher, collectives."""

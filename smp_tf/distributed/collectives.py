@@ -1,0 +1,410 @@
+"""Collectives between the replicas of a partition, inside TensorFlow graphs.
+
+Each partition's device forms a group with the same partition's device in
+every other replica (group key ``GROUP_BASE + partition``). Every collective
+is a TensorFlow collective op (ring all-reduce over gRPC on CPUs, NCCL on
+GPUs) with:
+
+* a fixed instance key derived from what it carries (``zlib.crc32`` of its
+  site, partition, bucket, dtype and size), so that every rank, and every
+  retrace, issues the same keys;
+* the ordering token of its device: collectives of one device run in the
+  order they were created, the same on every rank, while those of different
+  devices are independent (a partition's all-reduce overlaps the rest of the
+  pipeline);
+* no timeout (a per-op timeout holds threads for its duration on every call);
+  dead or stalled replicas are detected by the coordination service's
+  heartbeats and by the step watchdog instead.
+
+The gradient all-reduce is bucketed: the gradients of a partition are
+concatenated, by dtype, into buckets of at most `BUCKET_BYTES`, each
+all-reduced once. Every bucket carries two extra elements: the replica's
+weight (1, or its number of rows under Keras ``fit``; it also scales the
+replica's values) and 1 if the replica runs this step (0 from a replica that
+ran out of data and only joins the collectives, `smp.join`). The sum is
+divided by the summed weights, so uneven inputs average over the replicas
+that had data, and a replica learns from the second sum how many are still
+running.
+"""
+
+from __future__ import annotations
+
+import zlib
+from dataclasses import dataclass, field
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+
+import tensorflow as tf
+
+from smp_tf.distributed import runtime
+
+__all__ = [
+    "GROUP_BASE",
+    "BUCKET_BYTES",
+    "group_key",
+    "instance_key",
+    "all_reduce_sum",
+    "Bucket",
+    "GradientReducer",
+    "buckets_of",
+    "reduce_bucket",
+    "broadcast_variables",
+    "sync_state",
+    "last_plan",
+    "replay",
+]
+
+#: Group key of partition p: GROUP_BASE + p (clear of tf.distribute's keys).
+GROUP_BASE = 1000
+#: Largest bucket of the gradient all-reduce (bytes).
+BUCKET_BYTES = 8 << 20
+
+
+def group_key(partition: int) -> int:
+    """The collective group of a partition's devices across replicas."""
+    return GROUP_BASE + int(partition)
+
+
+def instance_key(*parts: Any) -> int:
+    """A key that every rank derives alike from what a collective carries."""
+    return (zlib.crc32("|".join(str(p) for p in parts).encode()) & 0x3FFFFFFF) + 1
+
+
+_TOKENS: Dict[str, Any] = {}
+
+
+def _ordering_token(device: str) -> tf.Tensor:
+    """The handle of the device's ordering token (a scalar variable, created once)."""
+    token = _TOKENS.get(device)
+    if token is None:
+        with tf.init_scope(), tf.device(device):
+            token = tf.Variable(0.0, trainable=False, name="smp_tf_ordering_token")
+        _TOKENS[device] = token
+    return token.handle
+
+
+def _hint(device: str) -> str:
+    spec = tf.DeviceSpec.from_string(device)
+    return "nccl" if (spec.device_type or "").upper() == "GPU" else "ring"
+
+
+def all_reduce_sum(t: tf.Tensor, partition: int, device: str, key: int) -> tf.Tensor:
+    """The sum of `t` over the replicas, on `device` (partition `partition`)."""
+    from tensorflow.python.ops import collective_ops
+
+    group = runtime.group()
+    full = group.device(device)
+    with tf.device(full):
+        return collective_ops.all_reduce_v2(
+            t,
+            group_size=group.size,
+            group_key=group_key(partition),
+            instance_key=key,
+            merge_op="Add",
+            final_op="Id",
+            communication_hint=_hint(device),
+            timeout=0,
+            ordering_token=_ordering_token(full),
+        )
+
+
+# --------------------------------------------------------------------------
+# The plan of a step's collectives (replayed by replicas without data)
+# --------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Bucket:
+    """One all-reduce of a step: where it runs and what it carries.
+
+    Attributes:
+        partition: the partition (group) it belongs to.
+        device: the local device it runs on.
+        key: its instance key.
+        dtype: its dtype name.
+        size: its number of elements, the active-replica flag included.
+    """
+
+    partition: int
+    device: str
+    key: int
+    dtype: str
+    size: int
+
+
+#: The collectives of the last traced step that reduced gradients, in the
+#: order they were created: what a replica that ran out of data issues to
+#: keep the others going (`smp.join`).
+_LAST_PLAN: List[Bucket] = []
+
+
+def last_plan() -> List[Bucket]:
+    """The collectives of the last traced step that reduced gradients."""
+    return list(_LAST_PLAN)
+
+
+class _Plan:
+    """The collectives of one emitted step, in creation order."""
+
+    def __init__(self) -> None:
+        self.buckets: List[Bucket] = []
+
+    def add(self, bucket: Bucket) -> None:
+        global _LAST_PLAN
+        self.buckets.append(bucket)
+        _LAST_PLAN = self.buckets
+
+
+def replay(plan: Sequence[Bucket]) -> Callable[[], tf.Tensor]:
+    """A function that issues `plan`'s collectives contributing nothing (zero
+    weight, not running), and returns how many replicas are still running
+    the step (0: all have finished)."""
+
+    @tf.function(autograph=False)
+    def shadow():
+        running = [tf.constant(0.0)]
+        for b in plan:
+            summed = all_reduce_sum(tf.zeros([b.size], b.dtype), b.partition, b.device, b.key)
+            running.append(tf.cast(summed[-1], tf.float32))
+        return tf.reduce_max(tf.stack(running))
+
+    return shadow
+
+
+# --------------------------------------------------------------------------
+# Gradient all-reduce, bucketed per partition
+# --------------------------------------------------------------------------
+def _dense(x: Any) -> tf.Tensor:
+    return tf.convert_to_tensor(x) if isinstance(x, tf.IndexedSlices) else x
+
+
+def buckets_of(members: Sequence[int], partition_of: Dict[int, int], nbytes: Dict[int, int],
+               dtypes: Dict[int, tf.DType]) -> List[Tuple[int, List[int]]]:
+    """Groups outputs into buckets: per partition, the last outputs first
+    (the gradients of the last layers are ready first), by dtype, each at
+    most `BUCKET_BYTES`. Returns (partition, member indices) per bucket, in
+    the order they are all-reduced; the same on every rank."""
+    by_partition: Dict[int, List[int]] = {}
+    for k in members:
+        by_partition.setdefault(partition_of[k], []).append(k)
+    out: List[Tuple[int, List[int]]] = []
+    for p, ks in sorted(by_partition.items()):
+        current: Optional[List[int]] = None
+        size = 0
+        for k in reversed(ks):
+            b = nbytes.get(k, 0)
+            if current is None or dtypes[current[0]] != dtypes[k] or size + b > BUCKET_BYTES:
+                current = []
+                out.append((p, current))
+                size = 0
+            current.append(k)
+            size += b
+    return out
+
+
+def reduce_bucket(
+    values: Sequence[Any],
+    partition: int,
+    device: str,
+    index: int,
+    site: str,
+    plan: "_Plan",
+    weight: Any = None,
+    raise_if_uneven: bool = False,
+) -> List[Any]:
+    """The weighted mean over the replicas of one bucket of local values.
+
+    Each replica contributes ``weight * value`` and its weight (1 by default;
+    0 from a replica without data, which only joins the collective); the
+    result is the sum divided by the summed weights. None values stay None.
+    """
+    present = [i for i, v in enumerate(values) if v is not None]
+    out: List[Any] = [None] * len(values)
+    if not present:
+        return out
+    with tf.device(device):
+        dense = [_dense(values[i]) for i in present]
+        dtype = dense[0].dtype
+        sizes = [int(x.shape.num_elements()) if x.shape.is_fully_defined() else None for x in dense]
+        if None in sizes:
+            raise ValueError(
+                "smp_tf can only all-reduce gradients of static shape across replicas; "
+                f"got shapes {[x.shape for x in dense]}."
+            )
+        packed, total = _pack(dense, dtype, weight)
+        key = instance_key("grad", site, partition, index, dtype.name, total)
+        plan.add(Bucket(partition, device, key, dtype.name, total))
+        summed = all_reduce_sum(packed, partition, device, key)
+        mean = _unpack(summed, raise_if_uneven)
+        parts = tf.split(mean, sizes) if len(sizes) > 1 else [mean]
+        for i, part, x in zip(present, parts, dense):
+            out[i] = tf.reshape(part, tf.shape(x))
+    return out
+
+
+class GradientReducer:
+    """The data-parallel mean of a step's gradient outputs, in buckets.
+
+    A gradient's `StepOutput.accumulate()` asks for its mean over the
+    micro-batches and the replicas; the first request of a bucket
+    accumulates every member of the bucket, all-reduces them at once on the
+    partition's device and keeps the results.
+
+    Args:
+        local_values: flat output index -> a function computing the output's
+            local mean over micro-batches.
+        members: the flat indices of the gradient outputs.
+        partition_of: flat output index -> partition.
+        devices: device of each partition.
+        nbytes: flat output index -> bytes (for bucketing; 0 if unknown).
+        dtypes: flat output index -> dtype.
+        site: names the emission (same on every rank).
+        raise_if_uneven: every replica must contribute (else an error).
+        plan: where the bucket all-reduces are recorded, in order.
+    """
+
+    def __init__(
+        self,
+        local_values: Dict[int, Callable[[], Any]],
+        members: Sequence[int],
+        partition_of: Dict[int, int],
+        devices: Sequence[str],
+        nbytes: Dict[int, int],
+        dtypes: Dict[int, tf.DType],
+        site: str,
+        raise_if_uneven: bool = False,
+        plan: Optional[_Plan] = None,
+    ) -> None:
+        self._local = local_values
+        self._site = site
+        self._raise = raise_if_uneven
+        self._devices = list(devices)
+        self._plan = plan if plan is not None else _Plan()
+        self._buckets = buckets_of(members, partition_of, nbytes, dtypes)
+        self._bucket_of = {k: b for b, (_, ks) in enumerate(self._buckets) for k in ks}
+        self._index_in_partition = {}
+        seen: Dict[int, int] = {}
+        for b, (p, _) in enumerate(self._buckets):
+            self._index_in_partition[b] = seen.get(p, 0)
+            seen[p] = seen.get(p, 0) + 1
+        self._result: Dict[int, Any] = {}
+
+    def __contains__(self, k: int) -> bool:
+        return k in self._bucket_of
+
+    def value(self, k: int) -> Any:
+        """The mean of output `k` over micro-batches and contributing replicas."""
+        if k not in self._result:
+            b = self._bucket_of[k]
+            p, ks = self._buckets[b]
+            with tf.device(self._devices[p]):
+                locals_ = [self._local[m]() for m in ks]
+            reduced = reduce_bucket(
+                locals_, p, self._devices[p], self._index_in_partition[b], self._site, self._plan,
+                raise_if_uneven=self._raise,
+            )
+            for m, v, local in zip(ks, reduced, locals_):
+                self._result[m] = None if local is None else tf.cast(v, _dense(local).dtype)
+        return self._result[k]
+
+
+def _pack(values: Sequence[tf.Tensor], dtype: tf.DType, weight: Any) -> Tuple[tf.Tensor, int]:
+    """[weight * values..., weight, 1]: what a running replica contributes."""
+    w = tf.ones([], dtype) if weight is None else tf.cast(weight, dtype)
+    flat = [tf.reshape(tf.cast(x, dtype), [-1]) * w for x in values]
+    packed = tf.concat(flat + [tf.reshape(w, [1]), tf.ones([1], dtype)], axis=0)
+    return packed, sum(int(x.shape.num_elements()) for x in values) + 2
+
+
+def _unpack(summed: tf.Tensor, raise_if_uneven: bool) -> tf.Tensor:
+    """The weighted mean from a summed bucket; with ``uneven_inputs='raise'``
+    every replica must be running the step."""
+    weights, running = summed[-2], summed[-1]
+    if raise_if_uneven:
+        check = tf.debugging.assert_equal(
+            tf.cast(tf.round(running), tf.int32), runtime.group().size,
+            message=(
+                "smp_tf: a data-parallel replica ran out of data before the others "
+                "(uneven inputs, and the config says uneven_inputs='raise')"
+            ),
+        )
+        with tf.control_dependencies([check]):
+            weights = tf.identity(weights)
+    return summed[:-2] / tf.maximum(weights, tf.ones([], weights.dtype) * 1e-30)
+
+
+def sync_state(
+    variables: Sequence[Any],
+    partition_of: Sequence[int],
+    devices: Sequence[str],
+    after: Dict[int, Any],
+    site: str,
+    plan: _Plan,
+    raise_if_uneven: bool = False,
+    weight: Any = None,
+) -> List[Any]:
+    """Averages, over the contributing replicas, the state a step wrote.
+
+    BatchNorm statistics (and any float variable the step writes that is not
+    trained) are updated by each replica from its own data; averaging the new
+    values keeps every replica's variables identical, as a mirrored variable
+    with mean aggregation does. Runs after partition p's last action
+    (`after[p]`).
+
+    Returns:
+        The assignment ops.
+    """
+    by_key: Dict[Tuple[int, str], List[Any]] = {}
+    for v, p in zip(variables, partition_of):
+        by_key.setdefault((p, v.dtype.name), []).append(v)
+    ops = []
+    for (p, dtype), vs in sorted(by_key.items()):
+        device = devices[p]
+        sizes = [int(v.shape.num_elements()) for v in vs]
+        deps = [after[p]] if p in after else []
+        with tf.device(device), tf.control_dependencies(deps):
+            active = None if weight is None else tf.cast(tf.cast(weight, tf.bool), dtype)
+            flat, total = _pack([v.read_value() for v in vs], tf.as_dtype(dtype), active)
+            key = instance_key("state", site, p, dtype, total)
+            plan.add(Bucket(p, device, key, dtype, total))
+            summed = all_reduce_sum(flat, p, device, key)
+            mean = _unpack(summed, raise_if_uneven)
+            parts = tf.split(mean, sizes) if len(sizes) > 1 else [mean]
+            for v, part in zip(vs, parts):
+                ops.append(v.assign(tf.reshape(part, v.shape), read_value=False))
+    return ops
+
+
+# --------------------------------------------------------------------------
+# Broadcast of variables from rank 0
+# --------------------------------------------------------------------------
+def broadcast_variables(
+    variables: Sequence[Any], partition_of: Sequence[int], devices: Sequence[str], site: str, root: int = 0
+) -> None:
+    """Gives every replica `root`'s values of `variables` (eagerly).
+
+    A masked all-reduce per partition and dtype (the root adds the values,
+    the others zeros), ordered by the device's token like every other
+    collective. Every rank must pass the same variables in the same order.
+    """
+    group = runtime.group()
+    if group is None or group.size == 1 or not variables:
+        return
+    by_key: Dict[Tuple[int, str], List[Any]] = {}
+    for v, p in zip(variables, partition_of):
+        by_key.setdefault((p, v.dtype.name), []).append(v)
+    with tf.init_scope():
+        for (p, dtype), vs in sorted(by_key.items()):
+            device = devices[p]
+            sizes = [int(v.shape.num_elements()) for v in vs]
+            total = sum(sizes)
+            key = instance_key("broadcast", site, root, p, dtype, total)
+
+            @tf.function(autograph=False)
+            def sync(vs=vs, sizes=sizes, p=p, device=device, key=key):
+                with tf.device(group.device(device)):
+                    flat = tf.concat([tf.reshape(v.read_value(), [-1]) for v in vs], axis=0)
+                    if group.rank != root:
+                        flat = tf.zeros_like(flat)
+                    summed = all_reduce_sum(flat, p, device, key)
+                    for v, part in zip(vs, tf.split(summed, sizes) if len(sizes) > 1 else [summed]):
+                        v.assign(tf.reshape(part, v.shape))
+
+            sync()

@@ -1,0 +1,288 @@
+"""The data-parallel process group, on TensorFlow's collective runtime.
+
+With several processes (one per pipeline replica), `smp.init` calls `start`:
+every process runs TensorFlow's in-process gRPC server, joins TensorFlow's
+collective runtime (the one behind ``MultiWorkerMirroredStrategy``, without
+the strategy) and its coordination service, which watches every process
+with heartbeats and offers barriers and a key-value store. Each process then
+drives only its own devices; collectives (`smp_tf.distributed.collectives`)
+connect the devices that run the same partition in every replica.
+
+This must happen before TensorFlow initialises its runtime (before the first
+op runs), right after the devices are configured; `smp.init` is therefore
+the first thing a program calls.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+from dataclasses import dataclass
+from typing import Any, Optional, Tuple
+
+from smp_tf.distributed.cluster import ClusterInfo
+
+logger = logging.getLogger("smp_tf")
+
+__all__ = ["ProcessGroup", "start", "group", "EXIT_PORT_IN_USE", "JOB"]
+
+#: TensorFlow job name of the replicas.
+JOB = "worker"
+#: Exit code of a process whose server port is taken; `smp_tf.launch` then
+#: restarts every process on new ports.
+EXIT_PORT_IN_USE = 75
+
+_GROUP: Optional["ProcessGroup"] = None
+
+
+@dataclass(frozen=True)
+class ProcessGroup:
+    """The processes (pipeline replicas) of a data-parallel run.
+
+    Attributes:
+        info: this process's place in the cluster (rank, size, local rank).
+        addresses: the TensorFlow server address of every rank.
+        timeout: seconds after which a dead or stalled replica stops the
+            others (`Config.dp_timeout`).
+    """
+
+    info: ClusterInfo
+    addresses: Tuple[str, ...]
+    timeout: float
+
+    @property
+    def rank(self) -> int:
+        return self.info.rank
+
+    @property
+    def size(self) -> int:
+        return self.info.size
+
+    def task(self, rank: int) -> str:
+        """TensorFlow's name of the task of `rank`."""
+        return f"/job:{JOB}/replica:0/task:{rank}"
+
+    def device(self, local_device: str) -> str:
+        """The full name of a local device (``/device:CPU:1`` -> ``/job:worker/.../device:CPU:1``)."""
+        import tensorflow as tf
+
+        spec = tf.DeviceSpec.from_string(local_device)
+        return f"{self.task(self.rank)}/device:{(spec.device_type or 'CPU').upper()}:{spec.device_index or 0}"
+
+    # -- the coordination service ------------------------------------------------
+    def barrier(self, name: str, timeout: Optional[float] = None) -> None:
+        """Waits until every process reached the barrier `name` (unique per use)."""
+        from tensorflow.python.eager import context
+
+        seconds = self.timeout if timeout is None else timeout
+        try:
+            context.context().wait_at_barrier(f"smp_tf/{name}", int(seconds * 1000))
+        except Exception as e:  # noqa: BLE001 - re-raised with the ranks that are missing
+            raise_replica_error(e, self, f"barrier {name!r}")
+
+    def put(self, key: str, value: str) -> None:
+        """Publishes `value` under `key` in the coordination service's store."""
+        from tensorflow.python.eager import context
+
+        context.context().set_config_key_value(f"smp_tf/{key}", value)
+
+    def get(self, key: str, timeout: Optional[float] = None) -> str:
+        """The value published under `key`, waiting for it (bounded)."""
+        from tensorflow.python.eager import context
+
+        seconds = self.timeout if timeout is None else timeout
+        try:
+            return context.context().get_config_key_value(f"smp_tf/{key}", int(seconds * 1000))
+        except Exception as e:  # noqa: BLE001
+            raise_replica_error(e, self, f"waiting for {key!r}")
+        raise AssertionError("unreachable")
+
+    def delete(self, key: str) -> None:
+        from tensorflow.python.eager import context
+
+        try:
+            context.context().delete_config_key_value(f"smp_tf/{key}")
+        except Exception:  # noqa: BLE001 - already gone
+            pass
+
+    def report_error(self, message: str) -> None:
+        """Makes every other process's collectives fail now with `message`."""
+        from tensorflow.python.eager import context
+
+        try:
+            context.context().report_error_to_cluster(10, message)  # ABORTED
+        except Exception:  # noqa: BLE001 - the cluster may already be gone
+            pass
+
+
+class ReplicaError(RuntimeError):
+    """A data-parallel replica died, stalled or failed; the run cannot go on.
+
+    Attributes:
+        ranks: the ranks the error is about (empty if unknown).
+    """
+
+    def __init__(self, message: str, ranks: Tuple[int, ...] = ()) -> None:
+        super().__init__(message)
+        self.ranks = ranks
+
+
+def missing_ranks(message: str) -> Tuple[int, ...]:
+    """The ranks a TensorFlow error message names (``/job:worker/replica:0/task:3`` -> 3)."""
+    return tuple(sorted({int(m) for m in re.findall(r"/job:%s(?:/replica:\d+)?/task:(\d+)" % JOB, message)}))
+
+
+def raise_replica_error(error: BaseException, group: "ProcessGroup", during: str) -> None:
+    """Re-raises a runtime error of the collectives as a `ReplicaError` naming ranks."""
+    text = str(error)
+    ranks = tuple(r for r in missing_ranks(text) if r != group.rank)
+    if "Heartbeat" in text and not ranks and group.rank != 0:
+        ranks = (0,)  # the coordination leader stopped answering
+    if "smp_tf:" in text:  # a message another rank reported: keep it
+        reason = text[text.index("smp_tf:"):].split("\n")[0]
+    elif ranks:
+        reason = f"rank(s) {list(ranks)} stopped responding (died, hung, or left the collectives)"
+    else:
+        reason = text.strip().split("\n")[0]
+    raise ReplicaError(
+        f"smp_tf: data-parallel replica failure on rank {group.rank} while {during}: {reason}. "
+        "Every replica stops; restart all of them (for example from the last checkpoint).",
+        ranks,
+    ) from error
+
+
+def group() -> Optional[ProcessGroup]:
+    """The process group of this process, or None with a single process."""
+    return _GROUP
+
+
+def start(info: ClusterInfo, timeout: float, config_json: str) -> ProcessGroup:
+    """Joins the collective runtime and the coordination service of the cluster.
+
+    Called by `smp.init` after the local devices are configured and before
+    anything initialises TensorFlow's runtime. A second call with the same
+    cluster returns the same group (`smp.init` again); another cluster needs
+    a new process.
+
+    Args:
+        info: the cluster, from the environment.
+        timeout: `Config.dp_timeout`: the bound of every wait (seconds).
+        config_json: the configuration, compared across ranks.
+
+    Raises:
+        RuntimeError: TensorFlow's runtime was initialised before `smp.init`,
+            or the cluster changed since the last `smp.init`.
+        OSError: this process's server port is in use (the launcher then
+            restarts every process on new ports).
+        ReplicaError: not every rank joined within the timeout.
+        ValueError: the ranks were started with different configurations.
+    """
+    global _GROUP
+    if _GROUP is not None:
+        if _GROUP.info == info:
+            _check_same_config(_GROUP, config_json)
+            return _GROUP
+        raise RuntimeError(
+            f"smp.init was called again with another cluster ({info}) than the running one "
+            f"({_GROUP.info}); a process joins one cluster for its lifetime. Start new processes."
+        )
+    import tensorflow as tf
+    from tensorflow.core.protobuf import tensorflow_server_pb2
+    from tensorflow.python.eager import context
+
+    try:
+        from tensorflow.compiler.xla.tsl.protobuf import coordination_config_pb2
+    except ImportError:  # pragma: no cover - older layouts
+        from tsl.protobuf import coordination_config_pb2
+
+    addresses = info.addresses
+    if addresses is None:
+        from smp_tf.distributed import cluster, rendezvous
+
+        port = cluster.pick_free_ports(1)[0]
+        addresses = rendezvous.exchange_addresses(info, f"{rendezvous.my_host()}:{port}", timeout=max(timeout, 120.0))
+    ctx = context.context()
+    if ctx._context_handle is not None:  # noqa: SLF001 - no public "is initialised"
+        raise RuntimeError(
+            "smp.init must form the data-parallel group before TensorFlow runs its first operation. "
+            "Call smp.init at the very start of the program (importing TensorFlow and Keras first is fine)."
+        )
+    leader = f"/job:{JOB}/replica:0/task:0"
+    heartbeat_ms = int(min(10.0, timeout) * 1000)
+    ctx.configure_collective_ops(
+        collective_leader=leader,
+        scoped_allocator_enabled_ops=("CollectiveReduce",),
+        device_filters=(f"/job:{JOB}/task:{info.rank}",),
+    )
+    ctx.configure_coordination_service(
+        service_type="standalone",
+        service_leader=leader,
+        enable_health_check=True,
+        heartbeat_timeout_in_ms=heartbeat_ms,
+        cluster_register_timeout_in_ms=int(max(timeout, 120.0) * 1000),
+        shutdown_barrier_timeout_in_ms=int(max(timeout, 300.0) * 1000),
+        coordinated_jobs=[coordination_config_pb2.CoordinatedJob(name=JOB, num_tasks=info.size)],
+    )
+    # Every task, rank 0 too, waits at start-up until all have registered and
+    # fails after the register timeout naming the missing ones; without it
+    # rank 0 would wait forever for a rank that never starts.
+    ctx._coordination_service_config.cluster_register_with_barrier = True  # noqa: SLF001
+    server_def = tensorflow_server_pb2.ServerDef(
+        cluster=tf.train.ClusterSpec({JOB: list(addresses)}).as_cluster_def(),
+        default_session_config=ctx.config,
+        job_name=JOB,
+        task_index=info.rank,
+        protocol="grpc",
+        port=int(addresses[info.rank].rsplit(":", 1)[1]),
+    )
+    ctx.enable_collective_ops(server_def)
+    try:
+        ctx.ensure_initialized()
+    except tf.errors.UnknownError as e:
+        if "Could not start gRPC server" in str(e):
+            message = (
+                f"smp_tf: rank {info.rank} cannot listen on {addresses[info.rank]}: the port is in use. "
+                "Choose other ports (smp_tf.launch picks free ones and retries by itself)."
+            )
+            if os.environ.get("SMP_TF_LAUNCHER") == "1":
+                logger.error(message)
+                os._exit(EXIT_PORT_IN_USE)
+            raise OSError(message) from e
+        raise
+    except tf.errors.DeadlineExceededError as e:
+        ranks = [r for r in missing_ranks(str(e)) if r != info.rank]
+        raise ReplicaError(
+            f"smp_tf: rank {info.rank} waited {max(timeout, 120.0):.0f} s for every rank to join "
+            f"the cluster {list(addresses)}; missing: {ranks or 'unknown'}. Check that every "
+            "process was started with the same cluster environment.",
+            tuple(ranks),
+        ) from e
+    _GROUP = ProcessGroup(info, tuple(addresses), float(timeout))
+    _GROUP.barrier("init", timeout=max(timeout, 120.0))
+    _check_same_config(_GROUP, config_json)
+    logger.info("smp_tf: rank %d of %d joined %s", info.rank, info.size, list(addresses))
+    return _GROUP
+
+
+def _check_same_config(group: ProcessGroup, config_json: str) -> None:
+    """Every rank must run the same configuration (same partitions, schedule, ...)."""
+    generation = getattr(_check_same_config, "calls", 0)
+    _check_same_config.calls = generation + 1
+    group.put(f"config/{generation}/{group.rank}", config_json)
+    mine = json.loads(config_json)
+    for r in range(group.size):
+        other = json.loads(group.get(f"config/{generation}/{r}"))
+        if other != mine:
+            diff = {k: (mine.get(k), other.get(k)) for k in sorted(set(mine) | set(other)) if mine.get(k) != other.get(k)}
+            raise ValueError(
+                f"smp_tf: rank {r} was initialised with another configuration than rank {group.rank}: "
+                f"{ {k: {'rank ' + str(group.rank): a, 'rank ' + str(r): b} for k, (a, b) in diff.items()} }. "
+                "Every replica must call smp.init with the same config."
+            )
+    group.barrier(f"config/{generation}")
+
+
+def describe(group: Optional[ProcessGroup]) -> Any:
+    return None if group is None else {"rank": group.rank, "size": group.size, "addresses": group.addresses}
