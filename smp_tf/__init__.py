@@ -32,6 +32,17 @@ __version__ = "0.1.0"
 #: Public name -> the module that defines it.
 _EXPORTS = {
     "Action": "smp_tf.schedule",
+    "CommGroup": "smp_tf.distributed.comm",
+    "RankType": "smp_tf.distributed.comm",
+    "ReplicaError": "smp_tf.distributed.runtime",
+    "allgather": "smp_tf.distributed.comm",
+    "barrier": "smp_tf.distributed.comm",
+    "broadcast": "smp_tf.distributed.comm",
+    "dp_barrier": "smp_tf.distributed.comm",
+    "join": "smp_tf.distributed.join",
+    "mp_barrier": "smp_tf.distributed.comm",
+    "recv_from": "smp_tf.distributed.comm",
+    "send": "smp_tf.distributed.comm",
     "Config": "smp_tf.config",
     "CheckpointManager": "smp_tf.keras.checkpoint",
     "DistributedModel": "smp_tf.keras.model",

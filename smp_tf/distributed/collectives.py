@@ -145,11 +145,21 @@ class _Plan:
 
     def __init__(self) -> None:
         self.buckets: List[Bucket] = []
+        self._marker: Any = None
 
     def add(self, bucket: Bucket) -> None:
         global _LAST_PLAN
         self.buckets.append(bucket)
         _LAST_PLAN = self.buckets
+
+    def started(self) -> List[Any]:
+        """Control inputs of the step's collectives: the op that tells the
+        watchdog the step started (created with the first collective)."""
+        if self._marker is None:
+            from smp_tf.distributed.watchdog import step_marker
+
+            self._marker = step_marker()
+        return [self._marker] if self._marker is not None else []
 
 
 def replay(plan: Sequence[Bucket]) -> Callable[[], tf.Tensor]:
@@ -160,8 +170,11 @@ def replay(plan: Sequence[Bucket]) -> Callable[[], tf.Tensor]:
     @tf.function(autograph=False)
     def shadow():
         running = [tf.constant(0.0)]
+        steps = _Plan()
         for b in plan:
-            summed = all_reduce_sum(tf.zeros([b.size], b.dtype), b.partition, b.device, b.key)
+            with tf.control_dependencies(steps.started()):
+                zeros = tf.zeros([b.size], b.dtype)
+            summed = all_reduce_sum(zeros, b.partition, b.device, b.key)
             running.append(tf.cast(summed[-1], tf.float32))
         return tf.reduce_max(tf.stack(running))
 
@@ -228,7 +241,8 @@ def reduce_bucket(
                 "smp_tf can only all-reduce gradients of static shape across replicas; "
                 f"got shapes {[x.shape for x in dense]}."
             )
-        packed, total = _pack(dense, dtype, weight)
+        with tf.control_dependencies(plan.started()):
+            packed, total = _pack(dense, dtype, weight)
         key = instance_key("grad", site, partition, index, dtype.name, total)
         plan.add(Bucket(partition, device, key, dtype.name, total))
         summed = all_reduce_sum(packed, partition, device, key)
@@ -358,7 +372,7 @@ def sync_state(
     for (p, dtype), vs in sorted(by_key.items()):
         device = devices[p]
         sizes = [int(v.shape.num_elements()) for v in vs]
-        deps = [after[p]] if p in after else []
+        deps = ([after[p]] if p in after else []) + plan.started()
         with tf.device(device), tf.control_dependencies(deps):
             active = None if weight is None else tf.cast(tf.cast(weight, tf.bool), dtype)
             flat, total = _pack([v.read_value() for v in vs], tf.as_dtype(dtype), active)
@@ -389,7 +403,9 @@ def broadcast_variables(
         return
     by_key: Dict[Tuple[int, str], List[Any]] = {}
     for v, p in zip(variables, partition_of):
-        by_key.setdefault((p, v.dtype.name), []).append(v)
+        # Keras variables: their tf.Variable (what is read and assigned).
+        v = v if isinstance(v, tf.Variable) else getattr(v, "_value", v)
+        by_key.setdefault((p, tf.as_dtype(v.dtype).name), []).append(v)
     with tf.init_scope():
         for (p, dtype), vs in sorted(by_key.items()):
             device = devices[p]

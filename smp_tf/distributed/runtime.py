@@ -22,7 +22,7 @@ import re
 from dataclasses import dataclass
 from typing import Any, Optional, Tuple
 
-from smp_tf.distributed.cluster import ClusterInfo
+from smp_tf.distributed.cluster import EXIT_PORT_IN_USE, ClusterInfo
 
 logger = logging.getLogger("smp_tf")
 
@@ -30,10 +30,6 @@ __all__ = ["ProcessGroup", "start", "group", "EXIT_PORT_IN_USE", "JOB"]
 
 #: TensorFlow job name of the replicas.
 JOB = "worker"
-#: Exit code of a process whose server port is taken; `smp_tf.launch` then
-#: restarts every process on new ports.
-EXIT_PORT_IN_USE = 75
-
 _GROUP: Optional["ProcessGroup"] = None
 
 
@@ -283,6 +279,3 @@ def _check_same_config(group: ProcessGroup, config_json: str) -> None:
             )
     group.barrier(f"config/{generation}")
 
-
-def describe(group: Optional[ProcessGroup]) -> Any:
-    return None if group is None else {"rank": group.rank, "size": group.size, "addresses": group.addresses}

@@ -1,0 +1,39 @@
+"""The model, data and loss of the data-parallel tests, shared by the
+replicas (worker.py) and the single-process references (the tests)."""
+
+import keras
+import numpy as np
+import tensorflow as tf
+
+import smp_tf as smp
+
+#: Rows of one global batch; each of the 2 replicas takes half.
+GLOBAL_BATCH = 16
+LR = 0.1
+
+
+def build(seed: int) -> keras.Model:
+    keras.utils.set_random_seed(seed)
+    inp = keras.Input((16,))
+    h = inp
+    for i in range(3):
+        h = keras.layers.Dense(32, activation="relu", name=f"d{i}")(h)
+    return smp.DistributedModel(inp, keras.layers.Dense(4, name="head")(h))
+
+
+def loss(y, pred):
+    return tf.reduce_mean(tf.square(pred - y))
+
+
+def batches(n: int):
+    """n global batches (the same on every replica)."""
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(n, GLOBAL_BATCH, 16)).astype("float32")
+    y = rng.normal(size=(n, GLOBAL_BATCH, 4)).astype("float32")
+    return x, y
+
+
+def half(x, y, rank: int):
+    """Replica `rank`'s half of a global batch."""
+    b = GLOBAL_BATCH // 2
+    return x[rank * b:(rank + 1) * b], y[rank * b:(rank + 1) * b]

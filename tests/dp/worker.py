@@ -1,0 +1,136 @@
+"""One replica of the data-parallel tests (run in 2 processes by the tests).
+
+Usage: worker.py SCENARIO OUT_DIR. Every scenario trains the same small
+model on 2 partitions with 4 micro-batches, starting from weights that
+differ per rank (the initial broadcast must equalise them), and writes what
+the test compares to OUT_DIR/rank{r}.json.
+"""
+
+import json
+import os
+import signal
+import sys
+import time
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+os.environ.setdefault("TF_DETERMINISTIC_OPS", "1")
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
+
+import numpy as np  # noqa: E402
+
+import smp_tf as smp  # noqa: E402
+
+SCENARIO, OUT = sys.argv[1], sys.argv[2]
+CONFIG = {"partitions": 2, "microbatches": 4, "horovod": True, "dp_timeout": 8.0}
+if SCENARIO == "uneven_raise":
+    CONFIG["uneven_inputs"] = "raise"
+if SCENARIO == "uneven_fit":
+    CONFIG["shard_inputs"] = False
+smp.init(CONFIG)
+
+import keras  # noqa: E402
+import tensorflow as tf  # noqa: E402
+
+from tests.dp import common  # noqa: E402
+
+RANK = smp.rank()
+model = common.build(seed=100 + RANK)  # different per rank on purpose
+result = {"rank": RANK, "size": smp.size(), "dp_rank": smp.dp_rank(), "dp_size": smp.dp_size(),
+          "local_rank": smp.local_rank(), "mp_size": smp.mp_size(), "mp_rank": smp.mp_rank()}
+
+
+def train_function(optimizer):
+    @smp.step
+    def step(x, y):
+        with tf.GradientTape() as tape:
+            loss = common.loss(y, model(x, training=True))
+        return loss, tape.gradient(loss, model.trainable_variables)
+
+    @tf.function
+    def train(x, y):
+        loss, grads = step(x, y)
+        optimizer.apply_gradients(zip([g.accumulate() for g in grads], model.trainable_variables))
+        return loss.reduce_mean()
+
+    return train
+
+
+def finish():
+    result["weights"] = [v.numpy().tolist() for v in model.trainable_variables]
+    result["devices"] = sorted({v.value.device for v in model.variables})
+    with open(os.path.join(OUT, f"rank{RANK}.json"), "w") as f:
+        json.dump(result, f)
+
+
+if SCENARIO == "custom_loop":
+    train = train_function(keras.optimizers.SGD(common.LR))
+    x, y = common.batches(5)
+    result["losses"] = [float(train(*common.half(x[s], y[s], RANK))) for s in range(5)]
+    finish()
+
+elif SCENARIO in ("uneven", "uneven_raise"):
+    train = train_function(keras.optimizers.SGD(common.LR))
+    x, y = common.batches(7)
+    steps = 5 if RANK == 0 else 7
+    with smp.join() as joined:
+        for s in range(steps):
+            train(*common.half(x[s], y[s], RANK))
+    result["joined_steps"] = joined.joined_steps
+    finish()
+
+elif SCENARIO == "fit":
+    model.compile(optimizer=keras.optimizers.SGD(common.LR), loss=common.loss)
+    x, y = common.batches(5)
+    history = model.fit(x.reshape(-1, 16), y.reshape(-1, 4), batch_size=common.GLOBAL_BATCH, epochs=1,
+                        shuffle=False, verbose=0)
+    result["losses"] = history.history["loss"]
+    finish()
+
+elif SCENARIO == "uneven_fit":
+    model.compile(optimizer=keras.optimizers.SGD(common.LR), loss=common.loss)
+    x, y = common.batches(7)
+    steps = 5 if RANK == 0 else 7
+    mine = [common.half(x[s], y[s], RANK) for s in range(steps)]
+    xs = np.concatenate([a for a, _ in mine]); ys = np.concatenate([b for _, b in mine])
+    history = model.fit(xs, ys, batch_size=common.GLOBAL_BATCH // 2, epochs=1, shuffle=False, verbose=0)
+    result["losses"] = history.history["loss"]
+    finish()
+
+elif SCENARIO in ("killed", "stalled"):
+    train = train_function(keras.optimizers.SGD(common.LR))
+    x, y = common.batches(20)
+    start = time.monotonic()
+    try:
+        for s in range(20):
+            if s == 3 and RANK == 1:
+                if SCENARIO == "killed":
+                    os.kill(os.getpid(), signal.SIGKILL)
+                time.sleep(600)  # alive, but never joins step 4
+            train(*common.half(x[s], y[s], RANK))
+    except Exception as e:  # noqa: BLE001 - reported to the test
+        result["error"] = f"{type(e).__name__}: {e}"
+        result["seconds_after_stop"] = time.monotonic() - start
+        finish()
+        raise
+
+elif SCENARIO == "comm":
+    smp.barrier()
+    smp.dp_barrier()
+    smp.mp_barrier()
+    result["allgather"] = smp.allgather({"rank": RANK, "square": RANK * RANK})
+    if RANK == 0:
+        smp.broadcast({"from": 0, "payload": list(range(5))})
+        smp.send("to one", 1, smp.RankType.WORLD_RANK)
+        result["received"] = smp.recv_from(1, smp.RankType.DP_RANK)
+    else:
+        result["broadcast"] = smp.recv_from(0, smp.RankType.WORLD_RANK)
+        result["received"] = smp.recv_from(0)
+        smp.send(("back", RANK), 0, smp.RankType.DP_RANK)
+    smp.send("to myself", 0, smp.RankType.MP_RANK)
+    result["self"] = smp.recv_from(0, smp.RankType.MP_RANK)
+    smp.barrier(smp.CommGroup.WORLD)
+    finish()
+
+else:
+    raise SystemExit(f"unknown scenario {SCENARIO!r}")
+print(f"rank {RANK}: {SCENARIO} done", flush=True)

@@ -1,0 +1,244 @@
+"""Data parallelism across processes: 2 replicas x (2 partitions, 4 micro-batches).
+
+Each test starts 2 processes on 127.0.0.1 (tests/dp/worker.py, one scenario
+each), bounds every wait, and ends only the processes it started. The
+references are single-process runs in this process.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from typing import Dict, List, Optional
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import smp_tf as smp
+from tests.dp import common
+
+pytestmark = [pytest.mark.multiprocess, pytest.mark.xdist_group("data_parallel")]
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+WORKER = os.path.join(ROOT, "tests", "dp", "worker.py")
+RTOL = 1e-5
+ATOL = 1e-5
+
+
+def _free_ports(n: int) -> List[int]:
+    from smp_tf.distributed.cluster import pick_free_ports
+
+    return pick_free_ports(n, "127.0.0.1")
+
+
+def run_replicas(scenario: str, out, timeout: float = 180.0, wait_for: Optional[List[int]] = None,
+                 extra_env: Optional[Dict[str, str]] = None):
+    """Runs the 2 replicas of `scenario`; returns (exit codes, outputs, seconds).
+
+    Waits (bounded) for the ranks in `wait_for` (default: all), then ends
+    every process it started that is still running.
+    """
+    addresses = ",".join(f"127.0.0.1:{p}" for p in _free_ports(2))
+    procs = []
+    for r in range(2):
+        env = dict(os.environ, SMP_TF_RANK=str(r), SMP_TF_SIZE="2", SMP_TF_LOCAL_RANK=str(r),
+                   SMP_TF_LOCAL_SIZE="2", SMP_TF_ADDRESSES=addresses, PYTHONPATH=ROOT, **(extra_env or {}))
+        procs.append(subprocess.Popen([sys.executable, WORKER, scenario, str(out)], env=env, cwd=ROOT,
+                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+    start = time.monotonic()
+    codes: List[Optional[int]] = [None, None]
+    try:
+        for r in (wait_for if wait_for is not None else [0, 1]):
+            codes[r] = procs[r].wait(timeout=max(1.0, timeout - (time.monotonic() - start)))
+    finally:
+        seconds = time.monotonic() - start
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+        outputs = [p.communicate(timeout=30)[0] for p in procs]
+        codes = [p.returncode if c is None else c for p, c in zip(procs, codes)]
+    return codes, outputs, seconds
+
+
+def results(out) -> List[dict]:
+    return [json.load(open(os.path.join(out, f"rank{r}.json"))) for r in range(2)]
+
+
+def assert_same_weights(a, b, atol=0.0):
+    for u, v in zip(a, b):
+        np.testing.assert_allclose(np.array(u), np.array(v), rtol=0, atol=atol)
+
+
+# --------------------------------------------------------------------------
+# single-process references
+# --------------------------------------------------------------------------
+def reference(batches, epoch_loss_rows=None):
+    """One process on 2 partitions from rank 0's initial weights: a step per
+    batch (rows given), SGD. Returns (per-step losses, weights)."""
+    smp.init({"partitions": 2, "microbatches": 4})
+    model = common.build(seed=100)
+    optimizer = keras.optimizers.SGD(common.LR)
+
+    @smp.step
+    def step(x, y):
+        with tf.GradientTape() as tape:
+            loss = common.loss(y, model(x, training=True))
+        return loss, tape.gradient(loss, model.trainable_variables)
+
+    @tf.function
+    def train(x, y):
+        loss, grads = step(x, y)
+        optimizer.apply_gradients(zip([g.accumulate() for g in grads], model.trainable_variables))
+        return loss.reduce_mean()
+
+    losses = [float(train(x, y)) for x, y in batches]
+    return losses, [v.numpy() for v in model.trainable_variables]
+
+
+def test_custom_loop_matches_one_process_with_the_whole_batch(tmp_path):
+    codes, outputs, _ = run_replicas("custom_loop", tmp_path)
+    assert codes == [0, 0], outputs
+    a, b = results(tmp_path)
+    assert (a["rank"], a["size"], a["dp_rank"], a["dp_size"], a["mp_rank"], a["mp_size"]) == (0, 2, 0, 2, 0, 2)
+    assert (b["rank"], b["dp_rank"], b["local_rank"]) == (1, 1, 1)
+    # Each partition on its own device of its replica's process.
+    assert a["devices"] == [f"/job:worker/replica:0/task:0/device:CPU:{p}" for p in (0, 1)]
+    assert b["devices"] == [f"/job:worker/replica:0/task:1/device:CPU:{p}" for p in (0, 1)]
+    assert_same_weights(a["weights"], b["weights"])  # identical replicas
+    x, y = common.batches(5)
+    losses, weights = reference([(x[s], y[s]) for s in range(5)])
+    # Each replica's loss is the mean over its half; their mean is the whole batch's.
+    np.testing.assert_allclose(np.add(a["losses"], b["losses"]) / 2, losses, rtol=RTOL)
+    for w, r in zip(a["weights"], weights):
+        np.testing.assert_allclose(np.array(w), r, rtol=RTOL, atol=ATOL)
+
+
+def test_fit_with_sharded_global_batches_matches_one_process(tmp_path):
+    codes, outputs, _ = run_replicas("fit", tmp_path)
+    assert codes == [0, 0], outputs
+    a, b = results(tmp_path)
+    assert_same_weights(a["weights"], b["weights"])
+    assert a["losses"] == b["losses"]  # the epoch's logs describe the global data
+    smp.init({"partitions": 2, "microbatches": 4})
+    model = common.build(seed=100)
+    model.compile(optimizer=keras.optimizers.SGD(common.LR), loss=common.loss)
+    x, y = common.batches(5)
+    history = model.fit(x.reshape(-1, 16), y.reshape(-1, 4), batch_size=common.GLOBAL_BATCH, epochs=1,
+                        shuffle=False, verbose=0)
+    np.testing.assert_allclose(a["losses"], history.history["loss"], rtol=RTOL)
+    for w, v in zip(a["weights"], model.trainable_variables):
+        np.testing.assert_allclose(np.array(w), v.numpy(), rtol=RTOL, atol=ATOL)
+
+
+def _uneven_reference():
+    """Replica 0 has 5 batches, replica 1 has 7: 5 steps average both, the
+    last 2 are replica 1's alone."""
+    x, y = common.batches(7)
+    batches = [(x[s], y[s]) for s in range(5)] + [common.half(x[s], y[s], 1) for s in (5, 6)]
+    return reference(batches)
+
+
+def test_uneven_inputs_join_in_a_custom_loop(tmp_path):
+    codes, outputs, _ = run_replicas("uneven", tmp_path)
+    assert codes == [0, 0], outputs
+    a, b = results(tmp_path)
+    assert (a["joined_steps"], b["joined_steps"]) == (2, 0)
+    assert_same_weights(a["weights"], b["weights"])
+    _, weights = _uneven_reference()
+    for w, r in zip(a["weights"], weights):
+        np.testing.assert_allclose(np.array(w), r, rtol=RTOL, atol=ATOL)
+
+
+def test_uneven_inputs_join_in_fit(tmp_path):
+    codes, outputs, _ = run_replicas("uneven_fit", tmp_path)
+    assert codes == [0, 0], outputs
+    a, b = results(tmp_path)
+    assert_same_weights(a["weights"], b["weights"])
+    assert a["losses"] == b["losses"]
+    _, weights = _uneven_reference()
+    for w, r in zip(a["weights"], weights):
+        np.testing.assert_allclose(np.array(w), r, rtol=RTOL, atol=ATOL)
+
+
+def test_uneven_inputs_raise_on_every_replica(tmp_path):
+    codes, outputs, seconds = run_replicas("uneven_raise", tmp_path, timeout=120)
+    assert codes[0] != 0 and codes[1] != 0, outputs
+    assert "rank 0 ran out of data while 1 replica(s) still had data" in outputs[0]
+    assert "ran out of data" in outputs[1]
+    assert seconds < 120
+
+
+def test_a_killed_replica_stops_the_other_with_an_error_naming_it(tmp_path):
+    codes, outputs, seconds = run_replicas("killed", tmp_path, timeout=120, wait_for=[0])
+    assert codes[1] == -9 and codes[0] != 0, outputs
+    error = results_of_rank(tmp_path, 0)["error"]
+    assert "task:1" in error, error  # TensorFlow's name of rank 1
+    assert seconds < 90
+
+
+def test_a_stalled_replica_stops_the_other_within_the_timeout(tmp_path):
+    # Rank 1 stays alive but never starts step 4 (heartbeats keep coming):
+    # the watchdog of rank 0 stops it after dp_timeout (8 s).
+    codes, outputs, seconds = run_replicas("stalled", tmp_path, timeout=120, wait_for=[0])
+    assert codes[0] != 0, outputs
+    result = results_of_rank(tmp_path, 0)
+    assert "rank(s) [1] have not started it" in result["error"], result["error"][-2000:]
+    assert result["seconds_after_stop"] < 8.0 + 30.0
+    assert seconds < 90
+
+
+def results_of_rank(out, rank: int) -> dict:
+    return json.load(open(os.path.join(out, f"rank{rank}.json")))
+
+
+def test_comm_helpers(tmp_path):
+    codes, outputs, _ = run_replicas("comm", tmp_path)
+    assert codes == [0, 0], outputs
+    a, b = results(tmp_path)
+    assert a["allgather"] == b["allgather"] == [{"rank": 0, "square": 0}, {"rank": 1, "square": 1}]
+    assert b["broadcast"] == {"from": 0, "payload": [0, 1, 2, 3, 4]}
+    assert b["received"] == "to one" and a["received"] == ["back", 1]
+    assert a["self"] == b["self"] == "to myself"
+
+
+def test_launcher_runs_the_replicas(tmp_path):
+    proc = subprocess.run(
+        [sys.executable, "-m", "smp_tf.launch", "-n", "2", "--timeout", "170", WORKER, "custom_loop", str(tmp_path)],
+        cwd=ROOT, env=dict(os.environ, PYTHONPATH=ROOT), capture_output=True, text=True, timeout=200,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "[rank 0] rank 0: custom_loop done" in proc.stdout
+    assert "[rank 1] rank 1: custom_loop done" in proc.stdout
+    a, b = results(tmp_path)
+    assert_same_weights(a["weights"], b["weights"])
+
+
+def _init_in_subprocess(env: Dict[str, str]) -> subprocess.CompletedProcess:
+    code = "import smp_tf as smp; smp.init({'partitions': 2, 'horovod': True, 'dp_timeout': 10})"
+    return subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=dict(os.environ, PYTHONPATH=ROOT, **env),
+                          capture_output=True, text=True, timeout=120)
+
+
+def test_bad_cluster_environment_is_a_clear_error_before_training():
+    proc = _init_in_subprocess({"SMP_TF_RANK": "0", "SMP_TF_SIZE": "3", "SMP_TF_LOCAL_RANK": "0",
+                                "SMP_TF_LOCAL_SIZE": "3", "SMP_TF_ADDRESSES": "127.0.0.1:20001,127.0.0.1:20002"})
+    assert proc.returncode != 0
+    assert "SMP_TF_ADDRESSES" in proc.stderr and "3" in proc.stderr
+
+
+def test_port_in_use_is_a_clear_error():
+    port, other = _free_ports(2)
+    with socket.socket() as s:
+        s.bind(("", port))
+        s.listen()
+        proc = _init_in_subprocess({"SMP_TF_RANK": "0", "SMP_TF_SIZE": "2", "SMP_TF_LOCAL_RANK": "0",
+                                    "SMP_TF_LOCAL_SIZE": "2",
+                                    "SMP_TF_ADDRESSES": f"127.0.0.1:{port},127.0.0.1:{other}"})
+    assert proc.returncode != 0
+    assert f"cannot listen on 127.0.0.1:{port}: the port is in use" in proc.stderr, proc.stderr[-2000:]
