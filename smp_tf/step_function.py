@@ -345,6 +345,7 @@ class StepFunction:
             site=site,
             raise_if_uneven=raise_if_uneven,
             plan=plan,
+            after_pipeline=list(entry.last_ops.values()),
         )
         for k in members:
             flat[k]._replicas = (reducer, k)

@@ -16,6 +16,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 PIPELINE_BENCH = ROOT / "benchmarks" / "pipeline" / "bench.py"
 PARTITIONER_BENCH = ROOT / "benchmarks" / "partitioner" / "bench.py"
+DATA_PARALLEL_BENCH = ROOT / "benchmarks" / "data_parallel" / "bench.py"
 
 
 def _run(script: Path, timeout: int) -> str:
@@ -57,6 +58,14 @@ def test_partitioner_bench_quick_prints_a_table():
     out = _run(PARTITIONER_BENCH, timeout=1800)
     lines = [line for line in out.splitlines() if line.strip()]
     assert len(lines) >= 3, out
+
+
+@pytest.mark.benchmark
+def test_data_parallel_bench_quick_prints_the_table():
+    out = _run(DATA_PARALLEL_BENCH, timeout=900)
+    for case in ("all-reduce 1 MiB, 2 processes", "TCP copy 4 MiB", "1 replica: MLP",
+                 "2 replicas, 1 core each, all-reduce", "after the pipeline"):
+        assert case in out, case
 
 
 def _bench_module():

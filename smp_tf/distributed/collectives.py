@@ -57,6 +57,10 @@ __all__ = [
 GROUP_BASE = 1000
 #: Largest bucket of the gradient all-reduce (bytes).
 BUCKET_BYTES = 8 << 20
+#: A partition's gradient all-reduce starts as soon as that partition's
+#: gradients are accumulated (True), or after the whole pipeline (False: for
+#: measuring what the overlap gains, benchmarks/data_parallel).
+OVERLAP = True
 
 
 def group_key(partition: int) -> int:
@@ -285,8 +289,10 @@ class GradientReducer:
         site: str,
         raise_if_uneven: bool = False,
         plan: Optional[_Plan] = None,
+        after_pipeline: Sequence[Any] = (),
     ) -> None:
         self._local = local_values
+        self._after_pipeline = list(after_pipeline)
         self._site = site
         self._raise = raise_if_uneven
         self._devices = list(devices)
@@ -308,7 +314,8 @@ class GradientReducer:
         if k not in self._result:
             b = self._bucket_of[k]
             p, ks = self._buckets[b]
-            with tf.device(self._devices[p]):
+            deps = [] if OVERLAP else self._after_pipeline
+            with tf.device(self._devices[p]), tf.control_dependencies(deps):
                 locals_ = [self._local[m]() for m in ks]
             reduced = reduce_bucket(
                 locals_, p, self._devices[p], self._index_in_partition[b], self._site, self._plan,

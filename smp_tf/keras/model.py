@@ -190,7 +190,15 @@ class DistributedModel(keras.Model):
 
         def marked(*args, **kwargs):
             self.__dict__["_smp_tf_phase"] = phase
-            return function(*args, **kwargs)
+            try:
+                return function(*args, **kwargs)
+            except (tf.errors.UnavailableError, tf.errors.AbortedError, tf.errors.DeadlineExceededError) as e:
+                group = state.process_group() if state.is_initialized() else None
+                if group is None:
+                    raise
+                from smp_tf.distributed.runtime import raise_replica_error
+
+                raise_replica_error(e, group, f"a {phase} step")
 
         marked._smp_tf_phase = phase
         setattr(self, attribute, marked)
