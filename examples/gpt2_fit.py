@@ -7,8 +7,8 @@ a functional `smp.DistributedModel`, so `model.compile(...)` and
 `--microbatches` micro-batches that flow through `--partitions` pipeline
 stages, one per device (GPUs when TensorFlow sees enough of them, otherwise
 one logical CPU device per stage). After training the script prints the
-partition report and the schedule of the pipelined train step, and generates
-a few lines of "Python" greedily from a prompt.
+partition report and the schedule of the pipelined train step, where each
+layer's variables live, and a greedy continuation of a prompt.
 
 Run:
 
@@ -32,7 +32,11 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 import keras  # noqa: E402
-import keras_hub  # noqa: E402
+
+try:
+    import keras_hub
+except ImportError:  # not in the `examples` extra
+    raise SystemExit("This example needs keras_hub: pip install keras-hub") from None
 
 import smp_tf as smp  # noqa: E402
 
@@ -53,7 +57,7 @@ def parse_args():
     )
     parser.add_argument("--epochs", type=int, default=8)
     parser.add_argument(
-        "--max-bytes", type=int, default=250_000,
+        "--max-bytes", type=int, default=300_000,
         help="bytes of standard-library source to train and validate on",
     )
     parser.add_argument("--seq-len", type=int, default=64, help="tokens per training window")
@@ -61,7 +65,7 @@ def parse_args():
         "--batch-size", type=int, default=32,
         help="windows per batch; must be a multiple of --microbatches",
     )
-    parser.add_argument("--learning-rate", type=float, default=3e-3)
+    parser.add_argument("--learning-rate", type=float, default=5e-3, help="Adam learning rate")
     parser.add_argument("--prompt", default="def ", help="text to continue after training")
     parser.add_argument("--generate", type=int, default=40, help="tokens to generate")
     parser.add_argument("--seed", type=int, default=0)
@@ -128,8 +132,11 @@ def dataset(x, y, batch_size, shuffle):
 tokens, files = read_corpus(args.max_bytes)
 x_all, y_all = windows(tokens, args.seq_len)
 order = np.random.default_rng(args.seed).permutation(len(x_all))
-n_val = max(args.batch_size, len(x_all) // 10)  # 10% for validation, at least one batch
+# About 10% for validation, in whole batches (at least one).
+n_val = max(1, len(x_all) // 10 // args.batch_size) * args.batch_size
 val_idx, train_idx = order[:n_val], order[n_val:]
+if len(train_idx) < args.batch_size:
+    raise SystemExit(f"--max-bytes {args.max_bytes} gives fewer than one training batch; raise it.")
 train_ds = dataset(x_all[train_idx], y_all[train_idx], args.batch_size, shuffle=True)
 val_ds = dataset(x_all[val_idx], y_all[val_idx], args.batch_size, shuffle=False)
 
@@ -168,24 +175,57 @@ print(f"corpus: {len(tokens):,} tokens from {len(files)} stdlib modules "
 print(f"model: GPT-2, {model.count_params():,} parameters; batch size {args.batch_size} "
       f"({args.batch_size // args.microbatches} windows per micro-batch)\n")
 
-# 4. fit: Keras's own epoch loop, progress output and validation; each
-#    train and validation batch runs through the pipeline.
+
+class FirstBatchLoss(keras.callbacks.Callback):
+    """Keeps the loss of the first training batch (Keras's per-epoch loss is
+    the mean over the epoch, so it hides the starting point)."""
+
+    loss = None
+
+    def on_train_batch_end(self, batch, logs=None):
+        if self.loss is None:
+            self.loss = float(logs["loss"])
+
+
+# 4. fit: Keras's own epoch loop, progress output, callbacks and validation;
+#    each training and validation batch runs through the pipeline. An
+#    untrained model predicts about uniformly: a loss of ln(260) = 5.56.
+first_batch = FirstBatchLoss()
 start = time.perf_counter()
 # train_ds shuffles itself (shuffle=False only tells Keras not to warn).
-history = model.fit(train_ds, validation_data=val_ds, epochs=args.epochs, shuffle=False, verbose=2)
+history = model.fit(
+    train_ds, validation_data=val_ds, epochs=args.epochs, shuffle=False,
+    callbacks=[first_batch], verbose=2,
+)
 train_seconds = time.perf_counter() - start
 losses = history.history["loss"]
 val_losses = history.history["val_loss"]
-print(f"\nloss: {losses[0]:.3f} -> {losses[-1]:.3f}, validation loss: "
-      f"{val_losses[0]:.3f} -> {val_losses[-1]:.3f} ({args.epochs} epochs, {train_seconds:.0f} s)")
+print(f"\nloss: {first_batch.loss:.3f} (first batch) -> {losses[-1]:.3f} (last epoch), "
+      f"validation loss {val_losses[-1]:.3f} ({args.epochs} epochs, {train_seconds:.0f} s)")
 
 # 5. The pipelined train step that fit ran: how the traced micro-batch step
 #    (forward, loss and gradients) was split across the devices, and which
 #    device ran which micro-batch in each clock cycle.
-train_step = model._pipelined_steps().train
+train_step = model.step_functions.train
 print("\n" + train_step.last_plan.report())
 print(f"\nSchedule ({train_step.schedule.kind}, one column per clock cycle):")
 print(train_step.schedule)
+
+
+def short_device(name):
+    """'/job:localhost/replica:0/task:0/device:CPU:1' -> 'CPU:1'."""
+    spec = tf.DeviceSpec.from_string(name)
+    return f"{spec.device_type}:{spec.device_index}"
+
+
+# Each variable lives on the device of its partition. The token embedding is
+# one variable used twice (the input lookup and the output logits); it lives
+# on one device like any other.
+print("\nWhere each layer's variables live:")
+for layer in backbone.layers:
+    where = sorted({short_device(v.value.device) for v in layer.weights})
+    if where:
+        print(f"  {layer.name:<20} {', '.join(where)}")
 
 
 # 6. Greedy generation. Outside fit, calling the model runs it as a plain

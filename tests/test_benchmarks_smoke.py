@@ -17,6 +17,7 @@ ROOT = Path(__file__).resolve().parents[1]
 PIPELINE_BENCH = ROOT / "benchmarks" / "pipeline" / "bench.py"
 PARTITIONER_BENCH = ROOT / "benchmarks" / "partitioner" / "bench.py"
 DATA_PARALLEL_BENCH = ROOT / "benchmarks" / "data_parallel" / "bench.py"
+KERAS_FIT_BENCH = ROOT / "benchmarks" / "keras_fit" / "bench.py"
 
 
 def _run(script: Path, timeout: int) -> str:
@@ -66,6 +67,18 @@ def test_data_parallel_bench_quick_prints_the_table():
     for case in ("all-reduce 1 MiB, 2 processes", "TCP copy 4 MiB", "1 replica: MLP",
                  "2 replicas, 1 core each, all-reduce", "after the pipeline"):
         assert case in out, case
+
+
+@pytest.mark.benchmark
+def test_keras_fit_bench_quick_prints_the_table():
+    out = _run(KERAS_FIT_BENCH, timeout=900)
+    assert "smp_tf Keras fit benchmark (quick)" in out
+    header = next(line for line in out.splitlines() if line.startswith("case"))
+    for column in ("samples/s", "time/keras", "vs P=1 same M", "bound", "sim bound", "eff", "target", "result"):
+        assert column in header, column
+    for case in ("plain Keras", "smp_p2_m4_simple", "smp_p2_m4_interleaved"):
+        assert case in out, case
+    assert "P=1 overhead target" in out and "NOT MEASURED" not in out
 
 
 def _bench_module():
