@@ -13,8 +13,9 @@ Prints one table; every figure in it is measured by this invocation:
     over (a) and over (b) with the same micro-batches, the bound of the
     schedule P*M/(M+P-1) and the bubble of smp_tf's own schedule simulation.
 
-Each figure is the median samples/s over the epochs of one ``fit`` after its
-first epoch (tracing, partitioning, graph optimisation). `smp.init` must be
+Each figure is the median samples/s over the epochs of a ``fit`` after its
+first epoch (tracing, partitioning, graph optimisation), pooled over
+``--rounds`` round-robin runs of all cases. `smp.init` must be
 the first TensorFlow call of a process and TensorFlow's devices and thread
 pools cannot change afterwards, so every configuration runs in a fresh
 subprocess of this script (``--case JSON``), pinned before TensorFlow starts
@@ -49,6 +50,9 @@ _MARK = "@@SMP_KERAS_FIT_RESULT@@"
 INTRA_OP_THREADS = 1
 INTER_OP_THREADS = 2
 OVERHEAD_TARGET = 1.05  # time per sample, smp P=1 M=1 / plain Keras
+# Below this fraction of the time busy (process CPU time / wall time), a
+# one-core case shared its core with another load.
+BUSY_MIN = 0.95
 P = 2
 ONE_DEVICE_MICROBATCHES = (1, 4, 8)
 PIPELINE_MICROBATCHES = (4, 8)
@@ -62,17 +66,23 @@ SCHEDULES = ("simple", "interleaved")
 def sizes(quick: bool) -> dict:
     """Problem sizes: `batches` per epoch, `epochs` timed after the first."""
     if quick:
-        return dict(layers=4, width=128, batch=64, batches=4, epochs=2)
-    return dict(layers=8, width=1024, batch=256, batches=8, epochs=5)
+        return dict(layers=4, width=64, batch=32, batches=2, epochs=1)
+    return dict(layers=8, width=1024, batch=256, batches=5, epochs=3)
 
 
-def cases() -> list:
-    """The configurations, in the order they run (one subprocess each)."""
+def cases(quick: bool = False) -> list:
+    """The configurations, in the order they run (one subprocess each).
+
+    --quick leaves out M=8 (the same code paths as M=4), to stay within a
+    minute: most of a quick case is starting TensorFlow.
+    """
+    one_device = ONE_DEVICE_MICROBATCHES[:2] if quick else ONE_DEVICE_MICROBATCHES
+    pipelined = PIPELINE_MICROBATCHES[:1] if quick else PIPELINE_MICROBATCHES
     out = [dict(name="keras", kind="keras", partitions=1, microbatches=1, schedule="", cpus=1)]
-    for m in ONE_DEVICE_MICROBATCHES:
+    for m in one_device:
         out.append(dict(name=f"smp_p1_m{m}", kind="smp", partitions=1, microbatches=m,
                         schedule="interleaved", cpus=1))
-    for m in PIPELINE_MICROBATCHES:
+    for m in pipelined:
         for sched in SCHEDULES:
             out.append(dict(name=f"smp_p{P}_m{m}_{sched}", kind="smp", partitions=P, microbatches=m,
                             schedule=sched, cpus=P))
@@ -208,7 +218,21 @@ def run_case(spec: dict, quick: bool, pin: bool) -> dict:
 
     timer = EpochTimer()
     t0 = time.perf_counter()
-    hist = model.fit(x, y, batch_size=B, epochs=1 + s["epochs"], shuffle=False, verbose=0, callbacks=[timer])
+    if spec.get("input", "dataset") == "numpy":
+        # Keras's own array path: it builds a tf.data pipeline with
+        # autotuned prefetching, which on one pinned core leaves the core
+        # idle for a large part of each epoch (see README).
+        data = dict(x=x, y=y, batch_size=B)
+    else:
+        # Pre-batched, with tf.data's autotuning off: the timing is the
+        # train step's, not the input pipeline's idling.
+        options = tf.data.Options()
+        options.autotune.enabled = False
+        # drop_remainder gives the batch a static size, as Keras's array
+        # path does here (n is a multiple of B: no row is dropped).
+        data = dict(x=tf.data.Dataset.from_tensor_slices((x, y)).batch(B, drop_remainder=True)
+                    .with_options(options))
+    hist = model.fit(**data, epochs=1 + s["epochs"], shuffle=False, verbose=0, callbacks=[timer])
     fit_s = time.perf_counter() - t0
 
     wall, cpu = timer.wall[1:], timer.cpu[1:]
@@ -260,12 +284,37 @@ def launch(spec: dict, args) -> dict:
     return {"spec": spec, "error": f"exit code {proc.returncode}\n{tail}", "seconds": seconds}
 
 
+def merge_rounds(runs: list) -> dict:
+    """One case's per-round results as one: the timed epochs of all rounds
+    pooled (samples/s from their median), the first epoch's median."""
+    failed = [r for r in runs if "error" in r]
+    if failed:
+        return failed[0]
+    out = dict(runs[0])
+    n = out["samples_per_epoch"]
+    wall = [w for r in runs for w in r["epoch_wall"]]
+    cpu = [c for r in runs for c in r["epoch_cpu"]]
+    out.update(
+        epoch_wall=wall,
+        epoch_cpu=cpu,
+        samples_per_s=n / statistics.median(wall),
+        cpu_s_per_sample=statistics.median(cpu) / n,
+        busy=statistics.median(c / w for c, w in zip(cpu, wall)),
+        first_epoch_s=statistics.median(r["first_epoch_s"] for r in runs),
+        round_samples_per_s=[r["samples_per_s"] for r in runs],
+        traced_batch_dims=[d for r in runs for d in r["traced_batch_dims"]],
+        pinned=None if out["pinned"] is None else all(r["pinned"] for r in runs),
+        seconds=sum(r["seconds"] for r in runs),
+    )
+    return out
+
+
 def _f(x, fmt="{:.3f}"):
     return "" if x is None else fmt.format(x)
 
 
 def build_table(results: list, args, seconds: float) -> str:
-    cols = ["case", "partitions", "microbatches", "schedule", "cores", "samples/s", "ms/batch", "busy",
+    cols = ["case", "partitions", "microbatches", "schedule", "cores", "samples/s", "ms/batch", "cpu ms/batch", "busy",
             "time/keras", "vs keras", "vs P=1 same M", "bound", "sim bound", "eff", "1st epoch", "target", "result"]
     by = {r["spec"]["name"]: r for r in results}
     ok = {k: r for k, r in by.items() if "error" not in r}
@@ -301,12 +350,13 @@ def build_table(results: list, args, seconds: float) -> str:
             if time_ratio is not None:
                 result = verdict = "PASS" if time_ratio <= OVERHEAD_TARGET else "FAIL"
         rows.append([label, str(spec["partitions"]), str(spec["microbatches"]), spec["schedule"] or "-",
-                     str(spec["cpus"]), f"{sps:.1f}", f"{1e3 * batch / sps:.1f}", _f(r["busy"], "{:.2f}"),
+                     str(spec["cpus"]), f"{sps:.1f}", f"{1e3 * batch / sps:.1f}",
+                     f"{1e3 * batch * r['cpu_s_per_sample']:.1f}", _f(r["busy"], "{:.2f}"),
                      _f(time_ratio), _f(speedup), _f(vs_same_m), _f(bound), _f(sim_bound), _f(eff),
                      f"{r['first_epoch_s']:.2f} s", target, result])
 
     widths = [max(len(c), *(len(r[i]) for r in rows)) for i, c in enumerate(cols)]
-    left = {0, 3, 15, 16}
+    left = {0, 3, len(cols) - 2, len(cols) - 1}
 
     def fmt(r):
         return "  ".join(v.ljust(widths[i]) if i in left else v.rjust(widths[i]) for i, v in enumerate(r)).rstrip()
@@ -317,7 +367,10 @@ def build_table(results: list, args, seconds: float) -> str:
     head = [
         f"smp_tf Keras fit benchmark ({mode}): MLP {s['layers']}x Dense({s['width']}) on {s['width']} features, "
         f"batch {s['batch']}, {s['batches']} batches per epoch, SGD, MSE; "
-        f"samples/s = median over {s['epochs']} epochs after the first",
+        f"samples/s = median over {args.rounds} x {s['epochs']} epochs ({args.rounds} fit(s) per case, "
+        "each fit's first epoch excluded)",
+        "input: " + ("numpy arrays with batch_size (Keras's input pipeline, autotuned prefetching)"
+                     if args.input == "numpy" else "pre-batched tf.data.Dataset, tf.data autotuning off"),
         f"python {platform.python_version()}, {_versions()}, {os.cpu_count()} CPUs visible; "
         f"run took {seconds:.0f} s",
         "",
@@ -329,7 +382,16 @@ def build_table(results: list, args, seconds: float) -> str:
         threads = {tuple(r["threads"]) for r in ok.values()}
         pins = sorted({(r["spec"]["cpus"], str(r["cpus"]), r["pinned"]) for r in ok.values()})
         notes.append(f"batch dimension seen by train_step at tracing: {', '.join(sorted(dims))} "
-                     "(static: no tf.cond between the M- and the 1-micro-batch pipeline)")
+                     + ("(static: no tf.cond between the M- and the 1-micro-batch pipeline)" if "None" not in dims
+                        else "(None: known at run time only, train_step holds a tf.cond between the M- and the "
+                             "1-micro-batch pipeline)"))
+        if ref:
+            # The same data, seed and model: every case should train alike
+            # (M=1 exactly, M>1 up to the order of the float sums).
+            last = ref["loss"][-1]
+            diff = max(abs(r["loss"][-1] - last) / abs(last) for r in ok.values())
+            notes.append(f"loss after the last epoch: plain Keras {last:.6g}; largest relative difference of a case "
+                         f"to it {diff:.1e}")
         notes.append("intra-op/inter-op threads: " + ", ".join(f"{a}/{b}" for a, b in sorted(threads)))
         notes.append("pinning: " + "; ".join(
             f"{n}-core cases on CPUs {c}" + ("" if p else " (NOT all threads pinned)") if c != "None"
@@ -337,12 +399,23 @@ def build_table(results: list, args, seconds: float) -> str:
         plan = next((r.get("plan") for r in ok.values() if r["spec"]["partitions"] > 1 and r.get("plan")), None)
         if plan:
             notes.append("partition of the MLP (P=2):\n  " + plan.replace("\n", "\n  "))
+    # On a shared machine another process takes time from the pinned core:
+    # a one-core case then keeps its core busy well under 100% of the time.
+    stolen = [k for k, r in ok.items() if r["spec"]["cpus"] == 1 and r["busy"] < BUSY_MIN]
+    if stolen and not args.no_pin and not args.quick:
+        notes.append(f"WARNING: one-core case(s) {', '.join(stolen)} kept the core busy less than {BUSY_MIN:.0%} of "
+                     "the time (busy): another load shared the core or the input pipeline left it idle (--input "
+                     "numpy does on one core), their samples/s are too low and so is every "
+                     "ratio against them. Run again on a quiet machine.")
     if verdict is None:
         notes.append("P=1 overhead target: NOT MEASURED")
     else:
         r = by["smp_p1_m1"]
         notes.append(f"P=1 overhead target (smp fit P=1 M=1 time per sample <= {OVERHEAD_TARGET}x plain Keras): "
-                     f"{verdict} ({ref['samples_per_s'] / r['samples_per_s']:.3f}x)")
+                     f"{verdict} ({ref['samples_per_s'] / r['samples_per_s']:.3f}x; process CPU time per sample "
+                     f"{r['cpu_s_per_sample'] / ref['cpu_s_per_sample']:.3f}x; samples/s per round: plain Keras "
+                     f"{', '.join(f'{v:.1f}' for v in ref['round_samples_per_s'])}, smp "
+                     f"{', '.join(f'{v:.1f}' for v in r['round_samples_per_s'])})")
     return "\n".join(head + [fmt(r) for r in rows] + [""] + notes)
 
 
@@ -358,12 +431,21 @@ def _versions() -> str:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="tiny sizes, 2 timed epochs (smoke test; figures mean nothing)")
+    ap.add_argument("--rounds", type=int, default=None,
+                    help="run every case this many times, round-robin, pooling the epochs (default 2; --quick 1)")
+    ap.add_argument("--input", choices=("dataset", "numpy"), default="dataset",
+                    help="feed fit a pre-batched tf.data.Dataset with autotuning off (default) or numpy arrays "
+                         "with batch_size (Keras's own input pipeline)")
     ap.add_argument("--no-pin", action="store_true", help="do not restrict the subprocesses to one/two CPUs")
     ap.add_argument("--only", metavar="NAME", action="append",
                     help="run only this case (repeatable; names: " + ", ".join(c["name"] for c in cases()) + ")")
     ap.add_argument("--json", metavar="FILE", help="also write the raw results (every epoch) to FILE")
     ap.add_argument("--case", metavar="JSON", help=argparse.SUPPRESS)  # internal: run one case, print JSON
     args = ap.parse_args(argv)
+    if args.rounds is None:
+        args.rounds = 1 if args.quick else 2
+    if args.rounds < 1:
+        ap.error("--rounds must be >= 1")
 
     if args.case:
         result = run_case(json.loads(args.case), args.quick, not args.no_pin)
@@ -371,25 +453,29 @@ def main(argv=None) -> int:
         sys.stdout.flush()
         return 0
 
-    todo = cases()
+    todo = cases(args.quick)
     if args.only:
-        unknown = set(args.only) - {c["name"] for c in todo}
+        unknown = set(args.only) - {c["name"] for c in cases()}
         if unknown:
             ap.error(f"unknown case(s): {', '.join(sorted(unknown))}")
-        todo = [c for c in todo if c["name"] in args.only]
+        todo = [c for c in cases() if c["name"] in args.only]
     if not args.no_pin and choose_cpus(max(c["cpus"] for c in todo)) is None:
         print("[bench] cannot pin (no sched_setaffinity or too few CPUs); running unpinned", file=sys.stderr)
         args.no_pin = True
-    t0 = time.perf_counter()
-    results = []
     for spec in todo:
-        print(f"[bench] {spec['name']} ...", file=sys.stderr, flush=True)
-        results.append(launch(spec, args))
-        print(f"[bench] {spec['name']} done in {results[-1]['seconds']:.1f} s", file=sys.stderr, flush=True)
+        spec["input"] = args.input
+    t0 = time.perf_counter()
+    runs = {spec["name"]: [] for spec in todo}
+    for rnd in range(args.rounds):  # round-robin: a drift of the machine hits every case alike
+        for spec in todo:
+            print(f"[bench] round {rnd + 1}/{args.rounds}: {spec['name']} ...", file=sys.stderr, flush=True)
+            runs[spec["name"]].append(launch(spec, args))
+            print(f"[bench]   done in {runs[spec['name']][-1]['seconds']:.1f} s", file=sys.stderr, flush=True)
     seconds = time.perf_counter() - t0
+    results = [merge_rounds(runs[spec["name"]]) for spec in todo]
     if args.json:
         with open(args.json, "w") as f:
-            json.dump(results, f, indent=1)
+            json.dump({"rounds": runs, "merged": results}, f, indent=1)
     print(build_table(results, args, seconds))
     return 1 if any("error" in r for r in results) else 0
 
