@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -169,7 +170,9 @@ def test_uneven_inputs_join_in_fit(tmp_path):
 def test_uneven_inputs_raise_on_every_replica(tmp_path):
     codes, outputs, seconds = run_replicas("uneven_raise", tmp_path, timeout=120)
     assert codes[0] != 0 and codes[1] != 0, outputs
-    assert "rank 0 ran out of data while 1 replica(s) still had data" in outputs[0]
+    # Rank 0 counts the replicas still running, unless rank 1's check
+    # stopped the collectives first: then it cannot count them.
+    assert re.search(r"rank 0 ran out of data while (1|other) replica\(s\) still had data", outputs[0]), outputs[0]
     assert "ran out of data" in outputs[1]
     assert seconds < 120
 

@@ -27,6 +27,8 @@ import itertools
 import logging
 from typing import Any, Callable, List, Optional, Sequence, Tuple
 
+import tensorflow as tf
+
 from smp_tf import state
 from smp_tf.distributed import collectives
 from smp_tf.distributed.runtime import ReplicaError
@@ -73,6 +75,14 @@ def _partition_of(variable: Any, devices: Sequence[str]) -> int:
     return 0
 
 
+def _uneven_message(rank: int, running: str) -> str:
+    return (
+        f"smp_tf: rank {rank} ran out of data while {running} replica(s) still had data (uneven inputs, "
+        "and uneven_inputs='raise'). Give every replica the same number of batches, or use "
+        "uneven_inputs='join'."
+    )
+
+
 def finish_uneven(raise_if_uneven: bool, variables: Optional[Callable[[], List[Any]]] = None) -> int:
     """Joins the other replicas' remaining steps, then equalises the variables.
 
@@ -99,15 +109,19 @@ def finish_uneven(raise_if_uneven: bool, variables: Optional[Callable[[], List[A
     if plan:
         shadow = collectives.replay(plan)
         while True:
-            running = float(shadow())
+            try:
+                running = float(shadow())
+            except tf.errors.OpError as e:
+                if not raise_if_uneven:
+                    raise
+                # A replica that still had data ran its step, saw that this
+                # one contributed nothing and stopped the collectives before
+                # this replica's shadow step finished: the same situation.
+                raise ReplicaError(_uneven_message(group.rank, "other")) from e
             if running == 0:
                 break
             if raise_if_uneven:
-                message = (
-                    f"smp_tf: rank {group.rank} ran out of data while {int(running)} replica(s) still had "
-                    "data (uneven inputs, and uneven_inputs='raise'). Give every replica the same number "
-                    "of batches, or use uneven_inputs='join'."
-                )
+                message = _uneven_message(group.rank, str(int(running)))
                 group.report_error(message)
                 raise ReplicaError(message)
             joined += 1
