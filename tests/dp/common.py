@@ -37,3 +37,23 @@ def half(x, y, rank: int):
     """Replica `rank`'s half of a global batch."""
     b = GLOBAL_BATCH // 2
     return x[rank * b:(rank + 1) * b], y[rank * b:(rank + 1) * b]
+
+
+def train_function(model, optimizer):
+    """The custom-loop training step of the tests: a `smp.step` for one
+    micro-batch, the accumulated (micro-batch and replica averaged)
+    gradients applied after it; returns this process's mean loss."""
+
+    @smp.step
+    def step(x, y):
+        with tf.GradientTape() as tape:
+            batch_loss = loss(y, model(x, training=True))
+        return batch_loss, tape.gradient(batch_loss, model.trainable_variables)
+
+    @tf.function
+    def train(x, y):
+        batch_loss, grads = step(x, y)
+        optimizer.apply_gradients(zip([g.accumulate() for g in grads], model.trainable_variables))
+        return batch_loss.reduce_mean()
+
+    return train

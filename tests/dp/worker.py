@@ -40,19 +40,7 @@ result = {"rank": RANK, "size": smp.size(), "dp_rank": smp.dp_rank(), "dp_size":
 
 
 def train_function(optimizer):
-    @smp.step
-    def step(x, y):
-        with tf.GradientTape() as tape:
-            loss = common.loss(y, model(x, training=True))
-        return loss, tape.gradient(loss, model.trainable_variables)
-
-    @tf.function
-    def train(x, y):
-        loss, grads = step(x, y)
-        optimizer.apply_gradients(zip([g.accumulate() for g in grads], model.trainable_variables))
-        return loss.reduce_mean()
-
-    return train
+    return common.train_function(model, optimizer)
 
 
 def finish():
