@@ -243,7 +243,7 @@ def main() -> None:
                  f"{one['step'] * 1e3:.1f} ms", "", "1.00"))
     rows.append(("(c)", f"2 replicas, 1 core each, all-reduce {gib:.1f} MiB overlapping the pipeline",
                  f"{two['step'] * 1e3:.1f} ms", "", f"{two['step'] / one['step']:.2f}"))
-    rows.append(("(c)", f"2 replicas, 1 core each, all-reduce after the pipeline",
+    rows.append(("(c)", "2 replicas, 1 core each, all-reduce after the pipeline",
                  f"{two_serial['step'] * 1e3:.1f} ms", "", f"{two_serial['step'] / one['step']:.2f}"))
     header = ("part", "case", "median time", "bandwidth", "ratio")
     widths = [max(len(str(r[i])) for r in rows + [header]) for i in range(len(header))]

@@ -44,6 +44,8 @@ ROOT = Path(__file__).resolve().parents[2]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+from benchmarks.machine import choose_cpus, pin_all_threads, threads_pinned, versions  # noqa: E402
+
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 _MARK = "@@SMP_KERAS_FIT_RESULT@@"
@@ -90,57 +92,6 @@ def cases(quick: bool = False) -> list:
 
 
 # ---------------------------------------------------------------------------
-# CPU pinning (Linux): the subprocess restricts its main thread before
-# TensorFlow starts, so every thread TensorFlow (and tf.data) creates inherits
-# the mask; every thread is checked again after the run.
-
-
-def _physical_core(cpu: int):
-    base = f"/sys/devices/system/cpu/cpu{cpu}/topology/"
-    try:
-        with open(base + "physical_package_id") as f:
-            pkg = f.read().strip()
-        with open(base + "core_id") as f:
-            core = f.read().strip()
-        return (pkg, core)
-    except OSError:
-        return ("?", str(cpu))
-
-
-def choose_cpus(n: int):
-    """`n` CPUs this process may use, on distinct physical cores when possible."""
-    if not hasattr(os, "sched_getaffinity"):
-        return None
-    allowed = sorted(os.sched_getaffinity(0))
-    chosen, cores = [], set()
-    for cpu in allowed:  # one CPU per physical core first
-        core = _physical_core(cpu)
-        if core not in cores:
-            cores.add(core)
-            chosen.append(cpu)
-    chosen += [cpu for cpu in allowed if cpu not in chosen]  # then SMT siblings
-    return chosen[:n] if len(chosen) >= n else None
-
-
-def _pin_all_threads(cpus) -> None:
-    for tid in os.listdir("/proc/self/task"):
-        try:
-            os.sched_setaffinity(int(tid), cpus)
-        except OSError:  # a thread that ended meanwhile
-            pass
-
-
-def _threads_pinned(cpus) -> bool:
-    ok = True
-    for tid in os.listdir("/proc/self/task"):
-        try:
-            ok &= os.sched_getaffinity(int(tid)) == set(cpus)
-        except OSError:
-            pass
-    return ok
-
-
-# ---------------------------------------------------------------------------
 # One configuration (runs in a subprocess; TensorFlow is imported here only)
 
 
@@ -171,6 +122,9 @@ def mlp_class(keras, base):
 
 
 def run_case(spec: dict, quick: bool, pin: bool) -> dict:
+    # CPU pinning (Linux): the main thread is restricted before TensorFlow
+    # starts, so every thread TensorFlow (and tf.data) creates inherits the
+    # mask; every thread is checked again after the run.
     cpus = choose_cpus(spec["cpus"]) if pin else None
     if cpus is not None:
         os.sched_setaffinity(0, cpus)  # before TensorFlow creates any thread
@@ -209,7 +163,7 @@ def run_case(spec: dict, quick: bool, pin: bool) -> dict:
 
         def on_epoch_begin(self, epoch, logs=None):
             if cpus is not None:
-                _pin_all_threads(cpus)  # no thread escapes the mask
+                pin_all_threads(cpus)  # no thread escapes the mask
             self._t, self._c = time.perf_counter(), time.process_time()
 
         def on_epoch_end(self, epoch, logs=None):
@@ -248,7 +202,7 @@ def run_case(spec: dict, quick: bool, pin: bool) -> dict:
         "loss": [float(v) for v in hist.history["loss"]],
         "traced_batch_dims": model.traced_batch_dims,
         "cpus": cpus,
-        "pinned": None if cpus is None else _threads_pinned(cpus),
+        "pinned": None if cpus is None else threads_pinned(cpus),
         "threads": [tf.config.threading.get_intra_op_parallelism_threads(),
                     tf.config.threading.get_inter_op_parallelism_threads()],
         "sizes": {"layers": L, "width": W, "batch": B, "batches": s["batches"], "epochs": s["epochs"]},
@@ -371,7 +325,7 @@ def build_table(results: list, args, seconds: float) -> str:
         "each fit's first epoch excluded)",
         "input: " + ("numpy arrays with batch_size (Keras's input pipeline, autotuned prefetching)"
                      if args.input == "numpy" else "pre-batched tf.data.Dataset, tf.data autotuning off"),
-        f"python {platform.python_version()}, {_versions()}, {os.cpu_count()} CPUs visible; "
+        f"python {platform.python_version()}, {versions()}, {os.cpu_count()} CPUs visible; "
         f"run took {seconds:.0f} s",
         "",
         fmt(cols),
@@ -417,15 +371,6 @@ def build_table(results: list, args, seconds: float) -> str:
                      f"{', '.join(f'{v:.1f}' for v in ref['round_samples_per_s'])}, smp "
                      f"{', '.join(f'{v:.1f}' for v in r['round_samples_per_s'])})")
     return "\n".join(head + [fmt(r) for r in rows] + [""] + notes)
-
-
-def _versions() -> str:
-    try:
-        from importlib.metadata import version
-
-        return f"tensorflow {version('tensorflow')}, keras {version('keras')}"
-    except Exception:  # pragma: no cover
-        return ""
 
 
 def main(argv=None) -> int:

@@ -48,6 +48,8 @@ ROOT = Path(__file__).resolve().parents[2]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+from benchmarks.machine import choose_cpus, pin_all_threads, versions  # noqa: E402
+
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 _MARK = "@@SMP_BENCH_RESULT@@"
@@ -96,35 +98,6 @@ def sizes(quick: bool) -> dict:
 # starts its pools and every existing thread is re-pinned per measurement.
 
 
-def _physical_core(cpu: int):
-    base = f"/sys/devices/system/cpu/cpu{cpu}/topology/"
-    try:
-        with open(base + "physical_package_id") as f:
-            pkg = f.read().strip()
-        with open(base + "core_id") as f:
-            core = f.read().strip()
-        return (pkg, core)
-    except OSError:
-        return ("?", str(cpu))
-
-
-def choose_cpus(n: int):
-    """`n` CPUs this process may use, on distinct physical cores when possible."""
-    if not hasattr(os, "sched_getaffinity"):
-        return None
-    allowed = sorted(os.sched_getaffinity(0))
-    chosen, cores = [], set()
-    for cpu in allowed:  # one CPU per physical core first
-        core = _physical_core(cpu)
-        if core not in cores:
-            cores.add(core)
-            chosen.append(cpu)
-    for cpu in allowed:  # then SMT siblings if there are too few cores
-        if cpu not in chosen:
-            chosen.append(cpu)
-    return chosen[:n] if len(chosen) >= n else None
-
-
 class Pinning:
     """Restricts all threads of the process to one or two CPUs."""
 
@@ -146,12 +119,7 @@ class Pinning:
     def set(self, ncpus: int) -> None:
         if not self.enabled:
             return
-        cpus = set(self.cpus[:ncpus])
-        for tid in os.listdir("/proc/self/task"):
-            try:
-                os.sched_setaffinity(int(tid), cpus)
-            except OSError:  # a thread that ended meanwhile
-                pass
+        pin_all_threads(self.cpus[:ncpus])
 
 
 # ---------------------------------------------------------------------------
@@ -775,7 +743,7 @@ def build_table(res: dict, args) -> str:
     head = [
         f"smp_tf pipeline benchmark ({mode}): medians of {args.repeats} timed steps after {args.warmup} warm-up steps "
         f"(first call: median of {args.firstcall_repeats} fresh models)",
-        f"python {platform.python_version()}, {_versions()}, {os.cpu_count()} CPUs visible",
+        f"python {platform.python_version()}, {versions()}, {os.cpu_count()} CPUs visible",
         "",
         fmt(cols),
         fmt(["-" * w for w in widths]),
@@ -785,26 +753,6 @@ def build_table(res: dict, args) -> str:
     out.append("")
     out.append(f"overall: {overall} ({verdicts.count('PASS')} of {len(verdicts)} targets met)")
     return "\n".join(out)
-
-
-def _versions() -> str:
-    try:
-        from importlib.metadata import version
-
-        tfv = next((version(p) for p in ("tensorflow-cpu", "tensorflow") if _has(p)), "?")
-        return f"tensorflow {tfv}, keras {version('keras')}"
-    except Exception:  # pragma: no cover
-        return ""
-
-
-def _has(dist: str) -> bool:
-    from importlib.metadata import PackageNotFoundError, version
-
-    try:
-        version(dist)
-        return True
-    except PackageNotFoundError:
-        return False
 
 
 def main(argv=None) -> int:
