@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import smp_tf._autograph  # noqa: F401  (keeps AutoGraph out of smp_tf)
 
-from typing import Any, List
+from typing import Any, List, Tuple
 
 import keras
 import tensorflow as tf
@@ -27,6 +27,18 @@ from smp_tf.keras import data_parallel
 from smp_tf.keras.steps import PipelinedSteps, loss_scale_of, merge
 
 __all__ = ["DistributedModel", "live_models"]
+
+
+def _this_replicas_rows(data: Any) -> Tuple[Any, Any, Any, Any]:
+    """(x, y, sample_weight, process group) of a training or evaluation
+    batch: with data parallelism and ``shard_inputs`` this replica's rows
+    of the global batch; the group is None without data parallelism."""
+    x, y, sample_weight = data_adapter_utils.unpack_x_y_sample_weight(data)
+    group = state.process_group() if state.data_parallel() else None
+    if group is not None and state.config().shard_inputs:
+        x, y, sample_weight = data_parallel.shard((x, y, sample_weight), group.rank, group.size)
+    return x, y, sample_weight, group
+
 
 @keras.saving.register_keras_serializable(package="smp_tf")
 class DistributedModel(keras.Model):
@@ -95,10 +107,7 @@ class DistributedModel(keras.Model):
     def train_step(self, data: Any) -> Any:
         """One pipelined training step on a batch (see `smp_tf.keras.steps`)."""
         self._check_pipelinable()
-        x, y, sample_weight = data_adapter_utils.unpack_x_y_sample_weight(data)
-        group = state.process_group() if state.data_parallel() else None
-        if group is not None and state.config().shard_inputs:
-            x, y, sample_weight = data_parallel.shard((x, y, sample_weight), group.rank, group.size)
+        x, y, sample_weight, group = _this_replicas_rows(data)
         steps = self._pipelined_steps()
         batch_size = _batch_size(x)
         loss_scale = loss_scale_of(self)
@@ -132,10 +141,7 @@ class DistributedModel(keras.Model):
     def test_step(self, data: Any) -> Any:
         """One pipelined evaluation step (forward only) on a batch."""
         self._check_pipelinable()
-        x, y, sample_weight = data_adapter_utils.unpack_x_y_sample_weight(data)
-        group = state.process_group() if state.data_parallel() else None
-        if group is not None and state.config().shard_inputs:
-            x, y, sample_weight = data_parallel.shard((x, y, sample_weight), group.rank, group.size)
+        x, y, sample_weight, group = _this_replicas_rows(data)
         steps = self._pipelined_steps()
         batch_size = _batch_size(x)
 
