@@ -42,7 +42,15 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
 
-__all__ = ["OpNode", "TensorInfo", "OpGraph", "estimate_flops", "from_tf_graph", "forward_name_of_gradient"]
+__all__ = [
+    "OpNode",
+    "TensorInfo",
+    "OpGraph",
+    "estimate_flops",
+    "from_tf_graph",
+    "forward_name_of_gradient",
+    "static_shape_value",
+]
 
 Shape = Optional[Tuple[Optional[int], ...]]
 
@@ -153,6 +161,11 @@ class OpNode:
             (captured tensor or variable handle).
         tied: op indices that must share this op's partition (a loop and
             the accumulators its gradient added, see the module doc).
+        static_value: for a ``Shape``, ``ShapeN``, ``Size`` or ``Rank`` of
+            tensors whose shapes are fully known, the value of each output
+            (a tuple of ints, or an int). Such an op is a constant: it has
+            no data inputs in the view, and every task that needs it gets
+            the constant (see `static_shape_value`).
     """
 
     index: int
@@ -172,6 +185,7 @@ class OpNode:
     manual_partition: Optional[int] = None
     kind: str = "op"
     tied: Tuple[int, ...] = ()
+    static_value: Optional[Tuple[Any, ...]] = None
 
 
 class OpGraph:
@@ -363,6 +377,37 @@ def _link_gradients(ops: List[OpNode], tensors: List[TensorInfo]) -> None:
         if op.forward is None:
             fwd = [ops[tensors[t].producer].forward for t in op.inputs if ops[tensors[t].producer].forward is not None]
             op.forward = fwd[0] if fwd else None
+
+
+#: Ops whose outputs are functions of their inputs' shapes only.
+_SHAPE_OPS = frozenset(["Shape", "ShapeN", "Size", "Rank"])
+
+
+def static_shape_value(op_type: str, input_shapes: Sequence[Shape], input_dtypes: Sequence[str]) -> Optional[Tuple[Any, ...]]:
+    """The outputs of a shape op whose inputs' shapes are fully known, else None.
+
+    The graph optimiser folds such ops into constants in a single-device
+    run; a pipeline task must see the same constants rather than receive
+    the value from another task as an argument it knows nothing about, or
+    it folds, and therefore rounds, differently.
+
+    Returns:
+        One value per output: a tuple of ints for ``Shape``/``ShapeN``, an
+        int for ``Size`` and ``Rank``.
+    """
+    if op_type not in _SHAPE_OPS or not input_shapes:
+        return None
+    for shape, dtype in zip(input_shapes, input_dtypes):
+        # A resource's or variant's shape is that of the handle, not of its value.
+        if shape is None or any(d is None for d in shape) or dtype in ("resource", "variant"):
+            return None
+    if op_type == "Shape":
+        return (tuple(input_shapes[0]),)
+    if op_type == "ShapeN":
+        return tuple(tuple(s) for s in input_shapes)
+    if op_type == "Size":
+        return (_prod(input_shapes[0]),)
+    return (len(input_shapes[0]),)
 
 
 def _shape_of(t: Any) -> Shape:
@@ -569,7 +614,9 @@ def from_tf_graph(
     ties: List[Tuple[int, int]] = []
 
     for i, op in enumerate(tf_ops):
-        in_ids = [tensor_id[t.name] for t in op.inputs]
+        static = static_shape_value(op.type, [_shape_of(t) for t in op.inputs], [t.dtype.name for t in op.inputs])
+        # A shape known when tracing is a constant: the op reads no tensor.
+        in_ids = [] if static is not None else [tensor_id[t.name] for t in op.inputs]
         out_ids = []
         out_shapes = []
         for j, t in enumerate(op.outputs):
@@ -664,6 +711,7 @@ def from_tf_graph(
                 colocate_with=coloc,
                 manual_partition=manual_partition_of(op) if manual_partition_of else None,
                 kind=kind,
+                static_value=static,
             )
         )
     for a, b in ties:

@@ -54,7 +54,7 @@ def _task_body(sub, input_names, captured, outputs, captures):
 
     def body(*xs):
         fg = tf.compat.v1.get_default_graph()
-        input_map = {name: x for name, x in zip(input_names, xs) if name in read}
+        input_map = {name: _under_original_name(name, x) for name, x in zip(input_names, xs) if name in read}
         for name in captured:
             cap = captures[name]
             # Variables are captured from where they live now (after placement).
@@ -68,6 +68,29 @@ def _task_body(sub, input_names, captured, outputs, captures):
         return list(outs) + [tf.constant(True)]
 
     return body
+
+
+def _under_original_name(tensor_name: str, arg: tf.Tensor) -> tf.Tensor:
+    """`arg` (a task function's argument) forwarded by an op named like the
+    producer of `tensor_name` in the traced graph.
+
+    The graph optimiser's rewrites depend on node names: it sorts the inputs
+    of commutative ops by name, and a reassociation such as
+    ``(x * y) * c -> x * (y * c)`` then pairs the constant with whichever
+    operand sorts last. An argument is named after the function's signature
+    (``xs_3``), so without this the optimiser would pair differently from a
+    single-device run, where the same tensor comes from a node with its
+    original name, and the float results would round differently.
+    """
+    op_name, _, port = tensor_name.rpartition(":")
+    index = int(port)
+    # An IdentityN with at least two outputs: consumers then read
+    # "<op>:<index>" as in the traced graph, and unlike an Identity (or an
+    # IdentityN of one input) the optimiser's pruner does not remove it as
+    # trivial before the name-dependent rewrites run.
+    if index == 0:
+        return tf.ensure_shape(arg, arg.shape, name=op_name)
+    return tf.identity_n([arg] * max(2, index + 1), name=op_name)[index]
 
 
 def _annotate_resource(placeholder: tf.Tensor, variable: Any) -> None:

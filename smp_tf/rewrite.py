@@ -592,6 +592,9 @@ def task_graph_def(graph_def, graph: OpGraph, task: Task, device: str, nodes=Non
         out.library.CopyFrom(graph_def.library)
     for i in sorted(task.members + task.copies):
         src = nodes[graph.ops[i].name]
+        if graph.ops[i].static_value is not None:
+            _add_static_shape(out, src, graph.ops[i].static_value, device)
+            continue
         node = out.node.add()
         node.CopyFrom(src)
         node.device = device
@@ -601,3 +604,50 @@ def task_graph_def(graph_def, graph: OpGraph, task: Task, device: str, nodes=Non
         del node.input[:]
         node.input.extend(keep)
     return out
+
+
+def _int_const(graph_def, name: str, value, dtype: int, device: str) -> None:
+    """Appends a ``Const`` node of int `dtype` holding `value` (an int or a tuple)."""
+    from tensorflow.core.framework import tensor_pb2, tensor_shape_pb2, types_pb2
+
+    node = graph_def.node.add()
+    node.name = name
+    node.op = "Const"
+    node.device = device
+    node.attr["dtype"].type = dtype
+    tensor = tensor_pb2.TensorProto(dtype=dtype)
+    values = list(value) if isinstance(value, tuple) else [value]
+    if isinstance(value, tuple):
+        tensor.tensor_shape.CopyFrom(tensor_shape_pb2.TensorShapeProto(dim=[tensor_shape_pb2.TensorShapeProto.Dim(size=len(values))]))
+    if dtype == types_pb2.DT_INT64:
+        tensor.int64_val.extend(values)
+    else:
+        tensor.int_val.extend(values)
+    node.attr["value"].tensor.CopyFrom(tensor)
+
+
+def _add_static_shape(graph_def, src, value, device: str) -> None:
+    """A shape op whose value is known (`OpNode.static_value`) as constants.
+
+    ``Shape``, ``Size`` and ``Rank`` become a ``Const`` of the same name, as
+    the graph optimiser materialises them in a single-device run. A
+    ``ShapeN`` becomes an ``IdentityN`` of the same name over one constant
+    per output, named as the optimiser names the ones it materialises; it
+    forwards them to the consumers, which then read the same constants as
+    in a single-device run.
+    """
+    from tensorflow.core.framework import types_pb2
+
+    dtype = src.attr["out_type"].type if "out_type" in src.attr else types_pb2.DT_INT32
+    if src.op != "ShapeN":
+        _int_const(graph_def, src.name, value[0], dtype, device)
+        return
+    names = [f"ConstantFolding/{src.name}-matshapes-{k}" for k in range(len(value))]
+    for name, v in zip(names, value):
+        _int_const(graph_def, name, v, dtype, device)
+    node = graph_def.node.add()
+    node.name = src.name
+    node.op = "IdentityN"
+    node.device = device
+    node.input.extend(names)
+    node.attr["T"].list.type.extend([dtype] * len(names))

@@ -17,6 +17,7 @@ from __future__ import annotations
 import smp_tf._autograph  # noqa: F401  (keeps AutoGraph out of smp_tf)
 
 import contextlib
+import inspect
 import threading
 import time
 from dataclasses import dataclass, field
@@ -270,6 +271,55 @@ def _unique(key: str, used: Dict[str, int]) -> str:
     return key if n == 0 else f"{key}_{n}"
 
 
+class _Leaf:
+    """Stands for the k-th tensor leaf of a step's arguments."""
+
+    def __init__(self, k: int) -> None:
+        self.k = k
+
+
+def _argument_names(fn: Callable, structure: tuple, positions: Sequence[int], specs: Sequence[Any]) -> List[str]:
+    """The names `tf.function(fn)` gives the placeholders of the tensor leaves
+    at `positions` of ``flatten(structure)`` (``structure = (args, kwargs)``).
+
+    A single-device run of the step is a ``tf.function`` of it, and the graph
+    optimiser's rewrites depend on node names (it sorts the inputs of
+    commutative ops by name); the trace names its placeholders the same way
+    so that its tasks are rewritten as that run is. Found by tracing an empty
+    function with `fn`'s signature (cheap); if the signature cannot be read,
+    ``arg0``, ``arg1``, ... .
+    """
+    fallback = [f"arg{k}" for k in range(len(positions))]
+    try:
+        signature = inspect.signature(fn)
+        leaves = tf.nest.flatten(structure)
+        marked, spec_leaves = list(leaves), list(leaves)
+        for k, i in enumerate(positions):
+            marked[i], spec_leaves[i] = _Leaf(k), specs[k]
+        m_args, m_kwargs = tf.nest.pack_sequence_as(structure, marked)
+        where = signature.bind(*m_args, **m_kwargs).arguments
+        s_args, s_kwargs = tf.nest.pack_sequence_as(structure, spec_leaves)
+    except (TypeError, ValueError):
+        return fallback
+    found: Dict[int, str] = {}
+
+    def probe(*args, **kwargs):
+        for name, value in signature.bind(*args, **kwargs).arguments.items():
+            if name in where:  # defaults the caller did not pass hold no leaf
+                for leaf, t in zip(tf.nest.flatten(where[name]), tf.nest.flatten(value)):
+                    if isinstance(leaf, _Leaf) and isinstance(t, tf.Tensor):
+                        found[leaf.k] = t.op.name
+        return tf.constant(0)
+
+    probe.__signature__ = signature
+    try:
+        tf.function(probe, autograph=False).get_concrete_function(*s_args, **s_kwargs)
+    except (TypeError, ValueError):
+        return fallback
+    names = [found.get(k) for k in range(len(positions))]
+    return fallback if None in names or len(set(names)) != len(names) else names
+
+
 def trace_microbatch(
     fn: Callable,
     mb_args: tuple,
@@ -290,7 +340,9 @@ def trace_microbatch(
     positions = [i for i, x in enumerate(leaves) if isinstance(x, tf.Tensor)]
     if shapes is None:
         shapes = [leaves[i].shape for i in positions]
-    specs = [tf.TensorSpec(shape, leaves[i].dtype, name=f"arg{k}") for k, (i, shape) in enumerate(zip(positions, shapes))]
+    specs = [tf.TensorSpec(shape, leaves[i].dtype) for i, shape in zip(positions, shapes)]
+    names = _argument_names(fn, structure, positions, specs)
+    specs = [tf.TensorSpec(spec.shape, spec.dtype, name=name) for spec, name in zip(specs, names)]
 
     def flat_fn(*tensors):
         filled = list(leaves)

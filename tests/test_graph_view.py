@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import tensorflow as tf
 
-from smp_tf.graph_view import OpGraph, estimate_flops, forward_name_of_gradient, from_tf_graph
+from smp_tf.graph_view import OpGraph, estimate_flops, forward_name_of_gradient, from_tf_graph, static_shape_value
 
 
 # --------------------------------------------------------------------------
@@ -515,3 +515,48 @@ def test_resource_writes_are_read_from_ops_and_loop_bodies():
     assert ("ReadVariableOp", "w_read") in reads
     loop_writes = [op.writes for op in g.ops if op.type.endswith("While")]
     assert sorted(loop_writes) == [(), ("acc_written",)]
+
+
+# --------------------------------------------------------------------------
+# Shapes known when tracing are constants
+# --------------------------------------------------------------------------
+
+
+def test_static_shape_value_of_fully_known_shapes():
+    # Shape of a (4, 8, 3) tensor is the vector [4, 8, 3]; ShapeN gives one
+    # vector per input; Size is 4*8*3 = 96; Rank is 3; a scalar's shape is [].
+    assert static_shape_value("Shape", [(4, 8, 3)], ["float32"]) == ((4, 8, 3),)
+    assert static_shape_value("ShapeN", [(4, 8), (2,)], ["float32", "int32"]) == ((4, 8), (2,))
+    assert static_shape_value("Size", [(4, 8, 3)], ["float32"]) == (96,)
+    assert static_shape_value("Rank", [(4, 8, 3)], ["float32"]) == (3,)
+    assert static_shape_value("Shape", [()], ["float32"]) == ((),)
+
+
+def test_static_shape_value_needs_every_dimension_and_a_value_shape():
+    # An unknown batch dimension, an unknown rank, a resource handle (whose
+    # shape is the handle's, not the variable's) and ops that are not shape
+    # ops are not constants.
+    assert static_shape_value("Shape", [(None, 8)], ["float32"]) is None
+    assert static_shape_value("Shape", [None], ["float32"]) is None
+    assert static_shape_value("ShapeN", [(4, 8), (None,)], ["float32", "float32"]) is None
+    assert static_shape_value("Shape", [()], ["resource"]) is None
+    assert static_shape_value("Reshape", [(4, 8), (2,)], ["float32", "int32"]) is None
+
+
+def test_from_tf_graph_static_shape_ops_read_no_tensor():
+    # s = Shape(x) with x (2, 3) known is the constant [2, 3]: in the view it
+    # has no data input (x has no consumer through it), so the partitioner
+    # treats it like a constant. u = Shape(z) with z (None, 3) keeps its input.
+    g = tf.Graph()
+    with g.as_default():
+        x = tf.compat.v1.placeholder(tf.float32, [2, 3], name="x")
+        z = tf.compat.v1.placeholder(tf.float32, [None, 3], name="z")
+        tf.raw_ops.Shape(input=x, name="s")
+        tf.raw_ops.ShapeN(input=[x, x], out_type=tf.int64, name="sn")
+        tf.raw_ops.Shape(input=z, name="u")
+    og = from_tf_graph(g, arg_ops=["x", "z"])
+    s, sn, u = og.op("s"), og.op("sn"), og.op("u")
+    assert s.inputs == [] and s.static_value == ((2, 3),)
+    assert sn.inputs == [] and sn.static_value == ((2, 3), (2, 3))
+    assert og.tensors[og.op("x").outputs[0]].consumers == []
+    assert len(u.inputs) == 1 and u.static_value is None

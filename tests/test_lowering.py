@@ -351,3 +351,38 @@ def test_pretranspose_weights_off_by_default():
     entry = next(iter(step._compiled.values()))
     assert entry.pretransposed == {}
     assert all(t.transposed_reads == [] for t in entry.tasks)
+
+
+def test_task_functions_read_their_inputs_under_the_traced_names():
+    """Inside a task function, every tensor from another task (and every
+    step argument) is read from an op named like its producer in the traced
+    graph, so the graph optimiser, which orders commutative inputs by name,
+    rewrites the task as it rewrites a single-device run; and the trace's
+    arguments are named as `tf.function` names them (the body's parameters).
+    """
+    import keras
+
+    keras.utils.set_random_seed(0)
+    model = models.mlp()
+    smp.init({"partitions": 2, "microbatches": 2})
+    step = smp.step(models.make_body(model, "mlp"))
+    x, y = models.data("mlp")
+    _lowered_ops(step, x, y)
+    entry = next(iter(step._compiled.values()))
+    assert entry.traced.arg_names == ["x", "y"]
+    g = entry.plan.op_graph
+    checked = 0
+    for task in entry.tasks:
+        graph = entry._functions[task.key].graph
+        for t in task.inputs:
+            name = g.tensor_name(t)
+            op = graph.get_operation_by_name(name.rsplit(":", 1)[0])
+            # Forwarded by an op the optimiser keeps, under the traced name.
+            assert op.type in ("EnsureShape", "IdentityN"), (name, op.type)
+            assert op.inputs[0].op.type == "Placeholder"
+            consumers = [c for out in op.outputs for c in out.consumers()]
+            assert consumers, name
+            checked += 1
+        for arg in task.arg_names:
+            assert graph.get_operation_by_name(arg).type == "EnsureShape"
+    assert checked > 0

@@ -592,3 +592,43 @@ def test_pretranspose_graph_def_reads_the_transposed_placeholder():
         with tf.compat.v1.Session(graph=out) as sess:
             got = sess.run(y)
     np.testing.assert_array_equal(got, xv @ wv.T)
+
+
+def test_task_graph_def_writes_known_shapes_as_constants():
+    # g = Reshape(x, Shape(x)) and a convolution-gradient-like ShapeN read
+    # only the shape of x, known when tracing. The task that needs them gets
+    # constants, as a single-device run's optimiser makes them: Shape becomes
+    # a Const of the same name, ShapeN an IdentityN of the same name over the
+    # constants the optimiser would materialise. x stays out of the task: it
+    # is not an input just to have its shape read.
+    g = tf.Graph()
+    with g.as_default():
+        x = tf.compat.v1.placeholder(tf.float32, [2, 3], name="x")
+        y = tf.compat.v1.placeholder(tf.float32, [2, 3], name="y")
+        s = tf.raw_ops.Shape(input=x, name="s")
+        sn = tf.raw_ops.ShapeN(input=[x, y], out_type=tf.int64, name="sn")
+        v = tf.multiply(x, 2.0, name="v")
+        w = tf.reshape(tf.identity(y, name="b"), s, name="w")
+        tf.add(tf.cast(sn[1], tf.float32, name="c"), tf.reduce_sum(w), name="d")
+    og = from_tf_graph(g, arg_ops=["x", "y"])
+    parts = [0 if og.ops[i].name in ("x", "v") else 1 for i in range(len(og.ops))]
+    tasks = build_tasks(og, parts, [_tensor(og, "d"), _tensor(og, "v")])
+    task = next(t for t in tasks if og.op("d").index in t.members)
+    assert _tensor(og, "x") not in task.inputs
+    assert og.op("x").index not in task.copies
+    sub = task_graph_def(g.as_graph_def(), og, task, "/device:CPU:1")
+    nodes = {n.name: n for n in sub.node}
+    assert nodes["s"].op == "Const"
+    assert list(nodes["s"].attr["value"].tensor.int_val) == [2, 3]
+    assert nodes["sn"].op == "IdentityN"
+    assert list(nodes["sn"].input) == ["ConstantFolding/sn-matshapes-0", "ConstantFolding/sn-matshapes-1"]
+    assert list(nodes["ConstantFolding/sn-matshapes-1"].attr["value"].tensor.int64_val) == [2, 3]
+    assert "x" not in nodes
+    # The step argument y is copied in as its placeholder: fed, the task
+    # computes d = [2, 3] + sum(ones(2, 3)) = [8, 9] with no x anywhere.
+    assert nodes["y"].op == "Placeholder"
+    with tf.Graph().as_default() as imported:
+        tf.graph_util.import_graph_def(sub, name="")
+        with tf.compat.v1.Session(graph=imported) as sess:
+            d_value = sess.run("d:0", feed_dict={"y:0": [[1.0] * 3] * 2})
+    assert list(d_value) == [8.0, 9.0]

@@ -126,7 +126,7 @@ def _classes(rng: np.random.Generator, n: int, shape=()) -> np.ndarray:
 # 1. keras.applications (weights=None, the smallest input each accepts)
 # --------------------------------------------------------------------------
 
-#: All four applications below accept 32x32 inputs, their minimum
+#: All the applications below accept 32x32 inputs, their minimum
 #: (`imagenet_utils.obtain_input_shape(min_size=32)`).
 APP_IMAGE_SHAPE = (32, 32, 3)
 APP_CLASSES = 4
@@ -180,6 +180,73 @@ def efficientnet_b0() -> ZooCase:
     explicit seed and are seeded through `keras.utils.set_random_seed`.
     """
     return _application("efficientnet_b0", keras.applications.EfficientNetB0, {"random"})
+
+
+def mobilenet_v3_small() -> ZooCase:
+    """MobileNetV3Small (alpha=0.75) at 32x32, 4 classes, Dropout(0.3) before the classifier.
+
+    Its own preprocessing (Rescaling), hard-swish activations
+    (``x * relu6(x + 3) / 6``), squeeze-and-excitation multiplies and
+    residual adds: the gradient of every hard-swish multiplies three
+    tensors with a constant, which the graph optimiser reassociates, and
+    the BatchNorm gradients sum terms that cancel almost exactly.
+    """
+    return _application(
+        "mobilenet_v3_small", keras.applications.MobileNetV3Small, {"random"},
+        alpha=0.75, dropout_rate=0.3, include_preprocessing=True,
+    )
+
+
+def mobilenet_v3_large() -> ZooCase:
+    """MobileNetV3Large (alpha=0.75) at 32x32, 4 classes, Dropout(0.2): as the small one, deeper."""
+    return _application(
+        "mobilenet_v3_large", keras.applications.MobileNetV3Large, {"random"},
+        alpha=0.75, dropout_rate=0.2, include_preprocessing=True,
+    )
+
+
+def hard_swish_cnn() -> ZooCase:
+    """A MobileNetV3-style CNN at 8x8, written out: Conv -> BatchNorm -> hard-swish,
+    then two inverted-residual blocks (expand, depthwise, squeeze-and-excite
+    with a hard sigmoid, project, BatchNorm), the second with a residual add.
+
+    Small enough to be quick at every partition count, and every partition
+    boundary falls next to a hard-swish or a squeeze-and-excite multiply.
+    """
+    keras.utils.set_random_seed(SEED)
+    layers = keras.layers
+
+    def hard_sigmoid(t):
+        return layers.ReLU(6.0)(t + 3.0) * (1.0 / 6.0)
+
+    def hard_swish(t):
+        return layers.Multiply()([t, hard_sigmoid(t)])
+
+    def block(t, channels, residual):
+        h = hard_swish(layers.BatchNormalization()(layers.Conv2D(2 * channels, 1, use_bias=False)(t)))
+        h = hard_swish(layers.BatchNormalization()(layers.DepthwiseConv2D(3, padding="same", use_bias=False)(h)))
+        s = layers.GlobalAveragePooling2D(keepdims=True)(h)
+        s = layers.Conv2D(2 * channels, 1)(layers.ReLU()(layers.Conv2D(4, 1)(s)))
+        h = layers.Multiply()([h, hard_sigmoid(s)])
+        h = layers.BatchNormalization()(layers.Conv2D(channels, 1, use_bias=False)(h))
+        return layers.Add()([t, h]) if residual else h
+
+    inp = keras.Input((8, 8, 3), name="image")
+    t = hard_swish(layers.BatchNormalization()(layers.Conv2D(8, 3, padding="same")(inp)))
+    t = block(t, 8, residual=False)
+    t = block(t, 8, residual=True)
+    out = layers.Dense(APP_CLASSES)(layers.GlobalAveragePooling2D()(t))
+    model = smp.DistributedModel(inp, out, name="hard_swish_cnn")
+
+    rng = _rng()
+    return ZooCase(
+        name="hard_swish_cnn",
+        model=model,
+        x=_images(rng, (8, 8, 3)),
+        y=_classes(rng, APP_CLASSES),
+        loss=sparse_ce_from_logits,
+        tags={"batchnorm", "skip"},
+    )
 
 
 # --------------------------------------------------------------------------
@@ -688,6 +755,9 @@ ENTRIES: Dict[str, Callable[[], ZooCase]] = {
     "mobilenet_v2": mobilenet_v2,
     "densenet121": densenet121,
     "efficientnet_b0": efficientnet_b0,
+    "mobilenet_v3_small": mobilenet_v3_small,
+    "mobilenet_v3_large": mobilenet_v3_large,
+    "hard_swish_cnn": hard_swish_cnn,
     "bert_classifier": bert_classifier,
     "gpt2_lm": gpt2_lm,
     "lstm": lstm,
