@@ -581,6 +581,7 @@ def from_tf_graph(
     *,
     arg_ops: Iterable[str] = (),
     captured_variables: Optional[Mapping[str, Tuple[str, int, bool]]] = None,
+    captured_ops: Optional[Iterable[str]] = None,
     layer_of: Optional[Callable[[Any], Optional[str]]] = None,
     manual_partition_of: Optional[Callable[[Any], Optional[int]]] = None,
 ) -> OpGraph:
@@ -594,11 +595,17 @@ def from_tf_graph(
         arg_ops: names of the placeholders of the step's arguments.
         captured_variables: placeholder op name -> (variable key, bytes,
             trainable) for captured variable handles.
+        captured_ops: names of the ops that hold captured tensors. A small
+            captured eager tensor is a ``Const`` op that is also an input of
+            the function (its value is passed when the function is called),
+            a larger one a ``Placeholder``. Default: every ``Placeholder``
+            that is not a step argument.
         layer_of: op -> key of the Keras layer that created it.
         manual_partition_of: op -> partition of its `smp.partition` block.
     """
     arg_ops = set(arg_ops)
     captured_variables = dict(captured_variables or {})
+    captured_ops = None if captured_ops is None else set(captured_ops)
     created_ops = graph.get_operations()
     created = {op.name: i for i, op in enumerate(created_ops)}
     tf_ops = _topological_order(created_ops)
@@ -642,8 +649,12 @@ def from_tf_graph(
                 kind = "capture"
             elif op.name in arg_ops:
                 kind = "arg"
-            else:
+            elif captured_ops is None or op.name in captured_ops:
                 kind = "capture"
+        elif captured_ops is not None and op.name in captured_ops:
+            # A captured constant: the function reads it as an argument, so
+            # the graph optimiser cannot fold it, and neither may a task.
+            kind = "capture"
         elif op.type in ("VarHandleOp",):
             key = op.get_attr("shared_name").decode() or op.name
             try:

@@ -51,17 +51,29 @@ def _task_body(sub, input_names, captured, outputs, captures):
     # now reads the transposed copy) stay arguments but are not mapped:
     # import_graph_def rejects mappings for tensors nothing reads.
     read = {x if ":" in x else f"{x}:0" for n in sub.node for x in n.input if not x.startswith("^")}
+    summed = _summed_by_addn(sub)
 
     def body(*xs):
         fg = tf.compat.v1.get_default_graph()
-        input_map = {name: _under_original_name(name, x) for name, x in zip(input_names, xs) if name in read}
+        input_map = {
+            name: _under_original_name(name, x, own_buffer=name in summed)
+            for name, x in zip(input_names, xs)
+            if name in read
+        }
         for name in captured:
             cap = captures[name]
-            # Variables are captured from where they live now (after placement).
-            handle = cap.variable.handle if isinstance(cap, CapturedVariable) else cap
-            internal = fg.capture(handle)
             if isinstance(cap, CapturedVariable):
+                # Variables are captured from where they live now (after placement).
+                internal = fg.capture(cap.variable.handle)
                 _annotate_resource(internal, cap.variable)
+            else:
+                # A captured tensor stays an argument of the function, as in
+                # a single-device run, named as there: the graph optimiser
+                # neither folds it into the ops that read it (a small one is
+                # captured as a constant that is also an input) nor orders
+                # commutative inputs differently. `task_graph_def` leaves its
+                # node out, so the name is free.
+                internal = fg.capture(cap, name=name)
             input_map[f"{name}:0"] = internal
         outs = tf.graph_util.import_graph_def(sub, input_map=input_map, return_elements=outputs, name="")
         # A last output gives every call a handle to depend on.
@@ -70,7 +82,26 @@ def _task_body(sub, input_names, captured, outputs, captures):
     return body
 
 
-def _under_original_name(tensor_name: str, arg: tf.Tensor) -> tf.Tensor:
+def _summed_by_addn(graph_def) -> set:
+    """Names of the tensors that an ``AddN`` of three or more terms reads.
+
+    TensorFlow's ``AddN`` kernel accumulates into the first of its input
+    buffers that nothing else holds, and moves that input to the front of
+    the sum. In a single-device run, a gradient term produced by the same
+    function is such a buffer; a task function's argument never is (its
+    caller holds it), so without a copy the kernel would add the terms in
+    another order and round differently. (With two terms the order does not
+    change the result.)
+    """
+    summed = set()
+    for node in graph_def.node:
+        terms = [x for x in node.input if not x.startswith("^")]
+        if node.op == "AddN" and len(terms) >= 3:
+            summed.update(x if ":" in x else f"{x}:0" for x in terms)
+    return summed
+
+
+def _under_original_name(tensor_name: str, arg: tf.Tensor, own_buffer: bool = False) -> tf.Tensor:
     """`arg` (a task function's argument) forwarded by an op named like the
     producer of `tensor_name` in the traced graph.
 
@@ -84,6 +115,13 @@ def _under_original_name(tensor_name: str, arg: tf.Tensor) -> tf.Tensor:
     """
     op_name, _, port = tensor_name.rpartition(":")
     index = int(port)
+    if own_buffer:
+        # A copy the task owns, as the single-device function owns the
+        # tensor it computed (see `_summed_by_addn`). DeepCopy is stateful,
+        # so the optimiser neither removes nor folds it.
+        arg = tf.raw_ops.DeepCopy(x=arg, name=f"{op_name}/smp_owned" if index else op_name)
+        if index == 0:
+            return arg
     # An IdentityN with at least two outputs: consumers then read
     # "<op>:<index>" as in the traced graph, and unlike an Identity (or an
     # IdentityN of one input) the optimiser's pruner does not remove it as

@@ -575,8 +575,9 @@ def task_specs(tasks: Sequence[Task]) -> List[TaskSpec]:
 def task_graph_def(graph_def, graph: OpGraph, task: Task, device: str, nodes=None):
     """The `GraphDef` of `task`: its members and copies, placed on `device`.
 
-    Inputs produced by other tasks stay as references to nodes that are not
-    in the result; the importer maps them (``input_map``). Control inputs
+    Inputs produced by other tasks, and captured tensors other than
+    variable handles, stay as references to nodes that are not in the
+    result; the importer maps them (``input_map``). Control inputs
     from outside the task are dropped: the schedule orders tasks.
     `nodes` (name -> NodeDef of `graph_def`) may be passed to avoid
     rebuilding the index for every task.
@@ -591,6 +592,9 @@ def task_graph_def(graph_def, graph: OpGraph, task: Task, device: str, nodes=Non
     if len(graph_def.library.function):
         out.library.CopyFrom(graph_def.library)
     for i in sorted(task.members + task.copies):
+        if graph.ops[i].kind == "capture" and not graph.ops[i].variables:
+            # Captured by the task function under this name (see lowering).
+            continue
         src = nodes[graph.ops[i].name]
         if graph.ops[i].static_value is not None:
             _add_static_shape(out, src, graph.ops[i].static_value, device)

@@ -391,6 +391,7 @@ def trace_microbatch(
         fg,
         arg_ops=arg_names,
         captured_variables=captured_vars,
+        captured_ops=captures,
         layer_of=record.layer_name_of if record is not None else None,
         manual_partition_of=record.partition_of if record is not None else None,
     )
