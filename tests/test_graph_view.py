@@ -395,6 +395,32 @@ def test_from_tf_graph_captured_variables_and_callbacks():
     assert og.op("layer_a/MatMul").manual_partition is None
 
 
+def test_from_tf_graph_captured_constants_are_captures():
+    # tf.function captures a small eager tensor as a Const op that is also
+    # an input of the function (the value is passed when it is called): it
+    # is a capture, not a constant the graph optimiser may fold. A Const
+    # the function creates itself stays an op.
+    small = tf.constant([0.5, 1.5, 2.5])
+    big = tf.constant([float(i) for i in range(200)])
+
+    @tf.function
+    def f(x):
+        return (x - small) * 2.0 + tf.reduce_sum(big)
+
+    fg = f.get_concrete_function(tf.TensorSpec([3], tf.float32)).graph
+    captured = {internal.op.name for _, internal in fg.captures}
+    small_op = next(t.op for e, t in fg.captures if e is small)
+    big_op = next(t.op for e, t in fg.captures if e is big)
+    assert (small_op.type, big_op.type) == ("Const", "Placeholder")
+
+    og = from_tf_graph(fg, arg_ops=["x"], captured_ops=captured)
+    assert og.op(small_op.name).kind == "capture"
+    assert og.op(big_op.name).kind == "capture"
+    assert og.op("mul/y").kind == "op"
+    # Without the capture list only placeholders are recognised.
+    assert from_tf_graph(fg, arg_ops=["x"]).op(small_op.name).kind == "op"
+
+
 def test_from_tf_graph_gradient_tape_names():
     # GradientTape in graph mode names gradient ops "gradient_tape/<scope>/...".
     g = tf.Graph()

@@ -132,23 +132,25 @@ APP_IMAGE_SHAPE = (32, 32, 3)
 APP_CLASSES = 4
 
 
-def _application(name: str, app_fn: Callable[..., keras.Model], tags: Set[str], **kwargs) -> ZooCase:
+def _application(
+    name: str, app_fn: Callable[..., keras.Model], tags: Set[str], image_shape=APP_IMAGE_SHAPE, **kwargs
+) -> ZooCase:
     keras.utils.set_random_seed(SEED)
     app = app_fn(
         weights=None,
         include_top=True,
         classes=APP_CLASSES,
         classifier_activation=None,
-        input_shape=APP_IMAGE_SHAPE,
+        input_shape=image_shape,
         **kwargs,
     )
-    inp = keras.Input(APP_IMAGE_SHAPE, name="image")
+    inp = keras.Input(image_shape, name="image")
     model = smp.DistributedModel(inp, app(inp), name=name)
     rng = _rng()
     return ZooCase(
         name=name,
         model=model,
-        x=_images(rng, APP_IMAGE_SHAPE),
+        x=_images(rng, image_shape),
         y=_classes(rng, APP_CLASSES),
         loss=sparse_ce_from_logits,
         tags={"large", "batchnorm"} | tags,
@@ -180,6 +182,26 @@ def efficientnet_b0() -> ZooCase:
     explicit seed and are seeded through `keras.utils.set_random_seed`.
     """
     return _application("efficientnet_b0", keras.applications.EfficientNetB0, {"random"})
+
+
+def efficientnet_v2_b0() -> ZooCase:
+    """EfficientNetV2B0 at 32x32, 4 classes.
+
+    Its preprocessing is a `Normalization` with a given mean and variance:
+    small constant tensors that the step's function captures and reads as
+    arguments, never as constants the graph optimiser could fold.
+    """
+    return _application("efficientnet_v2_b0", keras.applications.EfficientNetV2B0, {"random"})
+
+
+def inception_v3() -> ZooCase:
+    """InceptionV3 at 75x75 (its smallest input), 4 classes.
+
+    Every Inception block feeds one tensor to four branches and concatenates
+    them, so the gradient reaching it sums four terms, some computed on
+    another partition.
+    """
+    return _application("inception_v3", keras.applications.InceptionV3, set(), image_shape=(75, 75, 3))
 
 
 def mobilenet_v3_small() -> ZooCase:
@@ -755,6 +777,8 @@ ENTRIES: Dict[str, Callable[[], ZooCase]] = {
     "mobilenet_v2": mobilenet_v2,
     "densenet121": densenet121,
     "efficientnet_b0": efficientnet_b0,
+    "efficientnet_v2_b0": efficientnet_v2_b0,
+    "inception_v3": inception_v3,
     "mobilenet_v3_small": mobilenet_v3_small,
     "mobilenet_v3_large": mobilenet_v3_large,
     "hard_swish_cnn": hard_swish_cnn,
