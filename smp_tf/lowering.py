@@ -50,7 +50,7 @@ def _task_body(sub, input_names, captured, outputs, captures):
     # Inputs no node reads any more (a stashed variable read whose product
     # now reads the transposed copy) stay arguments but are not mapped:
     # import_graph_def rejects mappings for tensors nothing reads.
-    read = {x if ":" in x else f"{x}:0" for n in sub.node for x in n.input if not x.startswith("^")}
+    read = {_tensor_name(x) for n in sub.node for x in n.input if not x.startswith("^")}
     summed = _summed_by_addn(sub)
 
     def body(*xs):
@@ -82,6 +82,11 @@ def _task_body(sub, input_names, captured, outputs, captures):
     return body
 
 
+def _tensor_name(node_input: str) -> str:
+    """A NodeDef data input (``"op"`` or ``"op:1"``) as a tensor name."""
+    return node_input if ":" in node_input else f"{node_input}:0"
+
+
 def _summed_by_addn(graph_def) -> set:
     """Names of the tensors that an ``AddN`` of three or more terms reads.
 
@@ -97,7 +102,7 @@ def _summed_by_addn(graph_def) -> set:
     for node in graph_def.node:
         terms = [x for x in node.input if not x.startswith("^")]
         if node.op == "AddN" and len(terms) >= 3:
-            summed.update(x if ":" in x else f"{x}:0" for x in terms)
+            summed.update(_tensor_name(x) for x in terms)
     return summed
 
 

@@ -9,7 +9,7 @@ for exact equality:
   mean and variance) captures them into the function, which reads them as
   arguments; a task that held them as constants let the graph optimiser
   fold ``(x - mean) / sqrt(var)`` into a product, which rounds differently;
-- a gradient that sums three or more terms (a tensor read by three
+- a gradient that sums three or more terms (a tensor read by several
   branches) is an ``AddN``; its kernel accumulates into the first input
   buffer it owns and moves that input to the front of the sum, and a term
   received from another partition is a buffer the task does not own.
@@ -17,33 +17,23 @@ for exact equality:
 
 import keras
 import numpy as np
-import tensorflow as tf
 
 import smp_tf as smp
+from tests import models
 
 M = 4
 
 
-def _train_body(model):
-    def body(x, y):
-        with tf.GradientTape() as tape:
-            loss = tf.reduce_mean(tf.square(model(x, training=True) - y))
-        return loss, tape.gradient(loss, model.trainable_variables)
-
-    return body
-
-
 def _assert_bit_exact(model, x, y):
     """The pipelined step equals the per-micro-batch tf.function exactly."""
-    body = _train_body(model)
+    body = models.make_body(model, "mlp")  # mean squared error
     init = [v.numpy() for v in model.variables]
-    fn = tf.function(body)
-    ref = [fn(tf.constant(x[m::M]), tf.constant(y[m::M])) for m in range(M)]
+    ref = models.reference(body, x, y, M)
     ref_state = [v.numpy() for v in model.variables]
     for v, value in zip(model.variables, init):
         v.assign(value)
 
-    loss, grads = smp.step(body)(x, y)
+    loss, grads, _ = smp.step(body)(x, y)
     for m in range(M):
         np.testing.assert_array_equal(loss.outputs[m], ref[m][0], err_msg=f"loss of micro-batch {m}")
         for g, r, v in zip(grads, ref[m][1], model.trainable_variables):
