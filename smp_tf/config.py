@@ -38,6 +38,14 @@ uneven_inputs          "join"         (smp_tf only) a replica that runs out
                                       of data first: ``"join"`` (it keeps
                                       joining the collectives) or
                                       ``"raise"`` (every replica raises)
+recompute              "never"        (smp_tf only) activation
+                                      recomputation: ``"never"``,
+                                      ``"selective"``, ``"full"`` or
+                                      ``"auto"`` (only where needed to fit
+                                      ``memory_budget``)
+memory_budget          None           (smp_tf only) bytes each partition's
+                                      device may use; None: the device's
+                                      memory on GPUs, no limit on CPUs
 =====================  =============  =======================================
 
 As on SageMaker, the JSON object in the environment variable
@@ -71,6 +79,7 @@ _CHOICES: Dict[str, Tuple[str, ...]] = {
     "optimize": ("speed", "memory"),
     "placement_strategy": ("cluster", "spread"),
     "uneven_inputs": ("join", "raise"),
+    "recompute": ("never", "selective", "full", "auto"),
 }
 _INT_KEYS = ("partitions", "microbatches", "default_partition")
 _BOOL_KEYS = (
@@ -121,6 +130,21 @@ class Config:
             in every micro-batch (faster where small transposed products are
             slow, e.g. on CPUs; holds one transposed copy of those kernels
             during the step).
+        recompute: activation recomputation. ``"never"``: a partition keeps
+            every activation its backward reads. ``"full"``: it keeps only
+            what it received from other partitions (and the outputs of ops
+            that may not run twice, such as the seed a dropout read); its
+            backward recomputes the rest of its forward. ``"selective"``:
+            it also keeps the outputs of expensive ops (products,
+            convolutions) and recomputes the cheap ones. ``"auto"``: each
+            partition uses the cheapest of these that fits
+            `memory_budget` (``"never"`` where there is no budget).
+        memory_budget: bytes each partition's device may hold at its peak.
+            The partitioner picks a layout whose predicted peak fits every
+            device (``optimize="memory"``), recomputing where
+            ``recompute="auto"`` says so, and a step that cannot fit raises
+            before it runs. None: on GPUs the device's memory, on CPUs no
+            limit.
 
     Raises:
         ValueError: a value has the wrong type or is out of range.
@@ -140,6 +164,8 @@ class Config:
     dp_timeout: float = 60.0
     shard_inputs: bool = True
     uneven_inputs: str = "join"
+    recompute: str = "never"
+    memory_budget: Optional[int] = None
 
     def __post_init__(self) -> None:
         for key in _INT_KEYS:
@@ -161,6 +187,14 @@ class Config:
                 f"Received: dp_timeout={timeout!r}"
             )
         object.__setattr__(self, "dp_timeout", float(timeout))
+        budget = self.memory_budget
+        if budget is not None:
+            if isinstance(budget, bool) or not isinstance(budget, numbers.Real) or not (0 < float(budget) < float("inf")):
+                raise ValueError(
+                    "Config parameter 'memory_budget' must be a positive number of bytes per device "
+                    f"(e.g. 8 * 2**30 for 8 GiB) or None. Received: memory_budget={budget!r}"
+                )
+            object.__setattr__(self, "memory_budget", int(budget))
         for key in ("partitions", "microbatches"):
             if getattr(self, key) < 1:
                 raise ValueError(

@@ -140,6 +140,11 @@ class TensorInfo:
     shape: Shape = None
     consumers: List[int] = field(default_factory=list)
 
+    @property
+    def elements(self) -> int:
+        """Number of elements (unknown dimensions count as 1)."""
+        return _prod(self.shape)
+
 
 @dataclass
 class OpNode:

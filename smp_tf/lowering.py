@@ -181,7 +181,22 @@ class CompiledStep:
             outputs computed after the pipeline (``fuse_weight_gradients``).
     """
 
-    def __init__(self, traced: Traced, plan: PartitionPlan, cfg: Config) -> None:
+    def __init__(
+        self, traced: Traced, plan: PartitionPlan, cfg: Config, recompute: Optional[Sequence[str]] = None
+    ) -> None:
+        """
+        Args:
+            traced: the traced micro-batch step.
+            plan: its partitioning.
+            cfg: the configuration.
+            recompute: the recompute mode of each partition (one of
+                `RECOMPUTE_MODES`); None: ``cfg.recompute`` everywhere
+                (``"auto"`` without a decision counts as ``"never"``).
+        """
+        if recompute is None:
+            mode = "never" if cfg.recompute == "auto" else cfg.recompute
+            recompute = [mode] * plan.num_partitions
+        self.recompute: List[str] = list(recompute)
         self.traced = traced
         self.plan = plan
         self.num_microbatches = cfg.microbatches
@@ -203,7 +218,9 @@ class CompiledStep:
         task_outputs = [t for k, t in enumerate(self.output_tensors) if t is not None and k not in self.fused]
         task_outputs += [t for f, _ in self.fused.values() for t in f.inputs]
         removed = [i for f, _ in self.fused.values() for i in f.removed]
-        self.tasks: List[Task] = build_tasks(g, plan.partition_of_op, sorted(set(task_outputs)), exclude=removed)
+        self.tasks: List[Task] = build_tasks(
+            g, plan.partition_of_op, sorted(set(task_outputs)), exclude=removed, recompute=self.recompute
+        )
         self._task_by_key = {t.key: t for t in self.tasks}
         # Tensors some task on another partition reads: they leave through an SMPOutput.
         self._sent_tensors = {

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import copy
 from dataclasses import dataclass, field
-from typing import Callable, Dict, List, Optional, Sequence, Set, Tuple
+from typing import Callable, Dict, List, Optional, Sequence, Set, Tuple, Union
 
 from smp_tf.graph_view import OpGraph
 from smp_tf.partitioner.groups import free_ops
@@ -50,7 +50,26 @@ __all__ = [
     "duplicable_ops",
     "waves",
     "StateOrderError",
+    "RECOMPUTE_MODES",
+    "recomputable_ops",
 ]
+
+#: Values of the ``recompute`` setting that `build_tasks` takes, per partition.
+RECOMPUTE_MODES = ("never", "selective", "full")
+
+#: ``recompute="selective"`` keeps the outputs of ops that cost at least this
+#: many estimated flops per output element (matrix products, convolutions,
+#: attention products: 2K flops per element for a contraction over K) and
+#: recomputes the cheaper ones (element-wise ops, normalisation, softmax,
+#: dropout), which hold most of the bytes for few of the flops.
+SELECTIVE_MIN_FLOPS_PER_ELEMENT = 8.0
+
+#: Ops never recomputed: control flow and function calls (their outputs are
+#: kept instead; a loop's accumulators are its gradient's inputs).
+_NOT_RECOMPUTED = frozenset(
+    ["While", "StatelessWhile", "If", "StatelessIf", "Case", "StatelessCase", "PartitionedCall",
+     "StatefulPartitionedCall", "SymbolicGradient"]
+)
 
 
 @dataclass
@@ -71,6 +90,9 @@ class Task:
             task is lowered).
         transposed_reads: variable reads the task's function takes
             transposed (``pretranspose_weights``; set when lowered).
+        recomputed: forward ops of an earlier task of the same partition
+            that this (backward) task runs again instead of receiving their
+            outputs (activation recomputation, see `recomputable_ops`).
     """
 
     partition: int
@@ -85,6 +107,7 @@ class Task:
     flops: float = 0.0
     arg_names: List[str] = field(default_factory=list)
     transposed_reads: List[int] = field(default_factory=list)
+    recomputed: List[int] = field(default_factory=list)
 
     @property
     def key(self) -> Tuple[int, int]:
@@ -93,6 +116,11 @@ class Task:
     def boundary_inputs(self) -> List[int]:
         """Inputs that come from another partition (each gets an SMPInput)."""
         return [t for t in self.inputs if self.producer_of_input[t][0] != self.partition]
+
+    def kept_inputs(self) -> List[int]:
+        """Inputs produced by an earlier task of the same partition: what the
+        partition keeps alive between its tasks (activations for the backward)."""
+        return [t for t in self.inputs if self.producer_of_input[t][0] == self.partition]
 
 
 def duplicable_ops(graph: OpGraph, keep: Sequence[int] = ()) -> List[bool]:
@@ -481,13 +509,83 @@ def pretranspose_graph_def(graph_def, products: Dict[str, str], placeholders: Di
             node.attr["shape"].shape.dim.add().size = d
 
 
+def recomputable_ops(graph: OpGraph, mode: str, dup: Optional[Sequence[bool]] = None) -> List[bool]:
+    """The forward ops whose outputs a backward task may compute again.
+
+    An op qualifies when running it twice gives the same values and changes
+    nothing: a forward (non-gradient) op that is not duplicable anyway, is
+    not control flow or a function call, and is stateless, except for a
+    ``ReadVariableOp`` of a variable the step does not write (the weights
+    are the same for the whole step). An op that reads state the step writes
+    (the read of a seed or of BatchNorm statistics) or draws with a stateful
+    random op does not qualify: its outputs are kept, so a recomputed
+    dropout replays the seed the forward read and draws the same mask, and
+    no state is updated twice. With ``mode="selective"`` the ops that cost
+    at least `SELECTIVE_MIN_FLOPS_PER_ELEMENT` flops per output element
+    (products, convolutions) do not qualify either: their outputs are kept.
+
+    Args:
+        graph: the traced graph.
+        mode: one of `RECOMPUTE_MODES`.
+        dup: duplicable ops (`duplicable_ops`); computed when None.
+
+    Returns:
+        One flag per op.
+
+    Raises:
+        ValueError: `mode` is not one of `RECOMPUTE_MODES`.
+    """
+    if mode not in RECOMPUTE_MODES:
+        raise ValueError(f"recompute must be one of {RECOMPUTE_MODES}. Received: recompute={mode!r}")
+    if mode == "never":
+        return [False] * len(graph.ops)
+    if dup is None:
+        dup = duplicable_ops(graph)
+    written = {v for op in graph.ops for v in op.writes}
+    out = [False] * len(graph.ops)
+    for op in graph.ops:
+        if dup[op.index] or op.kind != "op" or op.is_gradient or op.type in _NOT_RECOMPUTED:
+            continue
+        if op.writes or any(v in written for v in op.variables):
+            continue
+        if op.stateful and op.type != "ReadVariableOp":
+            continue
+        if mode == "selective":
+            elements = sum(graph.tensors[t].elements for t in op.outputs)
+            if op.flops >= SELECTIVE_MIN_FLOPS_PER_ELEMENT * max(elements, 1):
+                continue
+        out[op.index] = True
+    return out
+
+
+def _recompute_modes(recompute: Union[str, Sequence[str]], partition_of_op: Sequence[int]) -> Dict[int, str]:
+    parts = sorted(set(partition_of_op))
+    if isinstance(recompute, str):
+        return {p: recompute for p in parts}
+    modes = list(recompute)
+    if parts and len(modes) <= parts[-1]:
+        raise ValueError(
+            f"recompute lists {len(modes)} modes but the plan has partition {parts[-1]}; "
+            "give one mode per partition or a single mode."
+        )
+    return {p: modes[p] for p in parts}
+
+
 def build_tasks(
     graph: OpGraph,
     partition_of_op: Sequence[int],
     output_tensors: Sequence[int],
     exclude: Sequence[int] = (),
+    recompute: Union[str, Sequence[str]] = "never",
 ) -> List[Task]:
     """Cuts a partitioned graph into tasks (see the module doc).
+
+    With recomputation, a backward task that would read a tensor computed by
+    an earlier task of its own partition computes it again instead, from
+    the tensors that partition keeps anyway (what it received from other
+    partitions) and from the outputs of ops that may not run twice (see
+    `recomputable_ops`), which are then all it keeps between its tasks.
+    The earlier task no longer returns what nobody reads from it.
 
     Args:
         graph: the traced graph.
@@ -495,9 +593,13 @@ def build_tasks(
         output_tensors: tensor ids the tasks must return (the step's outputs).
         exclude: op indices computed outside the tasks (fused gradients);
             nothing left in the tasks may read them.
+        recompute: one of `RECOMPUTE_MODES`, or one per partition.
 
     Returns:
         Tasks sorted by (wave, partition), which is a topological order.
+
+    Raises:
+        ValueError: an unknown recompute mode.
     """
     keep = [graph.tensors[t].producer for t in output_tensors]
     dup = duplicable_ops(graph, keep)
@@ -525,20 +627,30 @@ def build_tasks(
             task.backward = True
         task_of_op[op.index] = task
 
+    modes = _recompute_modes(recompute, partition_of_op)
+    again = {mode: recomputable_ops(graph, mode, dup) for mode in set(modes.values())}
     needed: Dict[int, Set[Tuple[int, int]]] = {}
     for task in tasks.values():
         member_set = set(task.members)
+        can = again[modes[task.partition]]
+        recomputed: Set[int] = set()
         copies: Set[int] = set()
         stack = []
         inputs: Set[int] = set()
-        for i in task.members:
-            for t in graph.ops[i].inputs:
-                j = graph.tensors[t].producer
-                if dup[j]:
-                    stack.append(j)
-                elif j not in member_set:
-                    inputs.add(t)
-                    needed.setdefault(t, set()).add(task.key)
+        pending = [t for i in task.members for t in graph.ops[i].inputs]
+        while pending:
+            t = pending.pop()
+            j = graph.tensors[t].producer
+            if dup[j]:
+                stack.append(j)
+            elif j in member_set or j in recomputed:
+                continue
+            elif task.backward and can[j] and partition_of_op[j] == task.partition:
+                # Computed again here from what the partition keeps anyway.
+                recomputed.add(j)
+                pending.extend(graph.ops[j].inputs)
+            else:
+                inputs.add(t)
         while stack:  # transitive closure of the duplicable inputs
             j = stack.pop()
             if j in copies:
@@ -546,8 +658,11 @@ def build_tasks(
             copies.add(j)
             stack.extend(graph.tensors[t].producer for t in graph.ops[j].inputs)
         task.copies = sorted(copies)
+        task.recomputed = sorted(recomputed)
+        task.flops += sum(graph.ops[i].flops for i in recomputed)
         task.inputs = sorted(inputs)
         for t in task.inputs:
+            needed.setdefault(t, set()).add(task.key)
             task.producer_of_input[t] = task_of_op[graph.tensors[t].producer].key
         task.fused = task.backward and any(not graph.ops[i].is_gradient and graph.ops[i].flops > 0 for i in task.members)
     for t in set(needed) | set(output_tensors):
@@ -586,12 +701,13 @@ def task_graph_def(graph_def, graph: OpGraph, task: Task, device: str, nodes=Non
 
     if nodes is None:
         nodes = {n.name: n for n in graph_def.node}
-    names = {graph.ops[i].name for i in task.members} | {graph.ops[i].name for i in task.copies}
+    own = task.members + task.copies + task.recomputed
+    names = {graph.ops[i].name for i in own}
     out = graph_pb2.GraphDef()
     out.versions.CopyFrom(graph_def.versions)
     if len(graph_def.library.function):
         out.library.CopyFrom(graph_def.library)
-    for i in sorted(task.members + task.copies):
+    for i in sorted(own):
         if graph.ops[i].kind == "capture" and not graph.ops[i].variables:
             # Captured by the task function under this name (see lowering).
             continue
