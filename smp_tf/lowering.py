@@ -24,6 +24,7 @@ import tensorflow as tf
 
 from smp_tf.boundary import raw_input, raw_output
 from smp_tf.config import Config
+from smp_tf.memory import MemoryReport, optimizer_slots, predict_memory
 from smp_tf.partitioner.plan import PartitionPlan
 from smp_tf.rewrite import (
     FusedGradient,
@@ -153,6 +154,17 @@ def _annotate_resource(placeholder: tf.Tensor, variable: Any) -> None:
     shapes = attr_value_pb2.AttrValue(list=attr_value_pb2.AttrValue.ListValue(shape=[variable.shape.as_proto()]))
     placeholder.op._set_attr("_handle_dtypes", dtypes)
     placeholder.op._set_attr("_handle_shapes", shapes)
+
+
+def _partition_of_device(device: str, devices: Sequence[str]) -> int:
+    """The partition whose device `device` names (0 when none does)."""
+    if device:
+        spec = tf.DeviceSpec.from_string(device)
+        for p, d in enumerate(devices):
+            other = tf.DeviceSpec.from_string(d)
+            if (spec.device_type, spec.device_index) == (other.device_type, other.device_index):
+                return p
+    return 0
 
 
 def _transposed_name(read_name: str) -> str:
@@ -414,6 +426,53 @@ class CompiledStep:
                     flat.append(None if t is None else self._output_value(raw, arg_values[m], m, t))
             results.append(tf.nest.pack_sequence_as(self.traced.output_structure, flat, expand_composites=True))
         return results
+
+    def memory_report(
+        self, optimizer: Any = None, budget: Optional[int] = None, workspace: Optional[Dict[Tuple[int, int], int]] = None
+    ) -> MemoryReport:
+        """The predicted memory of every partition under this schedule.
+
+        Args:
+            optimizer: the optimizer that applies the step's gradients: its
+                existing state is counted, or its slots per variable
+                (`optimizer_slots`) when it has none yet. None: no optimizer
+                state.
+            budget: the memory budget to show.
+            workspace: task key -> its peak, replacing the predicted one.
+        """
+        g = self.plan.op_graph
+        gradient_bytes: Dict[int, int] = {}
+        for info in self.output_info():
+            if info is not None and info[0]:
+                gradient_bytes[info[1]] = gradient_bytes.get(info[1], 0) + info[2]
+        report = predict_memory(
+            g, self.plan.partition_of_op, self.tasks, self.simulation,
+            num_partitions=self.plan.num_partitions,
+            partition_of_variable=self.plan.partition_of_variable(),
+            gradient_bytes=gradient_bytes,
+            slots=optimizer_slots(optimizer),
+            optimizer_bytes=self._optimizer_bytes(optimizer),
+            recompute=self.recompute,
+            devices=self.devices,
+            budget=budget,
+            workspace=workspace,
+        )
+        report.schedule = f"{self.schedule.kind}, {self.num_microbatches} micro-batches"
+        return report
+
+    def _optimizer_bytes(self, optimizer: Any) -> Optional[Dict[int, int]]:
+        """Partition -> bytes of the optimizer state that exists (None when
+        the optimizer has no state yet: it is predicted from its slots)."""
+        variables = list(getattr(optimizer, "variables", None) or [])
+        if not variables:
+            return None
+        out: Dict[int, int] = {}
+        for v in variables:
+            if not v.shape.is_fully_defined() or v.shape.num_elements() <= 1:
+                continue  # iteration counters and the like
+            part = _partition_of_device(getattr(getattr(v, "value", v), "device", ""), self.devices)
+            out[part] = out.get(part, 0) + v.shape.num_elements() * v.dtype.size
+        return out
 
     def output_info(self) -> List[Optional[Tuple[bool, int, int]]]:
         """Per flat output: (is a gradient, partition, bytes), None for None outputs."""

@@ -215,6 +215,10 @@ def waves(graph: OpGraph, partition_of_op: Sequence[int], dup: Sequence[bool]) -
     3. Ops that depend on no data join the earliest task of their partition
        that needs them (the latest wave that still precedes every
        consumer), or the partition's first task if nothing consumes them.
+    4. Gradient ops computed from forward values only (preludes of the
+       backward, e.g. the ``x ** 2`` of a GELU's gradient) join the task
+       of their consumers in the same way, never an earlier wave than
+       rule 1 gives them.
 
     Cross-partition control edges are ignored: the schedule orders tasks.
 
@@ -327,11 +331,29 @@ def waves(graph: OpGraph, partition_of_op: Sequence[int], dup: Sequence[bool]) -
         if data_dep[c]:
             p = comp_part[c]
             first_wave[p] = min(first_wave.get(p, asap[c]), asap[c])
+    # Gradient ops computed from forward values only (the ``x ** 2`` of a
+    # GELU's gradient) are preludes of the backward: they run with the
+    # backward that reads them, not in the forward task, which then stays a
+    # forward (the schedule runs it as one) and keeps ``x``, not its prelude.
+    prelude = [False] * n
+    for op in graph.ops:
+        i = op.index
+        if dup[i] or not op.is_gradient or op.type in _SHAPE_ONLY or op.variables:
+            continue
+        producers = [tensors[t].producer for t in op.inputs]
+        prelude[i] = all(dup[j] or not graph.ops[j].is_gradient or prelude[j] for j in producers)
+    comp_prelude = [True] * ncomp
+    for i in range(n):
+        if not dup[i] and not prelude[i]:
+            comp_prelude[comp[i]] = False
     wave_of = list(asap)
     for c in reversed(topo):
-        if data_dep[c]:
+        if data_dep[c] and not comp_prelude[c]:
             continue
         limits = [wave_of[s] - cross for s, cross in succs[c]]
+        if data_dep[c]:
+            wave_of[c] = max(asap[c], min(limits)) if limits else asap[c]
+            continue
         wave_of[c] = min(limits) if limits else first_wave.get(comp_part[c], 0)
     wave: List[Optional[int]] = [None if dup[i] else wave_of[comp[i]] for i in range(n)]
     lowest = min((w for w in wave if w is not None), default=0)

@@ -350,6 +350,52 @@ class StepFunction:
         for k in members:
             flat[k]._replicas = (reducer, k)
 
+    def memory_report(self, optimizer: Any = None) -> Any:
+        """The predicted memory of every partition for the last compiled step.
+
+        Available after the first call. Each row (`smp_tf.memory.PartitionMemory`)
+        has the fields ``variables``, ``optimizer``, ``gradients``,
+        ``activations``, ``buffers``, ``transient``, ``total`` and
+        ``measured`` (bytes); printing the report gives a table.
+
+        Args:
+            optimizer: the optimizer that applies the gradients (its state is
+                counted; None counts none).
+
+        Returns:
+            A `smp_tf.memory.MemoryReport`.
+
+        Raises:
+            RuntimeError: the step has not been called yet.
+        """
+        entry = getattr(self, "last_compiled", None)
+        if entry is None:
+            raise RuntimeError(
+                "memory_report() needs a compiled step: call the step function once first "
+                "(or use measure_memory(*args), which runs one step)."
+            )
+        return entry.memory_report(optimizer, budget=state.config().memory_budget)
+
+    def measure_memory(self, *args: Any, optimizer: Any = None, **kwargs: Any) -> Any:
+        """Runs one step on these arguments and measures its memory.
+
+        On GPUs every partition's peak is measured on its own device. On
+        logical CPU devices (one shared allocator) the process-wide peak and
+        each task's own peak are measured when ``TF_CPU_ALLOCATOR_USE_BFC=true``
+        was set before TensorFlow started (see `smp_tf.profiling.memory`).
+
+        Args:
+            *args, **kwargs: the arguments of one step.
+            optimizer: the optimizer that applies the gradients.
+
+        Returns:
+            The `smp_tf.memory.MemoryReport` with ``measured`` filled in where
+            a measurement exists.
+        """
+        from smp_tf.profiling.memory import measure_step_memory
+
+        return measure_step_memory(self, args, kwargs, optimizer)
+
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         cfg = state.config()  # raises a clear error before smp.init
         if not tf.executing_eagerly():

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import math
 import random
 
@@ -19,6 +20,7 @@ from smp_tf.partitioner.balance import (
     min_bottleneck,
     segment_costs,
     split_cut_cost,
+    stage_weighted_split,
 )
 
 
@@ -376,3 +378,180 @@ def test_module_does_not_import_tensorflow():
     # session itself has TensorFlow loaded.
     src = open(balance.__file__).read()
     assert "import tensorflow" not in src and math.isfinite(balance.REL_EPS)
+
+
+# --------------------------------------------------------------------------- stage-weighted split
+
+
+def _stage_costs(static, act, mult, fixed, bounds):
+    """Cost of each stage of a split, summed directly (no prefix sums)."""
+    return [
+        fixed[p] + sum(static[bounds[p]:bounds[p + 1]]) + mult[p] * sum(act[bounds[p]:bounds[p + 1]])
+        for p in range(len(mult))
+    ]
+
+
+def _stage_weighted_brute(static, act, mult, cuts, fixed, tol):
+    """Every split (non-empty segments, or the forced one when n <= k):
+    ``(optimal bottleneck, min cut within (1 + tol) * it, lexicographically
+    smallest min-cut split)``."""
+    n, k = len(static), len(mult)
+    if n <= k:
+        splits = [list(range(n + 1)) + [n] * (k - n)]
+    else:
+        splits = [[0, *inner, n] for inner in itertools.combinations(range(1, n), k - 1)]
+    peaks = [max(_stage_costs(static, act, mult, fixed, b)) for b in splits]
+    best = min(peaks)
+    within = [b for b, pk in zip(splits, peaks) if pk <= (1 + tol) * best + 1e-9]
+    best_cut = min(split_cut_cost(b, cuts) for b in within)
+    chosen = min(b for b in within if split_cut_cost(b, cuts) == best_cut)
+    return best, best_cut, chosen
+
+
+def test_stage_weighted_hand():
+    # 4 equal units, activation cost only, multipliers [2, 1] (stage 0 keeps
+    # two micro-batches alive). Splits: 1|3 -> 2*1, 1*3 = 3; 2|2 -> 4, 2;
+    # 3|1 -> 6, 1. The best bottleneck (3) gives the first stage fewer units.
+    assert stage_weighted_split([0] * 4, [1] * 4, [2, 1]) == [0, 1, 4]
+    # Equal multipliers and no activations: the plain balanced split 2|2.
+    assert stage_weighted_split([1] * 4, [0] * 4, [1, 1]) == [0, 2, 4]
+    # 1F1B with P = 4 stages and M = 8 micro-batches keeps min(P - p, M) =
+    # 4, 3, 2, 1 activations alive. 12 units of activation 1: under bound 6
+    # the stages hold at most 1, 2, 3 and 6 units, exactly 12, so 1|2|3|6
+    # (costs 4, 6, 6, 6) is the only split; under bound 5 they hold at most
+    # 1 + 1 + 2 + 5 = 9 < 12 units.
+    assert stage_weighted_split([0] * 12, [1] * 12, [4, 3, 2, 1]) == [0, 1, 3, 6, 12]
+
+
+def test_stage_weighted_fixed_costs_shift_the_split():
+    # Stage 0 also holds e.g. the embedding (fixed 3): with 6 unit-cost units
+    # the split 1|5 costs 4, 5 and 2|4 costs 5, 4; both have bottleneck 5, and
+    # ties go to the lexicographically smallest boundaries.
+    assert stage_weighted_split([1] * 6, [0] * 6, [1, 1], fixed_costs=[3, 0]) == [0, 1, 6]
+    # A large fixed cost on stage 1 leaves it the fewest units: 3|1 costs 3,
+    # 11 while 1|3 costs 1, 13 (and 2|2 costs 2, 12).
+    bounds = stage_weighted_split([1] * 4, [0] * 4, [1, 1], fixed_costs=[0, 10])
+    assert bounds == [0, 3, 4]
+    assert max(_stage_costs([1] * 4, [0] * 4, [1, 1], [0, 10], bounds)) == 11
+
+
+def test_stage_weighted_stage_must_stop_early():
+    # Greedy "extend each stage as far as it fits" is not enough when stages
+    # weigh units differently: with bound 2, stage 0 could take units 0 and 1,
+    # but then stage 1 (multiplier 100) would start on unit 2 (cost 100). The
+    # only split with bottleneck 2 gives stage 1 just the free unit 1.
+    act, mult = [1, 0, 1, 1], [1, 100, 1]
+    bounds = stage_weighted_split([0] * 4, act, mult)
+    assert bounds == [0, 1, 2, 4]
+    assert max(_stage_costs([0] * 4, act, mult, [0, 0, 0], bounds)) == 2
+
+
+def test_stage_weighted_cut_tiebreak_and_tolerance():
+    # Four units of activation 1, multipliers [1, 1]: only 2|2 has bottleneck
+    # 2, and it pays the expensive middle cut (10). With 50% tolerance
+    # (bound 3), 1|3 and 3|1 are allowed and cost 1; the smaller boundary wins.
+    cuts = [1, 10, 1]
+    assert stage_weighted_split([0] * 4, [1] * 4, [1, 1], cut_costs=cuts) == [0, 2, 4]
+    assert stage_weighted_split([0] * 4, [1] * 4, [1, 1], cut_costs=cuts, tolerance=0.5) == [0, 1, 4]
+
+
+def test_stage_weighted_fewer_units_than_stages():
+    # As contiguous_split: singletons, then empty trailing segments.
+    assert stage_weighted_split([2, 3], [1, 1], [3, 2, 1, 1]) == [0, 1, 2, 2, 2]
+    assert stage_weighted_split([], [], [1, 1, 1]) == [0, 0, 0, 0]
+    assert stage_weighted_split([5], [1], [2]) == [0, 1]
+    assert stage_weighted_split([5, 1, 2], [1, 1, 1], [7]) == [0, 3]
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2, 3, 4])
+def test_stage_weighted_matches_brute_force(seed):
+    # Integer data keeps every stage cost exact, so the bottleneck, the cut
+    # cost and the chosen (lexicographically smallest) split must all match.
+    rng = random.Random(seed)
+    for _ in range(150):
+        n, k = rng.randint(0, 8), rng.randint(1, 4)
+        static = [rng.choice([0, 0, 1, 2, 5]) for _ in range(n)]
+        act = [rng.choice([0, 1, 3, 7]) for _ in range(n)]
+        mult = [rng.choice([0, 1, 2, 4, 100]) for _ in range(k)]
+        fixed = [rng.choice([0, 0, 3, 20]) for _ in range(k)] if rng.random() < 0.5 else None
+        cuts = [rng.randint(0, 5) for _ in range(max(n - 1, 0))] if rng.random() < 0.7 else None
+        tol = rng.choice([0.0, 0.0, 0.1, 0.5])
+        fx = fixed or [0] * k
+        ct = cuts or [0] * max(n - 1, 0)
+        best, best_cut, chosen = _stage_weighted_brute(static, act, mult, ct, fx, tol)
+        bounds = stage_weighted_split(static, act, mult, cut_costs=cuts, fixed_costs=fixed, tolerance=tol)
+        _check_boundaries(bounds, n, k)
+        peak = max(_stage_costs(static, act, mult, fx, bounds))
+        assert peak <= (1 + tol) * best + 1e-9
+        if tol == 0.0:
+            assert peak == best
+        assert split_cut_cost(bounds, ct) == best_cut
+        assert bounds == chosen
+
+
+def test_stage_weighted_float_bottleneck_matches_brute_force():
+    rng = random.Random(11)
+    for _ in range(300):
+        n, k = rng.randint(1, 8), rng.randint(1, 4)
+        static = [rng.random() for _ in range(n)]
+        act = [rng.random() * rng.choice([0, 1, 5]) for _ in range(n)]
+        mult = [rng.choice([0, 1, 2.5, 4, 100]) for _ in range(k)]
+        fixed = [rng.choice([0, 0.3, 2.0]) for _ in range(k)]
+        best, _, _ = _stage_weighted_brute(static, act, mult, [0] * max(n - 1, 0), fixed, 0.0)
+        bounds = stage_weighted_split(static, act, mult, fixed_costs=fixed)
+        _check_boundaries(bounds, n, k)
+        assert max(_stage_costs(static, act, mult, fixed, bounds)) == pytest.approx(best, rel=1e-9)
+
+
+def test_stage_weighted_reduces_to_min_bottleneck():
+    # Multipliers all 1 and no activations: the plain contiguous problem.
+    rng = random.Random(21)
+    for _ in range(100):
+        n, k = rng.randint(0, 30), rng.randint(1, 6)
+        static = [rng.choice([0, 1, 2, 3, 5, 8, 13]) for _ in range(n)]
+        bounds = stage_weighted_split(static, [0] * n, [1] * k)
+        _check_boundaries(bounds, n, k)
+        assert max(segment_costs(static, bounds)) == min_bottleneck(static, k)
+
+
+def test_stage_weighted_large_finishes():
+    # Not a timing assertion: just that the bisection + O(k n) DP handles the
+    # sizes a real model produces. The result can be no worse than any split,
+    # the equal-count one included.
+    rng = random.Random(0)
+    for n, k in [(2000, 8), (3000, 16)]:
+        static = [rng.random() for _ in range(n)]
+        act = [3 * rng.random() for _ in range(n)]
+        mult = [min(k - p, 2 * k) for p in range(k)]  # 1F1B, M = 2k micro-batches
+        fixed = [1.0] * k
+        cuts = [rng.random() for _ in range(n - 1)]
+        bounds = stage_weighted_split(static, act, mult, cut_costs=cuts, fixed_costs=fixed, tolerance=0.02)
+        _check_boundaries(bounds, n, k)
+        peak = max(_stage_costs(static, act, mult, fixed, bounds))
+        naive = max(_stage_costs(static, act, mult, fixed, equal_count_split(n, k)))
+        assert peak <= 1.02 * naive + 1e-6
+        # Early stages keep more activations alive, so they get fewer units.
+        assert bounds[1] - bounds[0] < bounds[k] - bounds[k - 1]
+
+
+@pytest.mark.parametrize(
+    "kwargs, bad",
+    [
+        (dict(static_costs=[1, 2], activation_costs=[1], multipliers=[1]), "1 entries"),
+        (dict(static_costs=[1, -2], activation_costs=[1, 1], multipliers=[1]), "-2"),
+        (dict(static_costs=[1, 2], activation_costs=[1, float("nan")], multipliers=[1]), "nan"),
+        (dict(static_costs=[1, 2], activation_costs=[1, 1], multipliers=[]), "[]"),
+        (dict(static_costs=[1, 2], activation_costs=[1, 1], multipliers=[1, -3]), "-3"),
+        (dict(static_costs=[1, 2], activation_costs=[1, 1], multipliers=[float("inf")]), "inf"),
+        (dict(static_costs=[1, 2, 3], activation_costs=[1, 1, 1], multipliers=[1], cut_costs=[1]), "1 entries"),
+        (dict(static_costs=[1, 2], activation_costs=[1, 1], multipliers=[1], cut_costs=[-4]), "-4"),
+        (dict(static_costs=[1, 2], activation_costs=[1, 1], multipliers=[1, 1], fixed_costs=[1]), "1 entries"),
+        (dict(static_costs=[1, 2], activation_costs=[1, 1], multipliers=[1, 1], fixed_costs=[1, -0.5]), "-0.5"),
+        (dict(static_costs=[1, 2], activation_costs=[1, 1], multipliers=[1], tolerance=-0.25), "-0.25"),
+        (dict(static_costs=[1, 2], activation_costs=[1, 1], multipliers=[1], tolerance=float("nan")), "nan"),
+    ],
+)
+def test_stage_weighted_invalid_inputs(kwargs, bad):
+    with pytest.raises(ValueError) as err:
+        stage_weighted_split(**kwargs)
+    assert bad in str(err.value)

@@ -21,6 +21,12 @@ Contiguous splits are exact and run in two stages:
    prefix positions whose admissible predecessors form a sliding window, so a
    monotone deque gives ``O(k n)`` (plus ``O(n log n)`` to locate the windows).
 
+`stage_weighted_split` is the pipeline-memory variant: segment p costs
+``fixed[p] + static + multipliers[p] * activations``, so the cost of a unit
+depends on the stage it lands on. The same two stages apply (bisection on
+the bound with an exact reachable-set feasibility test, then a sliding-window
+cut-cost DP, ``O(k n log n)``).
+
 `balanced_assignment` is the non-contiguous counterpart: LPT greedy for the
 load, then bounded single-move / swap refinement that lowers the cut weight
 without letting any part exceed a load cap.
@@ -50,6 +56,7 @@ __all__ = [
     "split_cut_cost",
     "segment_costs",
     "brute_force_contiguous",
+    "stage_weighted_split",
     "equal_count_split",
     "equal_cost_greedy_split",
 ]
@@ -512,6 +519,306 @@ def brute_force_contiguous(
     best = min(p for p, _ in scored)
     bound = (1.0 + tol) * best + _eps(sum(c))
     return best, min(q for p, q in scored if p <= bound)
+
+
+# --------------------------------------------------------------------------- stage-weighted contiguous
+
+
+def _stage_reach(w: List[float], a: int, room: float) -> int:
+    """Furthest end b with ``w[b] <= w[a] + room``: the longest segment from `a`
+    whose weighted cost fits in `room` (``a - 1`` when even an empty one does not).
+
+    Every admissibility test of `stage_weighted_split` goes through this one
+    float comparison, so the feasibility search and the tie-break DP agree on
+    which segments fit, rounding included.
+    """
+    return bisect_right(w, w[a] + room, a) - 1
+
+
+def _stage_weighted_feasible(
+    ws: List[List[float]],
+    fixed: List[float],
+    unit_order: List[List[int]],
+    unit_keys: List[List[float]],
+    bound: float,
+    eps: float,
+    keep: Optional[List[Tuple[List[Tuple[int, int]], List[int], float]]] = None,
+) -> bool:
+    """Can the units be split into ``k = len(ws)`` non-empty contiguous
+    segments, segment p costing at most `bound` on stage p?
+
+    With stage-dependent weights and non-empty segments the greedy "longest
+    segment first" is not optimal: a stage may need to stop early so that the
+    next stage starts on a unit it can hold at all. So the set ``E_p`` of ends
+    reachable after stages 0..p is propagated exactly, as a sorted list of
+    disjoint integer intervals. A start ``a`` is usable by stage p unless unit
+    ``a`` alone does not fit there (those units, the only ones that break the
+    intervals, are found by a binary search over the units pre-sorted by their
+    weight on that stage); a run ``[u, v]`` of usable starts inside ``E_{p-1}``
+    reaches exactly ``[u + 1, reach_p(v)]`` because reach_p is non-decreasing.
+    A probe costs ``O(k log n)`` plus the work on the intervals and on the
+    units too heavy for a stage, which stay few near the optimum.
+
+    With `keep` (a list), appends ``(E_{p-1}, heavy units, room)`` for each
+    stage p, for `_stage_weighted_witness`.
+    """
+    k = len(ws)
+    n = len(ws[0]) - 1
+    cur: List[Tuple[int, int]] = [(0, 0)]
+    for p in range(k):
+        w = ws[p]
+        room = bound - fixed[p] + eps
+        if room < 0.0:
+            return False
+        cap = n - (k - 1 - p)  # leave one unit for each later stage
+        # Units that do not fit stage p even alone, in index order. The key
+        # test is loose by a rounding margin; the exact test is the same float
+        # comparison `_stage_reach` makes.
+        keys = unit_keys[p]
+        first = bisect_right(keys, room - 1e-14 * (w[n] + room))
+        heavy = sorted(a for a in unit_order[p][first:] if w[a + 1] > w[a] + room)
+        n_heavy = len(heavy)
+        if keep is not None:
+            keep.append((cur, heavy, room))
+        nxt: List[Tuple[int, int]] = []
+        for s, t in cur:
+            i = bisect_left(heavy, s)
+            u = s
+            while u <= t:
+                if i < n_heavy and heavy[i] <= t:
+                    v, u_next = heavy[i] - 1, heavy[i] + 1
+                    i += 1
+                else:
+                    v, u_next = t, t + 1
+                if u <= v:
+                    r = min(_stage_reach(w, v, room), cap)
+                    if r > u:
+                        if nxt and u <= nxt[-1][1]:  # touches the last interval
+                            nxt[-1] = (nxt[-1][0], max(nxt[-1][1], r))
+                        else:
+                            nxt.append((u + 1, r))
+                u = u_next
+        if not nxt:
+            return False
+        cur = nxt
+    return cur[-1][1] == n
+
+
+def _stage_weighted_witness(
+    ws: List[List[float]], keep: List[Tuple[List[Tuple[int, int]], List[int], float]]
+) -> List[int]:
+    """A split that a successful `_stage_weighted_feasible` probe (run with
+    `keep`) proved to exist, rebuilt backwards from the reachable sets.
+
+    For a reachable end e of stage p, the largest usable start ``a < e`` in
+    ``E_{p-1}`` reaches furthest (reach_p is non-decreasing), so it reaches e
+    whenever any start does.
+    """
+    k = len(ws)
+    n = len(ws[0]) - 1
+    bounds = [n]
+    e = n
+    for p in range(k - 1, -1, -1):
+        prev, heavy, room = keep[p]
+        skip = set(heavy)
+        start = -1
+        for s, t in reversed(prev):
+            a = min(t, e - 1)
+            while a >= s and a in skip:
+                a -= 1
+            if a >= s:
+                start = a
+                break
+        if start < 0 or _stage_reach(ws[p], start, room) < e:  # cannot happen
+            raise RuntimeError(f"stage_weighted_split: no start for stage {p} ending at {e}.")
+        bounds.append(start)
+        e = start
+    bounds.reverse()
+    return bounds
+
+
+def stage_weighted_split(
+    static_costs: Sequence[float],
+    activation_costs: Sequence[float],
+    multipliers: Sequence[float],
+    cut_costs: Optional[Sequence[float]] = None,
+    fixed_costs: Optional[Sequence[float]] = None,
+    tolerance: float = 0.0,
+) -> List[int]:
+    """Contiguous split into pipeline stages whose cost depends on the stage.
+
+    Giving units ``[a, b)`` to stage p costs ``fixed_costs[p] +
+    sum(static_costs[a:b]) + multipliers[p] * sum(activation_costs[a:b])``.
+    This models a stage's memory: variables and optimizer state, plus the
+    activations kept for the backward pass times the number of micro-batches
+    the schedule keeps alive on that stage (``min(P - p, M)`` under 1F1B, so
+    early stages weigh activations more), plus a per-stage fixed term.
+
+    With ``k = len(multipliers)`` and n units, the split minimises the largest
+    stage cost ``B*`` (each segment non-empty when ``n >= k``); among the splits
+    whose stages all cost at most ``(1 + tolerance) * B*`` it returns one with
+    the smallest total cut cost, and among those the lexicographically
+    smallest boundaries. With fewer units than stages, returns n singletons
+    followed by empty segments, as `contiguous_split` does.
+
+    ``B*`` is found by bisection on the bound (down to the rounding slack
+    ``REL_EPS`` times the largest possible stage cost), each probe an exact
+    feasibility test over interval sets (see `_stage_weighted_feasible`); the
+    tie-break is a DP over suffixes whose admissible next boundaries form a
+    sliding window: a monotone deque plus one binary search per start,
+    ``O(k n log n)``.
+
+    Args:
+        static_costs: non-negative per-unit cost paid once (e.g. variable and
+            optimizer bytes), n entries in order.
+        activation_costs: non-negative per-unit cost scaled by the stage's
+            multiplier (e.g. activation bytes per micro-batch); n entries.
+        multipliers: non-negative factor of each stage, in pipeline order;
+            its length is the number of stages k (>= 1).
+        cut_costs: ``cut_costs[i]`` is paid when a boundary falls between unit
+            i and unit i + 1; exactly ``max(n - 1, 0)`` entries. Defaults to
+            zeros.
+        fixed_costs: non-negative cost each stage pays whatever it holds; k
+            entries. Defaults to zeros.
+        tolerance: allowed relative excess over the optimal bottleneck that
+            the cut-cost tie-break may use.
+
+    Returns:
+        Boundaries ``[0, b1, ..., n]`` (k + 1 non-decreasing entries); stage p
+        holds units ``b_p .. b_{p+1} - 1``.
+
+    Raises:
+        ValueError: no multipliers, a list of the wrong length, a negative /
+            NaN / infinite cost, multiplier or fixed cost, or a negative / NaN
+            `tolerance`.
+    """
+    c = _check_costs(static_costs, "static_costs")
+    n = len(c)
+    if len(activation_costs) != n:
+        raise ValueError(
+            f"activation_costs must have len(static_costs) = {n} entries. "
+            f"Received: {len(activation_costs)} entries"
+        )
+    act = _check_costs(activation_costs, "activation_costs")
+    if len(multipliers) < 1:
+        raise ValueError(f"multipliers must have at least 1 entry (one per stage). Received: {list(multipliers)!r}")
+    mult = _check_costs(multipliers, "multipliers")
+    k = len(mult)
+    if cut_costs is None:
+        cut = [0.0] * max(n - 1, 0)
+    else:
+        if len(cut_costs) != max(n - 1, 0):
+            raise ValueError(
+                f"cut_costs must have len(static_costs) - 1 = {max(n - 1, 0)} entries. "
+                f"Received: {len(cut_costs)} entries"
+            )
+        cut = _check_costs(cut_costs, "cut_costs")
+    if fixed_costs is None:
+        fixed = [0.0] * k
+    else:
+        if len(fixed_costs) != k:
+            raise ValueError(
+                f"fixed_costs must have len(multipliers) = {k} entries. Received: {len(fixed_costs)} entries"
+            )
+        fixed = _check_costs(fixed_costs, "fixed_costs")
+    tol = _check_tolerance(tolerance)
+    if n <= k:  # no choice: every unit alone, the rest empty
+        return list(range(n + 1)) + [n] * (k - n)
+    if k == 1:
+        return [0, n]
+
+    # ws[p][i]: weighted prefix sum on stage p, so [a, b) costs
+    # fixed[p] + ws[p][b] - ws[p][a]. Non-decreasing in i.
+    s, sa = _prefix(c), _prefix(act)
+    ws = [[si + m * ai for si, ai in zip(s, sa)] for m in mult]
+    eps = _eps(max(f + w[n] for f, w in zip(fixed, ws)))
+    unit_order: List[List[int]] = []
+    unit_keys: List[List[float]] = []
+    for w in ws:
+        d = [w[i + 1] - w[i] for i in range(n)]
+        order = sorted(range(n), key=d.__getitem__)
+        unit_order.append(order)
+        unit_keys.append([d[i] for i in order])
+
+    def feasible(bound: float) -> bool:
+        return _stage_weighted_feasible(ws, fixed, unit_order, unit_keys, bound, eps)
+
+    # Bisection. Every stage pays its fixed cost, so B* >= max(fixed); any
+    # split fits under the cost of the heaviest stage holding everything.
+    lo = max(fixed)
+    if feasible(lo):
+        hi = lo
+    else:
+        hi = max(f + w[n] for f, w in zip(fixed, ws))
+        if not feasible(hi):  # cannot happen: every split fits
+            raise RuntimeError(f"stage_weighted_split: bound {hi} should be feasible (n={n}, k={k}).")
+        # Invariant: lo infeasible, hi feasible.
+        for _ in range(200):
+            if hi - lo <= eps:
+                break
+            mid = 0.5 * (lo + hi)
+            if feasible(mid):
+                hi = mid
+            else:
+                lo = mid
+    # Snap to the peak of a split that fits `hi`: an actual stage cost, so the
+    # optimum itself up to the rounding slack (hi may be up to eps below it,
+    # which (1 + tol) would magnify). The eps in every room keeps that split
+    # admissible at tol = 0.
+    keep: List[Tuple[List[Tuple[int, int]], List[int], float]] = []
+    _stage_weighted_feasible(ws, fixed, unit_order, unit_keys, hi, eps, keep)
+    witness = _stage_weighted_witness(ws, keep)
+    peak = max(fixed[p] + ws[p][witness[p + 1]] - ws[p][witness[p]] for p in range(k))
+    bound = (1.0 + tol) * peak
+
+    # Tie-break DP over suffixes. best[a]: min cut cost of covering units
+    # [a, n) with stages p..k-1 (a cut at a is paid by the stage before);
+    # nexts[p][a]: the smallest end of stage p's segment achieving it, so a
+    # forward walk yields the lexicographically smallest optimal boundaries.
+    nexts: List[List[int]] = [[]] * k
+    # Last stage: must end at n.
+    w = ws[k - 1]
+    room = bound - fixed[k - 1] + eps
+    best = [_INF] * (n + 1)
+    for a in range(k - 1, n):
+        if _stage_reach(w, a, room) >= n:
+            best[a] = 0.0
+    nexts[k - 1] = [n] * (n + 1)
+    for p in range(k - 2, -1, -1):
+        w = ws[p]
+        room = bound - fixed[p] + eps
+        cap = n - (k - 1 - p)  # ends leave one unit per later stage
+        cur = [_INF] * (n + 1)
+        arg = [-1] * (n + 1)
+        # Window of candidate ends b (value best[b] + cut at b), added in
+        # decreasing b; values increase from front to back, and a newer entry
+        # evicts older ones that are not smaller, so the front is the minimum
+        # with the smallest b among ties.
+        window: deque = deque()
+        for a in range(cap - 1, p - 1, -1):
+            b = a + 1
+            v = best[b]
+            if v < _INF:
+                v += cut[b - 1]
+                while window and window[-1][0] >= v:
+                    window.pop()
+                window.append((v, b))
+            r = _stage_reach(w, a, room)  # may exceed cap; the window only holds b <= cap
+            while window and window[0][1] > r:
+                window.popleft()
+            if window:
+                cur[a], arg[a] = window[0]
+        best = cur
+        nexts[p] = arg
+
+    if best[0] == _INF:  # cannot happen: the bound is feasible by construction
+        raise RuntimeError(f"stage_weighted_split found no split within bound {bound} (n={n}, k={k}).")
+    bounds = [0]
+    a = 0
+    for p in range(k):
+        a = nexts[p][a]
+        bounds.append(a)
+    return bounds
 
 
 # --------------------------------------------------------------------------- baselines

@@ -116,3 +116,57 @@ def test_zoo_transparency(name, partitions, schedule, record_property):
     assert not bad, f"gradients differ from the reference loop (worst first): {sorted(bad, key=lambda b: -b[1])[:5]}"
     bad_state = [(v.path, e) for v, e in zip(model.variables, state_errors) if e > TOLERANCE]
     assert not bad_state, f"state after the step differs from the reference loop: {bad_state[:5]}"
+
+
+# -- recomputation -------------------------------------------------------------
+#: The default run checks one recompute mode per model (alternating, so both
+#: modes meet both schedules across the zoo); ``-m recompute_all`` checks
+#: every mode under every configuration.
+_RECOMPUTE_DEFAULT = {
+    name: ("full", 2, "interleaved") if k % 2 == 0 else ("selective", 3, "simple")
+    for k, name in enumerate(zoo_models.ENTRIES)
+}
+_RECOMPUTE_ALL = [
+    (mode, p, s) for mode in ("full", "selective") for p, s in CONFIGS
+]
+
+
+def _step_values(step, case, partitions, schedule, recompute):
+    smp.init({"partitions": partitions, "microbatches": M, "pipeline": schedule, "recompute": recompute})
+    loss, grads = step(case.x, case.y)
+    values = [np.asarray(l) for l in loss.outputs]
+    values += [tf.convert_to_tensor(g.outputs[m]).numpy() for g in grads for m in range(M)]
+    values += [v.numpy() for v in case.model.variables]
+    return values, step.last_compiled
+
+
+def _check_recompute(name, mode, partitions, schedule):
+    case, init, _, _, _, step = _reference(name)
+    results = {}
+    for recompute in ("never", mode):
+        for v, value in zip(case.model.variables, init):
+            v.assign(value)
+        results[recompute] = _step_values(step, case, partitions, schedule, recompute)
+    (expected, never), (got, entry) = results["never"], results[mode]
+    # Recomputation changes memory, never numbers: bit for bit, and stateful
+    # ops (seed updates, BatchNorm statistics) ran once per micro-batch, or
+    # the state would differ.
+    for k, (a, b) in enumerate(zip(got, expected)):
+        np.testing.assert_array_equal(a, b, err_msg=f"value {k} differs with recompute={mode!r}")
+    kept = sum(len(t.kept_inputs()) for t in entry.tasks)
+    kept_never = sum(len(t.kept_inputs()) for t in never.tasks)
+    assert kept <= kept_never
+    assert entry.recompute == [mode] * partitions
+
+
+@pytest.mark.parametrize("name", _grouped(zoo_models.ENTRIES))
+def test_zoo_recompute_is_bit_exact(name):
+    mode, partitions, schedule = _RECOMPUTE_DEFAULT[name]
+    _check_recompute(name, mode, partitions, schedule)
+
+
+@pytest.mark.recompute_all
+@pytest.mark.parametrize("mode,partitions,schedule", _RECOMPUTE_ALL, ids=[f"{m}-P{p}-{s}" for m, p, s in _RECOMPUTE_ALL])
+@pytest.mark.parametrize("name", _grouped(zoo_models.ENTRIES))
+def test_zoo_recompute_every_configuration(name, mode, partitions, schedule):
+    _check_recompute(name, mode, partitions, schedule)

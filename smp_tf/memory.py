@@ -1,0 +1,447 @@
+"""The memory model: each partition's predicted peak, before anything runs.
+
+Pure Python over the graph view, the tasks, and a simulation of the
+schedule. A partition's memory has two parts:
+
+* **static**, held for the whole step: its ``variables``, the ``optimizer``
+  slots of its trainable variables (Adam 2x, SGD with momentum 1x, plain SGD
+  0x; `optimizer_slots`), and the ``gradients``: the running sum of every
+  gradient the step returns from that partition, plus one micro-batch's
+  gradient being added to it.
+* **dynamic**, followed through the simulated schedule:
+
+  - ``activations``: tensors a task keeps for a later task of the same
+    partition (its backward), from the end of the task that makes them to
+    the end of the last task that reads them, one copy per micro-batch the
+    schedule keeps alive there (1F1B keeps at most ``P - p`` on stage ``p``,
+    GPipe all ``M``); tensors received from another partition and read by
+    more than one of its tasks (a stage's inputs, read again by its
+    backward) count here too;
+  - ``buffers``: tensors sent to another partition, from the end of the
+    producing task to the end of the task that reads them, and the received
+    copies of tensors read once;
+  - ``transient``: while a task runs, the peak of the tensors it makes and
+    frees itself (found by running its ops in order, with outputs that
+    alias an input, such as a ``Reshape`` or a variable read, taking no new
+    memory, and element-wise ops writing into an input they read last).
+
+``total`` is the static part plus the highest the dynamic part gets; the
+``activations``, ``buffers`` and ``transient`` columns are their values at
+that moment. Recomputation (`rewrite.recomputable_ops`) changes which
+tensors a partition keeps, so it shows in ``activations`` (smaller) and in
+``transient`` (a backward task holds the forward it recomputes).
+
+`process_peak` is the figure comparable with one allocator shared by all
+devices (logical CPU devices): every tensor counted once, on the sending
+side, summed over partitions at each moment of the simulated step.
+
+What the model does not see: kernel scratch space (e.g. a convolution's
+workspace), the runtime's own allocations, allocator fragmentation, and
+timing that differs from the simulation (a real device may start a
+micro-batch's forward earlier than the simulated costs say).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from typing import Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
+
+from smp_tf.graph_view import OpGraph
+from smp_tf.rewrite import Task
+from smp_tf.schedule import Action, Simulation
+
+__all__ = [
+    "PartitionMemory",
+    "MemoryReport",
+    "MemoryBudgetError",
+    "predict_memory",
+    "storage_bytes",
+    "task_workspace",
+    "optimizer_slots",
+    "format_bytes",
+]
+
+#: Ops whose output is (a view of) their input: no new memory.
+ALIASING = frozenset(
+    """Identity IdentityN Reshape Squeeze ExpandDims StopGradient PreventGradient EnsureShape
+    Snapshot ReadVariableOp Bitcast""".split()
+)
+#: Element-wise ops that write their output into an input buffer of the same
+#: size when nothing else reads that input (TensorFlow's
+#: ``forward_input_or_allocate_output``).
+IN_PLACE = frozenset(
+    """Add AddV2 Sub Mul RealDiv Div DivNoNan Maximum Minimum Neg Relu Relu6 Elu Selu Sigmoid Tanh
+    Exp Log Log1p Sqrt Rsqrt Square Pow Erf Softplus LeakyRelu BiasAdd ReluGrad Relu6Grad EluGrad
+    SeluGrad SigmoidGrad TanhGrad LeakyReluGrad SquaredDifference AddN Select SelectV2 Abs Sign
+    Reciprocal Inv Floor Ceil Round""".split()
+)
+#: Ops whose outputs live outside the step's dynamic memory (constants,
+#: arguments, captured handles).
+_NOT_ALLOCATED = frozenset(["Const", "Placeholder", "VarHandleOp", "_Arg"])
+
+_FIELDS = ("variables", "optimizer", "gradients", "activations", "buffers", "transient")
+
+
+class MemoryBudgetError(ValueError):
+    """A layout's predicted peak does not fit `memory_budget` on some device."""
+
+
+def optimizer_slots(optimizer: object) -> float:
+    """Optimizer state per byte of trainable variable.
+
+    Adam-like optimizers keep two slots (AdamW, Adamax, Nadam, LAMB, ...),
+    RMSprop one (two with momentum), Adagrad and Adadelta one (Adadelta
+    two), SGD one with momentum and none without; an unknown optimizer is
+    assumed to keep two. None (no optimizer known) keeps none.
+    """
+    if optimizer is None:
+        return 0.0
+    name = type(optimizer).__name__.lower()
+    if name in ("sgd",):
+        return 1.0 if float(getattr(optimizer, "momentum", 0.0) or 0.0) > 0 else 0.0
+    if name == "rmsprop":
+        return 2.0 if float(getattr(optimizer, "momentum", 0.0) or 0.0) > 0 else 1.0
+    if name in ("adagrad", "ftrl"):
+        return 1.0 if name == "adagrad" else 2.0
+    if name == "adadelta":
+        return 2.0
+    if name == "lion":
+        return 1.0
+    if "lossscale" in name:
+        return optimizer_slots(getattr(optimizer, "inner_optimizer", None))
+    return 2.0
+
+
+def format_bytes(n: float) -> str:
+    """``1536`` -> ``"1.5 KiB"``."""
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} GiB"
+
+
+@dataclass
+class PartitionMemory:
+    """One partition's predicted peak, in bytes (see the module doc).
+
+    Attributes:
+        partition: the partition.
+        device: its device.
+        variables, optimizer, gradients: the static part.
+        activations, buffers, transient: the dynamic part at its peak.
+        total: the predicted peak.
+        recompute: the partition's recompute mode.
+        measured: the measured peak where a measurement exists (None
+            otherwise); see `MemoryReport.method`.
+    """
+
+    partition: int
+    device: str = ""
+    variables: int = 0
+    optimizer: int = 0
+    gradients: int = 0
+    activations: int = 0
+    buffers: int = 0
+    transient: int = 0
+    total: int = 0
+    recompute: str = "never"
+    measured: Optional[int] = None
+
+
+@dataclass
+class MemoryReport:
+    """The memory of every partition of a compiled step.
+
+    Attributes:
+        partitions: one `PartitionMemory` per partition.
+        process_peak: the predicted peak of all partitions together, each
+            tensor counted once (what one shared allocator sees).
+        measured_process_peak: the measured peak of one shared allocator
+            (logical CPU devices with ``TF_CPU_ALLOCATOR_USE_BFC=true``).
+        method: how ``measured`` was obtained, in words.
+        budget: the configured ``memory_budget`` (None: none).
+        schedule: the schedule kind and micro-batch count it was predicted for.
+    """
+
+    partitions: List[PartitionMemory]
+    process_peak: int = 0
+    measured_process_peak: Optional[int] = None
+    method: str = ""
+    budget: Optional[int] = None
+    schedule: str = ""
+
+    def __getitem__(self, p: int) -> PartitionMemory:
+        return self.partitions[p]
+
+    def __iter__(self):
+        return iter(self.partitions)
+
+    def __len__(self) -> int:
+        return len(self.partitions)
+
+    @property
+    def peak(self) -> int:
+        """The largest predicted partition peak."""
+        return max((r.total for r in self.partitions), default=0)
+
+    def table(self) -> str:
+        """The report as a table (one row per partition)."""
+        head = f"Memory per partition ({self.schedule})" if self.schedule else "Memory per partition"
+        if self.budget is not None:
+            head += f", budget {format_bytes(self.budget)} per device"
+        cols = ("variables", "optimizer", "gradients", "activations", "buffers", "transient", "total", "measured")
+        lines = [
+            head,
+            f"{'part':>4}  {'device':<16} {'recompute':<9} " + " ".join(f"{c:>11}" for c in cols),
+        ]
+        for r in self.partitions:
+            cells = [format_bytes(getattr(r, c)) for c in cols[:-1]]
+            cells.append("-" if r.measured is None else format_bytes(r.measured))
+            lines.append(f"{r.partition:>4}  {r.device:<16} {r.recompute:<9} " + " ".join(f"{c:>11}" for c in cells))
+        line = f"all partitions, one allocator: predicted {format_bytes(self.process_peak)}"
+        if self.measured_process_peak is not None:
+            ratio = self.measured_process_peak / self.process_peak if self.process_peak else float("nan")
+            line += f", measured {format_bytes(self.measured_process_peak)} ({ratio:.2f}x)"
+        lines.append(line)
+        if self.method:
+            lines.append(f"measured: {self.method}")
+        return "\n".join(lines)
+
+    def __str__(self) -> str:
+        return self.table()
+
+    def __repr__(self) -> str:
+        return self.table()
+
+
+def storage_bytes(graph: OpGraph) -> List[int]:
+    """Bytes of new memory each tensor takes.
+
+    0 for tensors that alias a variable (a ``ReadVariableOp`` and views of
+    it), constants, step arguments and captures; the tensor's bytes
+    otherwise (a view of an activation keeps that activation alive, so it
+    counts its size).
+    """
+    out = [t.bytes for t in graph.tensors]
+    for op in graph.ops:  # topological order: a view's source is done first
+        if op.kind != "op" or op.type in _NOT_ALLOCATED:
+            for t in op.outputs:
+                out[t] = 0
+        elif op.type in ALIASING and op.inputs:
+            src = out[op.inputs[0]]
+            if op.type == "ReadVariableOp" or src == 0:
+                for t in op.outputs:
+                    out[t] = 0
+    return out
+
+
+def task_workspace(graph: OpGraph, task: Task, storage: Optional[Sequence[int]] = None) -> int:
+    """Peak bytes a task allocates while it runs (its outputs included).
+
+    The ops (members, copies and recomputed ops) run in graph order; a
+    tensor is freed after its last reader in the task, unless the task
+    returns it; a view allocates nothing and keeps its source alive; an
+    element-wise op writes into an input of the same size that it reads
+    last (`IN_PLACE`). Inputs from other tasks are not counted (they are
+    held by their producer).
+    """
+    storage = storage_bytes(graph) if storage is None else storage
+    ops = sorted(set(task.members) | set(task.copies) | set(task.recomputed))
+    in_task = set(ops)
+    outputs = set(task.outputs)
+    # Buffer of each tensor: views share their source's buffer.
+    buffer: Dict[int, int] = {}
+    last_use: Dict[int, int] = {}
+    for i in ops:
+        op = graph.ops[i]
+        for t in op.inputs:
+            b = buffer.get(t, t)
+            last_use[b] = i
+        if op.type in ALIASING and op.inputs:
+            for k, t in enumerate(op.outputs):
+                x = op.inputs[k] if op.type == "IdentityN" and k < len(op.inputs) else op.inputs[0]
+                buffer[t] = buffer.get(x, x)
+    pinned = {buffer.get(t, t) for t in outputs}
+    live = 0
+    peak = 0
+    size: Dict[int, int] = {}
+    for i in ops:
+        op = graph.ops[i]
+        produced = 0
+        reused = None
+        if op.type in IN_PLACE and op.outputs:
+            need = storage[op.outputs[0]]
+            for t in op.inputs:
+                b = buffer.get(t, t)
+                if (b in size and size[b] == need and need > 0 and last_use.get(b) == i
+                        and b not in pinned and graph.tensors[b].producer in in_task):
+                    reused = b
+                    break
+        for t in op.outputs:
+            if buffer.get(t, t) != t:
+                continue  # a view
+            if reused is not None and t == op.outputs[0]:
+                size[t] = size.pop(reused)
+                if last_use.get(reused) == i:
+                    last_use.pop(reused, None)
+                continue
+            size[t] = storage[t]
+            produced += storage[t]
+        live += produced
+        peak = max(peak, live)
+        for t in set(op.inputs):
+            b = buffer.get(t, t)
+            if last_use.get(b) == i and b in size and b not in pinned:
+                live -= size.pop(b)
+        for t in op.outputs:  # made and never read: freed at once
+            b = buffer.get(t, t)
+            if b == t and b not in last_use and b not in pinned and b in size:
+                live -= size.pop(b)
+    return peak
+
+
+@dataclass
+class _Interval:
+    start: float
+    end: float
+    nbytes: int
+    kind: str  # "activations", "buffers" or "transient"
+
+
+def _peak(intervals: Iterable[_Interval]) -> Tuple[int, Dict[str, int]]:
+    """The largest sum of overlapping intervals, and its parts by kind."""
+    events = []
+    for k, iv in enumerate(intervals):
+        if iv.nbytes <= 0 or iv.end < iv.start:
+            continue
+        events.append((iv.start, 1, k, iv))
+        events.append((iv.end, 0, k, iv))
+    # Frees before allocations at the same moment: a buffer released when a
+    # task ends is available to the task that starts then.
+    events.sort(key=lambda e: (e[0], e[1]))
+    live = {"activations": 0, "buffers": 0, "transient": 0}
+    best, best_parts = 0, dict(live)
+    i = 0
+    while i < len(events):
+        t = events[i][0]
+        while i < len(events) and events[i][0] == t:
+            _, up, _, iv = events[i]
+            live[iv.kind] += iv.nbytes if up else -iv.nbytes
+            i += 1
+        total = sum(live.values())
+        if total > best:
+            best, best_parts = total, dict(live)
+    return best, best_parts
+
+
+def predict_memory(
+    graph: OpGraph,
+    partition_of_op: Sequence[int],
+    tasks: Sequence[Task],
+    simulation: Simulation,
+    *,
+    num_partitions: int,
+    partition_of_variable: Mapping[str, int],
+    gradient_bytes: Mapping[int, int],
+    slots: float = 0.0,
+    optimizer_bytes: Optional[Mapping[int, int]] = None,
+    recompute: Sequence[str] = (),
+    devices: Sequence[str] = (),
+    budget: Optional[int] = None,
+    workspace: Optional[Mapping[Tuple[int, int], int]] = None,
+) -> MemoryReport:
+    """Predicts every partition's peak under a simulated schedule.
+
+    Args:
+        graph: the traced graph.
+        partition_of_op: partition of each op.
+        tasks: the tasks (`rewrite.build_tasks`), with the recomputation
+            they were built with.
+        simulation: the schedule's simulation (start and end of every action).
+        num_partitions: number of partitions.
+        partition_of_variable: variable key -> partition.
+        gradient_bytes: partition -> bytes of the gradients the step returns
+            from it (summed over micro-batches by `StepOutput.accumulate`).
+        slots: optimizer slots per byte of trainable variable
+            (`optimizer_slots`), used where `optimizer_bytes` is None.
+        optimizer_bytes: partition -> bytes of optimizer state that exists.
+        recompute: each partition's recompute mode (for the report).
+        devices: device of each partition (for the report).
+        budget: the memory budget (for the report).
+        workspace: (partition, wave) -> a task's peak to use instead of
+            `task_workspace` (e.g. measured).
+
+    Returns:
+        The `MemoryReport` (``measured`` unset).
+    """
+    num_mb = 1 + max((a.microbatch for a in simulation.start), default=0)
+    rows = [
+        PartitionMemory(
+            p,
+            device=devices[p] if p < len(devices) else "",
+            recompute=recompute[p] if p < len(recompute) else "never",
+        )
+        for p in range(num_partitions)
+    ]
+    for v, p in partition_of_variable.items():
+        nbytes = graph.variable_bytes.get(v, 0)
+        rows[p].variables += nbytes
+        if optimizer_bytes is None and graph.trainable.get(v, True):
+            rows[p].optimizer += int(round(slots * nbytes))
+    if optimizer_bytes is not None:
+        for p, nbytes in optimizer_bytes.items():
+            rows[p].optimizer += int(nbytes)
+    for p, nbytes in gradient_bytes.items():
+        # The running sum, and one micro-batch's gradient being added to it.
+        rows[p].gradients += int(nbytes) * (2 if num_mb > 1 else 1)
+
+    storage = storage_bytes(graph)
+    by_key = {t.key: t for t in tasks}
+    readers: Dict[int, List[Task]] = {}
+    for t in tasks:
+        for x in t.inputs:
+            readers.setdefault(x, []).append(t)
+    per_device: Dict[int, List[_Interval]] = {p: [] for p in range(num_partitions)}
+    process: List[_Interval] = []
+    workspace = {t.key: (workspace[t.key] if workspace and t.key in workspace else task_workspace(graph, t, storage))
+                 for t in tasks}
+    start, end = simulation.start, simulation.end
+    for action in start:
+        task = by_key[action.task]
+        m = action.microbatch
+        p = task.partition
+        iv = _Interval(start[action], end[action], workspace[task.key], "transient")
+        per_device[p].append(iv)
+        process.append(iv)
+        for x in task.outputs:
+            nbytes = storage[x]
+            users = readers.get(x, [])
+            if not nbytes or not users:
+                continue
+            ends = [end[Action(u.partition, u.wave, m)] for u in users]
+            kept = any(u.partition == p for u in users)
+            iv = _Interval(end[action], max(ends), nbytes, "activations" if kept else "buffers")
+            per_device[p].append(iv)
+            process.append(iv)
+            # The received copy on every other partition that reads it.
+            for q in sorted({u.partition for u in users} - {p}):
+                mine = [u for u in users if u.partition == q]
+                acts = [Action(u.partition, u.wave, m) for u in mine]
+                kind = "activations" if len(mine) > 1 else "buffers"
+                per_device[q].append(_Interval(min(start[a] for a in acts), max(end[a] for a in acts), nbytes, kind))
+    for p in range(num_partitions):
+        peak, parts = _peak(per_device[p])
+        r = rows[p]
+        r.activations, r.buffers, r.transient = parts["activations"], parts["buffers"], parts["transient"]
+        r.total = r.variables + r.optimizer + r.gradients + peak
+    static = sum(r.variables + r.optimizer + r.gradients for r in rows)
+    process_peak = static + _peak(process)[0]
+    return MemoryReport(rows, process_peak=process_peak, budget=budget)
+
+
+def with_measurements(report: MemoryReport, measured: Mapping[int, int], method: str,
+                      process: Optional[int] = None) -> MemoryReport:
+    """A copy of `report` with measured figures filled in."""
+    rows = [replace(r, measured=measured.get(r.partition)) for r in report.partitions]
+    return replace(report, partitions=rows, method=method, measured_process_peak=process)

@@ -1,0 +1,1 @@
+"""Measurements of running steps (memory)."""

@@ -1,0 +1,111 @@
+"""Measuring a step's memory, next to what `smp_tf.memory` predicts.
+
+* **GPUs**: each partition has its own device and allocator; its peak is
+  read with ``tf.config.experimental.get_memory_info`` after resetting it
+  before the step. That is the ``measured`` column.
+* **Logical CPU devices** share one allocator, so no per-device figure
+  exists. With ``TF_CPU_ALLOCATOR_USE_BFC=true`` in the environment before
+  TensorFlow starts, the allocator counts bytes, and two real figures are
+  taken: the process-wide peak of the step (compared with the predicted
+  peak of all partitions together, `MemoryReport.process_peak`), and each
+  task's own peak, measured by running its function alone on inputs of its
+  shapes. The ``measured`` column is then the partition's peak computed
+  from the measured task peaks instead of the predicted ones (the kept
+  tensors have their static sizes, which are exact). Without the BFC
+  allocator nothing is measured on CPUs and the report says so.
+
+The measured step is the usual training step: the pipeline and, for every
+output, `StepOutput.accumulate`, as a `tf.function`.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Dict, Optional
+
+import tensorflow as tf
+
+from smp_tf.memory import MemoryReport, with_measurements
+
+__all__ = ["measure_step_memory", "cpu_allocator_counts_bytes"]
+
+#: The environment variable that makes TensorFlow's CPU allocator count bytes.
+BFC_ENV = "TF_CPU_ALLOCATOR_USE_BFC"
+
+
+def cpu_allocator_counts_bytes() -> bool:
+    """Whether ``get_memory_info`` works for CPU devices in this process."""
+    try:
+        tf.config.experimental.get_memory_info("CPU:0")
+        return True
+    except (ValueError, tf.errors.OpError, RuntimeError):
+        return False
+
+
+def _peak_of(fn, device: str = "CPU:0") -> int:
+    """Peak bytes above the current allocation while `fn` runs."""
+    tf.config.experimental.reset_memory_stats(device)
+    before = tf.config.experimental.get_memory_info(device)["current"]
+    fn()
+    return tf.config.experimental.get_memory_info(device)["peak"] - before
+
+
+def _zeros(spec: tf.TensorSpec) -> tf.Tensor:
+    shape = [1 if d is None else d for d in spec.shape.as_list()]
+    return tf.zeros(shape, spec.dtype)
+
+
+def measure_step_memory(step_fn: Any, args: tuple, kwargs: dict, optimizer: Any = None) -> MemoryReport:
+    """Runs one step of `step_fn` and measures its memory (see the module doc).
+
+    Args:
+        step_fn: an `smp.step` function.
+        args, kwargs: the arguments of one step.
+        optimizer: the optimizer, for the predicted optimizer state.
+
+    Returns:
+        The step's `MemoryReport` with the measured figures.
+    """
+    from smp_tf import state
+    from smp_tf.step_output import StepOutput
+
+    @tf.function(autograph=False)
+    def run(*a, **k):
+        outs = step_fn(*a, **k)
+        return [o.accumulate() if isinstance(o, StepOutput) else o for o in tf.nest.flatten(outs)]
+
+    run(*args, **kwargs)  # compile, place variables, build the functions
+    entry = step_fn.last_compiled
+    budget = state.config().memory_budget
+    report = entry.memory_report(optimizer, budget=budget)
+    topo = state.topology()
+    if topo.kind == "GPU":
+        for d in entry.devices:
+            tf.config.experimental.reset_memory_stats(d)
+        run(*args, **kwargs)
+        measured = {p: tf.config.experimental.get_memory_info(d)["peak"] for p, d in enumerate(entry.devices)}
+        return with_measurements(report, measured, "peak of each partition's GPU allocator during one step")
+    if not cpu_allocator_counts_bytes():
+        report.method = (
+            f"nothing (logical CPU devices share one allocator, which counts bytes only with "
+            f"{BFC_ENV}=true set before TensorFlow starts)"
+        )
+        return report
+    tf.config.experimental.reset_memory_stats("CPU:0")
+    run(*args, **kwargs)
+    process = tf.config.experimental.get_memory_info("CPU:0")["peak"]
+    # Each task alone, on inputs of its shapes: its own peak.
+    workspace: Dict[tuple, int] = {}
+    for task in entry.tasks:
+        fn = entry._functions[task.key]
+        inputs = [_zeros(s) for s in fn.structured_input_signature[0]]
+        with tf.device(entry.devices[task.partition]):
+            fn(*inputs)  # warm: the first call builds the kernels
+            workspace[task.key] = _peak_of(lambda: fn(*inputs))
+    composed = entry.memory_report(optimizer, budget=budget, workspace=workspace)
+    measured = {r.partition: r.total for r in composed.partitions}
+    method = (
+        "logical CPU devices share one allocator: the process-wide peak of one step, and per "
+        "partition its peak with each task's measured peak (each task run alone)"
+    )
+    return with_measurements(report, measured, method, process=process)
