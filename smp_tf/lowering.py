@@ -24,7 +24,7 @@ import tensorflow as tf
 
 from smp_tf.boundary import raw_input, raw_output
 from smp_tf.config import Config
-from smp_tf.memory import MemoryReport, optimizer_slots, predict_memory
+from smp_tf.memory import MemoryReport, choose_recompute, optimizer_slots, predict_memory
 from smp_tf.partitioner.plan import PartitionPlan
 from smp_tf.rewrite import (
     FusedGradient,
@@ -194,7 +194,13 @@ class CompiledStep:
     """
 
     def __init__(
-        self, traced: Traced, plan: PartitionPlan, cfg: Config, recompute: Optional[Sequence[str]] = None
+        self,
+        traced: Traced,
+        plan: PartitionPlan,
+        cfg: Config,
+        recompute: Optional[Sequence[str]] = None,
+        optimizer: Any = None,
+        budget: Optional[int] = None,
     ) -> None:
         """
         Args:
@@ -202,13 +208,15 @@ class CompiledStep:
             plan: its partitioning.
             cfg: the configuration.
             recompute: the recompute mode of each partition (one of
-                `RECOMPUTE_MODES`); None: ``cfg.recompute`` everywhere
-                (``"auto"`` without a decision counts as ``"never"``).
+                `RECOMPUTE_MODES`); None: chosen from ``cfg.recompute`` and
+                `budget` (`smp_tf.memory.choose_recompute`).
+            optimizer: the optimizer that applies the gradients, if known
+                (unknown, the budget check counts Adam's two slots).
+            budget: bytes per device (None: no limit).
+
+        Raises:
+            MemoryBudgetError: the layout does not fit `budget`.
         """
-        if recompute is None:
-            mode = "never" if cfg.recompute == "auto" else cfg.recompute
-            recompute = [mode] * plan.num_partitions
-        self.recompute: List[str] = list(recompute)
         self.traced = traced
         self.plan = plan
         self.num_microbatches = cfg.microbatches
@@ -230,15 +238,29 @@ class CompiledStep:
         task_outputs = [t for k, t in enumerate(self.output_tensors) if t is not None and k not in self.fused]
         task_outputs += [t for f, _ in self.fused.values() for t in f.inputs]
         removed = [i for f, _ in self.fused.values() for i in f.removed]
-        self.tasks: List[Task] = build_tasks(
-            g, plan.partition_of_op, sorted(set(task_outputs)), exclude=removed, recompute=self.recompute
-        )
-        self._task_by_key = {t.key: t for t in self.tasks}
+        outputs = sorted(set(task_outputs))
+        self.budget = budget
+
+        def cut(modes: Sequence[str]) -> None:
+            self.recompute = list(modes)
+            self.tasks = build_tasks(g, plan.partition_of_op, outputs, exclude=removed, recompute=self.recompute)
+            self._task_by_key = {t.key: t for t in self.tasks}
+            self._set_schedule(cfg.pipeline)
+
+        if recompute is not None:
+            cut(recompute)
+        else:
+            def predict(modes: Sequence[str]) -> MemoryReport:
+                cut(modes)
+                return self.memory_report(optimizer, budget=budget, slots=None if optimizer is not None else 2.0)
+
+            modes, _ = choose_recompute(predict, plan.num_partitions, cfg.recompute, self.budget)
+            if modes != self.recompute:
+                cut(modes)
         # Tensors some task on another partition reads: they leave through an SMPOutput.
         self._sent_tensors = {
             tin for t in self.tasks for tin in t.inputs if t.producer_of_input[tin][0] != t.partition
         }
-        self._set_schedule(cfg.pipeline)
         self._arg_index = {name: i for i, name in enumerate(traced.arg_names)}
         # Products that read a variable transposed get it transposed once
         # per step instead (opt-in: one transposed copy lives during the step).
@@ -428,7 +450,11 @@ class CompiledStep:
         return results
 
     def memory_report(
-        self, optimizer: Any = None, budget: Optional[int] = None, workspace: Optional[Dict[Tuple[int, int], int]] = None
+        self,
+        optimizer: Any = None,
+        budget: Optional[int] = None,
+        workspace: Optional[Dict[Tuple[int, int], int]] = None,
+        slots: Optional[float] = None,
     ) -> MemoryReport:
         """The predicted memory of every partition under this schedule.
 
@@ -439,6 +465,7 @@ class CompiledStep:
                 state.
             budget: the memory budget to show.
             workspace: task key -> its peak, replacing the predicted one.
+            slots: optimizer slots per variable byte, overriding `optimizer`'s.
         """
         g = self.plan.op_graph
         gradient_bytes: Dict[int, int] = {}
@@ -450,7 +477,7 @@ class CompiledStep:
             num_partitions=self.plan.num_partitions,
             partition_of_variable=self.plan.partition_of_variable(),
             gradient_bytes=gradient_bytes,
-            slots=optimizer_slots(optimizer),
+            slots=optimizer_slots(optimizer) if slots is None else slots,
             optimizer_bytes=self._optimizer_bytes(optimizer),
             recompute=self.recompute,
             devices=self.devices,
@@ -472,7 +499,7 @@ class CompiledStep:
                 continue  # iteration counters and the like
             part = _partition_of_device(getattr(getattr(v, "value", v), "device", ""), self.devices)
             out[part] = out.get(part, 0) + v.shape.num_elements() * v.dtype.size
-        return out
+        return out or None
 
     def output_info(self) -> List[Optional[Tuple[bool, int, int]]]:
         """Per flat output: (is a gradient, partition, bytes), None for None outputs."""

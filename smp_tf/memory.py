@@ -44,7 +44,7 @@ micro-batch's forward earlier than the simulated costs say).
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
-from typing import Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
+from typing import Callable, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
 
 from smp_tf.graph_view import OpGraph
 from smp_tf.rewrite import Task
@@ -59,6 +59,8 @@ __all__ = [
     "task_workspace",
     "optimizer_slots",
     "format_bytes",
+    "stage_multipliers",
+    "choose_recompute",
 ]
 
 #: Ops whose output is (a view of) their input: no new memory.
@@ -225,14 +227,12 @@ def storage_bytes(graph: OpGraph) -> List[int]:
     """
     out = [t.bytes for t in graph.tensors]
     for op in graph.ops:  # topological order: a view's source is done first
-        if op.kind != "op" or op.type in _NOT_ALLOCATED:
+        if op.kind != "op" or op.type in _NOT_ALLOCATED or op.type == "ReadVariableOp":
             for t in op.outputs:
                 out[t] = 0
-        elif op.type in ALIASING and op.inputs:
-            src = out[op.inputs[0]]
-            if op.type == "ReadVariableOp" or src == 0:
-                for t in op.outputs:
-                    out[t] = 0
+        elif op.type in ALIASING and op.inputs and out[op.inputs[0]] == 0:
+            for t in op.outputs:
+                out[t] = 0
     return out
 
 
@@ -438,6 +438,98 @@ def predict_memory(
     static = sum(r.variables + r.optimizer + r.gradients for r in rows)
     process_peak = static + _peak(process)[0]
     return MemoryReport(rows, process_peak=process_peak, budget=budget)
+
+
+def stage_multipliers(num_partitions: int, num_microbatches: int, kind: str) -> List[float]:
+    """Micro-batches whose activations stage ``p`` of a chain keeps at once.
+
+    Under ``interleaved`` (1F1B) stage ``p`` keeps at most ``P - p``
+    (fewer when there are fewer micro-batches); under ``simple`` (GPipe)
+    every stage before the last keeps all ``M``. The last stage runs forward
+    and backward in one task, so it keeps one micro-batch's, while that
+    task runs.
+    """
+    P, M = num_partitions, num_microbatches
+    if kind == "simple":
+        keep = [float(M)] * P
+    else:
+        keep = [float(min(P - p, M)) for p in range(P)]
+    if P:
+        keep[-1] = 1.0
+    return keep
+
+
+#: The recompute modes `choose_recompute` tries, from the fastest.
+_ESCALATION = ("never", "selective", "full")
+
+
+def choose_recompute(
+    predict: Callable[[Sequence[str]], MemoryReport],
+    num_partitions: int,
+    requested: str,
+    budget: Optional[int],
+) -> Tuple[List[str], MemoryReport]:
+    """Each partition's recompute mode, and the report it gives.
+
+    With ``requested="auto"`` every partition starts at ``"never"``, and a
+    partition whose predicted peak is over `budget` moves to
+    ``"selective"``, then ``"full"``, until every partition fits. Any other
+    mode is used everywhere. With a budget, the result must fit.
+
+    Args:
+        predict: recompute mode per partition -> the predicted report.
+        num_partitions: number of partitions.
+        requested: the configured ``recompute``.
+        budget: bytes per device, or None.
+
+    Returns:
+        (modes, report).
+
+    Raises:
+        MemoryBudgetError: some partition does not fit `budget`; the message
+            names every partition's predicted peak and what would help.
+    """
+    if requested == "auto":
+        modes = ["never"] * num_partitions
+    else:
+        modes = [requested] * num_partitions
+    report = predict(modes)
+    if budget is None:
+        return modes, report
+    while requested == "auto":
+        over = [r.partition for r in report if r.total > budget and modes[r.partition] != "full"]
+        if not over:
+            break
+        for p in over:
+            modes[p] = _ESCALATION[_ESCALATION.index(modes[p]) + 1]
+        report = predict(modes)
+    over = [r for r in report if r.total > budget]
+    if over:
+        raise MemoryBudgetError(_budget_message(report, budget, requested, predict, modes))
+    return modes, report
+
+
+def _budget_message(report: MemoryReport, budget: int, requested: str, predict, modes: Sequence[str]) -> str:
+    rows = ", ".join(
+        f"partition {r.partition} {format_bytes(r.total)} (activations {format_bytes(r.activations)}, "
+        f"recompute={r.recompute!r})" + (" OVER" if r.total > budget else "")
+        for r in report
+    )
+    hints = []
+    if any(m != "full" for m in modes):
+        full = predict(["full"] * len(modes))
+        verdict = "fits" if full.peak <= budget else "still does not fit"
+        hints.append(f"recompute='full' (predicted largest peak {format_bytes(full.peak)}: {verdict})")
+        if requested != "auto":
+            hints.append("recompute='auto' (recompute only where needed)")
+    hints.append("more partitions (fewer variables and activations per device)")
+    hints.append("fewer micro-batches alive: pipeline='interleaved', or fewer, larger micro-batches")
+    hints.append("optimize='memory' (balance the predicted peak)")
+    return (
+        f"The step does not fit memory_budget={budget} ({format_bytes(budget)} per device) under "
+        f"{report.schedule or 'this schedule'}. Predicted peaks: {rows}. The smallest changes that "
+        f"may fit: {'; '.join(hints)}. Or raise memory_budget."
+    )
 
 
 def with_measurements(report: MemoryReport, measured: Mapping[int, int], method: str,

@@ -30,6 +30,7 @@ import numpy as np
 import tensorflow as tf
 
 from smp_tf import placement, state
+from smp_tf.memory import stage_multipliers
 from smp_tf.lowering import CompiledStep, FusedValue
 from smp_tf.partitioner.plan import PartitionPlan, assign_partitions
 from smp_tf.split import check_split_sizes, split_arguments
@@ -61,6 +62,21 @@ def _config_key() -> tuple:
     cfg = state.config()
     fields = tuple((f.name, getattr(cfg, f.name)) for f in dataclasses.fields(cfg) if f.name != "pipeline")
     return fields + (tuple(state.topology().devices),)
+
+
+def _memory_budget(cfg: Any) -> Optional[int]:
+    """``memory_budget``, or on GPUs split into logical GPUs with memory
+    limits, the smallest limit."""
+    if cfg.memory_budget is not None:
+        return cfg.memory_budget
+    if state.topology().kind != "GPU":
+        return None
+    limits = []
+    for gpu in tf.config.list_physical_devices("GPU"):
+        for logical in tf.config.get_logical_device_configuration(gpu) or []:
+            if logical.memory_limit:
+                limits.append(int(logical.memory_limit) * 2**20)
+    return min(limits) if limits else None
 
 
 def _run_post_partition_hooks() -> None:
@@ -141,6 +157,11 @@ class StepFunction:
         self.schedule = None
         self.last_plan: Optional[PartitionPlan] = None
         self.last_compiled: Optional[CompiledStep] = None
+        #: The optimizer that applies this step's gradients, if known: its
+        #: state counts in the memory report and against ``memory_budget``
+        #: (set it with ``train_step.optimizer = optimizer``; Keras ``fit``
+        #: sets it). Unknown, the budget check assumes Adam's two slots.
+        self.optimizer: Any = None
         # With data parallelism, `accumulate()` of the gradients averages over
         # the replicas (Keras's fit turns this off and reduces by itself).
         self.reduce_over_replicas = True
@@ -208,6 +229,10 @@ class StepFunction:
             traced.op_graph,
             cfg.partitions,
             optimize=cfg.optimize,
+            # optimize="memory": a stage's activations count as often as the
+            # schedule keeps micro-batches alive there.
+            stage_multipliers=stage_multipliers(cfg.partitions, cfg.microbatches, cfg.pipeline),
+            recompute="never" if cfg.recompute == "auto" else cfg.recompute,
             contiguous=cfg.contiguous,
             auto_partition=cfg.auto_partition,
             default_partition=cfg.default_partition or 0,
@@ -265,7 +290,7 @@ class StepFunction:
                 traced.captures, plan.partition_of_variable(), plan.devices
             )
             _run_post_partition_hooks()
-            entry = CompiledStep(traced, plan, cfg)
+            entry = CompiledStep(traced, plan, cfg, optimizer=self.optimizer, budget=_memory_budget(cfg))
             entry.variable_devices = variable_devices
             entry.generation = state.generation()
             self._compiled[key] = entry
@@ -374,7 +399,7 @@ class StepFunction:
                 "memory_report() needs a compiled step: call the step function once first "
                 "(or use measure_memory(*args), which runs one step)."
             )
-        return entry.memory_report(optimizer, budget=state.config().memory_budget)
+        return entry.memory_report(self.optimizer if optimizer is None else optimizer, budget=entry.budget)
 
     def measure_memory(self, *args: Any, optimizer: Any = None, **kwargs: Any) -> Any:
         """Runs one step on these arguments and measures its memory.
@@ -394,7 +419,7 @@ class StepFunction:
         """
         from smp_tf.profiling.memory import measure_step_memory
 
-        return measure_step_memory(self, args, kwargs, optimizer)
+        return measure_step_memory(self, args, kwargs, self.optimizer if optimizer is None else optimizer)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         cfg = state.config()  # raises a clear error before smp.init

@@ -59,6 +59,8 @@ def test_defaults():
         "dp_timeout": 60.0,
         "shard_inputs": True,
         "uneven_inputs": "join",
+        "recompute": "never",
+        "memory_budget": None,
     }
     assert parse({}) == cfg
 

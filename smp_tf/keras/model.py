@@ -109,6 +109,8 @@ class DistributedModel(keras.Model):
         self._check_pipelinable()
         x, y, sample_weight, group = _this_replicas_rows(data)
         steps = self._pipelined_steps()
+        # Its state counts in the memory report and against memory_budget.
+        steps.train.optimizer = self.optimizer
         batch_size = _batch_size(x)
         loss_scale = loss_scale_of(self)
 

@@ -29,7 +29,9 @@ from smp_tf.graph_view import OpGraph
 from smp_tf.partitioner import balance
 from smp_tf.partitioner.groups import Groups, colocation_groups
 
-__all__ = ["assign_partitions", "complete_assignment", "check_assignment", "PartitionPlan", "unit_costs"]
+__all__ = [
+    "assign_partitions", "complete_assignment", "check_assignment", "PartitionPlan", "unit_costs", "stage_memory_costs",
+]
 
 #: Optimizer slot variables per trainable variable assumed by ``optimize="memory"``
 #: (Adam keeps two).
@@ -97,6 +99,40 @@ def unit_costs(graph: OpGraph, groups: Groups, optimize: str, slots: float = DEF
                             cost[g] += tensor.bytes
         return cost
     raise ValueError(f"optimize must be 'speed' or 'memory'. Received: optimize={optimize!r}")
+
+
+def stage_memory_costs(
+    graph: OpGraph, groups: Groups, slots: float = DEFAULT_SLOTS, recompute: str = "never"
+) -> "tuple[List[float], List[float]]":
+    """Per group: (static bytes, activation bytes kept per micro-batch).
+
+    Static: its variables, their optimizer slots (`slots` per trainable
+    byte) and the gradients summed over micro-batches (a running sum and
+    one micro-batch's gradient). Kept: the bytes of its forward outputs
+    that a gradient op reads, under `recompute` (`rewrite.recomputable_ops`:
+    an output that would be recomputed is not kept; ``"full"`` keeps only
+    the outputs of ops that may not run twice).
+    """
+    from smp_tf.memory import storage_bytes
+    from smp_tf.rewrite import recomputable_ops
+
+    again = recomputable_ops(graph, recompute)
+    storage = storage_bytes(graph)
+    static = [0.0] * len(groups)
+    kept = [0.0] * len(groups)
+    for g, vs in enumerate(_group_variables(graph, groups)):
+        for v in vs:
+            trainable = graph.trainable.get(v, True)
+            static[g] += graph.variable_bytes.get(v, 0) * (1.0 + (slots + 2.0 if trainable else 0.0))
+    for g, ms in enumerate(groups.members):
+        for i in ms:
+            op = graph.ops[i]
+            if op.is_gradient or again[i]:
+                continue
+            for t in op.outputs:
+                if any(graph.ops[c].is_gradient for c in graph.tensors[t].consumers):
+                    kept[g] += storage[t]
+    return static, kept
 
 
 def unit_variable_bytes(graph: OpGraph, groups: Groups) -> List[float]:
@@ -277,6 +313,8 @@ def assign_partitions(
     tolerance: float = 0.0,
     groups: Optional[Groups] = None,
     pinned: Optional[Mapping[str, int]] = None,
+    stage_multipliers: Optional[Sequence[float]] = None,
+    recompute: str = "never",
 ) -> List[int]:
     """Assigns every op of `graph` to a partition.
 
@@ -296,6 +334,13 @@ def assign_partitions(
             a partition (placed by an earlier step). With
             ``auto_partition=True`` their groups stay there and every other
             group follows the neighbours it exchanges most bytes with.
+        stage_multipliers: with ``optimize="memory"`` and ``contiguous``,
+            how many micro-batches' activations stage ``p`` keeps at once
+            (`smp_tf.memory.stage_multipliers`): the split then balances each
+            stage's predicted peak, static state plus its activations times
+            its multiplier (`stage_memory_costs`), instead of capped
+            variable bytes.
+        recompute: the recompute mode the activations are counted under.
 
     Returns:
         The partition of each op, indexed like ``graph.ops``.
@@ -347,7 +392,20 @@ def assign_partitions(
             limit_kw = {"limit_costs": unit_vb, "limit": variable_limit(unit_vb, num_partitions, contiguous)}
         if contiguous:
             cuts = _cut_costs(graph, groups, unit_of_group, len(unit_groups))
-            bounds = balance.contiguous_split(costs, cuts, num_partitions, tolerance=tolerance, **limit_kw)
+            if optimize == "memory" and stage_multipliers is not None:
+                if len(stage_multipliers) != num_partitions:
+                    raise ValueError(
+                        f"stage_multipliers has {len(stage_multipliers)} entries for "
+                        f"{num_partitions} partitions. Received: {list(stage_multipliers)}"
+                    )
+                static, kept = stage_memory_costs(graph, groups, slots, recompute)
+                bounds = balance.stage_weighted_split(
+                    [static[g] for g in unit_groups], [kept[g] for g in unit_groups],
+                    list(stage_multipliers), cuts, tolerance=tolerance,
+                )
+                costs = [static[g] + stage_multipliers[0] * kept[g] for g in unit_groups]
+            else:
+                bounds = balance.contiguous_split(costs, cuts, num_partitions, tolerance=tolerance, **limit_kw)
             for p in range(num_partitions):
                 for u in range(bounds[p], bounds[p + 1]):
                     part_of_group[unit_groups[u]] = p

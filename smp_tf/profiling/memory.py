@@ -11,7 +11,9 @@
   task's own peak, measured by running its function alone on inputs of its
   shapes. The ``measured`` column is then the partition's peak computed
   from the measured task peaks instead of the predicted ones (the kept
-  tensors have their static sizes, which are exact). Without the BFC
+  tensors have their static sizes, which are exact; a task that reads a
+  loop's accumulators keeps its predicted peak, as its inputs cannot be
+  made up). Without the BFC
   allocator nothing is measured on CPUs and the report says so.
 
 The measured step is the usual training step: the pipeline and, for every
@@ -76,7 +78,7 @@ def measure_step_memory(step_fn: Any, args: tuple, kwargs: dict, optimizer: Any 
 
     run(*args, **kwargs)  # compile, place variables, build the functions
     entry = step_fn.last_compiled
-    budget = state.config().memory_budget
+    budget = entry.budget
     report = entry.memory_report(optimizer, budget=budget)
     topo = state.topology()
     if topo.kind == "GPU":
@@ -98,7 +100,10 @@ def measure_step_memory(step_fn: Any, args: tuple, kwargs: dict, optimizer: Any 
     workspace: Dict[tuple, int] = {}
     for task in entry.tasks:
         fn = entry._functions[task.key]
-        inputs = [_zeros(s) for s in fn.structured_input_signature[0]]
+        specs = fn.structured_input_signature[0]
+        if any(s.dtype in (tf.variant, tf.resource, tf.string) for s in specs):
+            continue  # a loop's accumulators cannot be made up: keep the prediction
+        inputs = [_zeros(s) for s in specs]
         with tf.device(entry.devices[task.partition]):
             fn(*inputs)  # warm: the first call builds the kernels
             workspace[task.key] = _peak_of(lambda: fn(*inputs))
