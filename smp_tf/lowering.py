@@ -495,10 +495,11 @@ class CompiledStep:
             return None
         out: Dict[int, int] = {}
         for v in variables:
-            if not v.shape.is_fully_defined() or v.shape.num_elements() <= 1:
+            shape = tf.TensorShape(v.shape)
+            if not shape.is_fully_defined() or shape.num_elements() <= 1:
                 continue  # iteration counters and the like
             part = _partition_of_device(getattr(getattr(v, "value", v), "device", ""), self.devices)
-            out[part] = out.get(part, 0) + v.shape.num_elements() * v.dtype.size
+            out[part] = out.get(part, 0) + shape.num_elements() * tf.as_dtype(v.dtype).size
         return out or None
 
     def output_info(self) -> List[Optional[Tuple[bool, int, int]]]:

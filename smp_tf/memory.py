@@ -523,7 +523,8 @@ def _budget_message(report: MemoryReport, budget: int, requested: str, predict, 
         if requested != "auto":
             hints.append("recompute='auto' (recompute only where needed)")
     hints.append("more partitions (fewer variables and activations per device)")
-    hints.append("fewer micro-batches alive: pipeline='interleaved', or fewer, larger micro-batches")
+    if report.schedule.startswith("simple"):
+        hints.append("pipeline='interleaved' (stage p keeps at most P - p micro-batches, not all)")
     hints.append("optimize='memory' (balance the predicted peak)")
     return (
         f"The step does not fit memory_budget={budget} ({format_bytes(budget)} per device) under "

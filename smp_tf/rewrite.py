@@ -198,6 +198,20 @@ def _strongly_connected(succ: Sequence[Sequence[int]]) -> List[int]:
     return comp
 
 
+def gradient_preludes(graph: OpGraph, dup: Sequence[bool]) -> List[bool]:
+    """Gradient ops computed from forward values only, not from the
+    gradient flowing back from the loss (the ``x ** 2`` of a GELU's
+    gradient)."""
+    prelude = [False] * len(graph.ops)
+    for op in graph.ops:
+        i = op.index
+        if dup[i] or not op.is_gradient or op.type in _SHAPE_ONLY or op.variables:
+            continue
+        producers = [graph.tensors[t].producer for t in op.inputs]
+        prelude[i] = all(dup[j] or not graph.ops[j].is_gradient or prelude[j] for j in producers)
+    return prelude
+
+
 def waves(graph: OpGraph, partition_of_op: Sequence[int], dup: Sequence[bool]) -> List[Optional[int]]:
     """The wave of every non-duplicable op (None for duplicable ones).
 
@@ -335,13 +349,7 @@ def waves(graph: OpGraph, partition_of_op: Sequence[int], dup: Sequence[bool]) -
     # GELU's gradient) are preludes of the backward: they run with the
     # backward that reads them, not in the forward task, which then stays a
     # forward (the schedule runs it as one) and keeps ``x``, not its prelude.
-    prelude = [False] * n
-    for op in graph.ops:
-        i = op.index
-        if dup[i] or not op.is_gradient or op.type in _SHAPE_ONLY or op.variables:
-            continue
-        producers = [tensors[t].producer for t in op.inputs]
-        prelude[i] = all(dup[j] or not graph.ops[j].is_gradient or prelude[j] for j in producers)
+    prelude = gradient_preludes(graph, dup)
     comp_prelude = [True] * ncomp
     for i in range(n):
         if not dup[i] and not prelude[i]:

@@ -324,7 +324,10 @@ class StepFunction:
             entry = self._compile(mbs)
         per_mb = entry.emit([tf.nest.flatten(mb) for mb in mbs])
         outputs = tf.nest.map_structure(_step_output, *per_mb)
-        self.last_compiled = entry
+        if m == cfg.microbatches or self.last_compiled is None:
+            # The step of the configured micro-batch count (not a short
+            # batch's one-micro-batch pipeline) is the one reports describe.
+            self.last_compiled = entry
         if self.reduce_over_replicas and state.data_parallel():
             self._average_over_replicas(entry, outputs)
         return outputs

@@ -96,7 +96,12 @@ def measure_step_memory(step_fn: Any, args: tuple, kwargs: dict, optimizer: Any 
     tf.config.experimental.reset_memory_stats("CPU:0")
     run(*args, **kwargs)
     process = tf.config.experimental.get_memory_info("CPU:0")["peak"]
-    # Each task alone, on inputs of its shapes: its own peak.
+    # Each task alone, on inputs of its shapes: its own peak. The state the
+    # tasks write (seeds, BatchNorm statistics) is put back afterwards.
+    written = {v for op in entry.plan.op_graph.ops for v in op.writes}
+    state_vars = [c.variable for c in entry.traced.captures.values()
+                  if getattr(c, "key", None) in written and hasattr(c, "variable")]
+    saved = [v.read_value() for v in state_vars]
     workspace: Dict[tuple, int] = {}
     for task in entry.tasks:
         fn = entry._functions[task.key]
@@ -107,6 +112,8 @@ def measure_step_memory(step_fn: Any, args: tuple, kwargs: dict, optimizer: Any 
         with tf.device(entry.devices[task.partition]):
             fn(*inputs)  # warm: the first call builds the kernels
             workspace[task.key] = _peak_of(lambda: fn(*inputs))
+    for v, value in zip(state_vars, saved):
+        v.assign(value)
     composed = entry.memory_report(optimizer, budget=budget, workspace=workspace)
     measured = {r.partition: r.total for r in composed.partitions}
     method = (
