@@ -91,14 +91,16 @@ manager = smp.CheckpointManager(
 
 
 class ShowPipeline(keras.callbacks.Callback):
-    """After the first epoch, prints what smp_tf made of the training step."""
+    """After the first epoch, prints what smp_tf made of the training step:
+    the partitions, the schedule and the predicted memory of each partition."""
 
     def on_epoch_end(self, epoch, logs=None):
         if epoch == 0:
             train = self.model.step_functions.train
             print("\n" + train.last_plan.report())
             print(f"\nSchedule ({train.schedule.kind}, one column per clock cycle):")
-            print(train.schedule, "\n")
+            print(train.schedule)
+            print("\n" + train.memory_report(self.model.optimizer).table(), "\n")
 
 
 print(f"smp_tf: {smp.pp_size()} partitions on {', '.join(smp.topology().devices)}, "
