@@ -128,7 +128,10 @@ def _setup_devices(num_partitions: int, local_rank: int = 0, local_size: int = 1
     """Returns one device per partition, creating logical CPU devices if needed."""
     import tensorflow as tf
 
-    gpus = tf.config.list_physical_devices("GPU")
+    physical = tf.config.list_physical_devices("GPU")
+    # One physical GPU split into logical GPUs (with memory limits) counts
+    # as that many devices, as TensorFlow numbers them.
+    gpus = [None] * sum(len(tf.config.get_logical_device_configuration(g) or [None]) for g in physical)
     if gpus:
         if len(gpus) < num_partitions:
             raise ValueError(

@@ -122,3 +122,55 @@ def test_pipeline_bench_table_counts_efficiency_only_with_a_trustworthy_ceiling(
     assert "WARNING: (b) on two devices used 1.20 cores" in noisy
     assert noisy.count("NOISY") == len(bench.VARIANTS)  # the M=8 rows
     assert "overall: FAIL (0 of 1 targets met)" in noisy
+
+
+MEMORY_BENCH = ROOT / "benchmarks" / "memory" / "bench.py"
+MEMORY_GPU_LIMITED = ROOT / "benchmarks" / "memory" / "gpu_limited.py"
+
+
+@pytest.mark.benchmark
+def test_memory_bench_quick_prints_the_table_and_targets():
+    out = _run(MEMORY_BENCH, timeout=1800)
+    assert "smp_tf memory benchmark (quick)" in out
+    header = next(line for line in out.splitlines() if line.startswith("config "))
+    for column in ("loss", "peak part", "pred total", "pred act", "act vs never", "measured/part MiB", "max/mean",
+                   "proc pred", "proc meas", "meas/pred", "ms/step", "vs never"):
+        assert column in header, column
+    for case in ("P=1 interleaved never", "P=2 simple selective", "P=4 interleaved full",
+                 "P=4 interleaved never optimize=memory", "(ref) one device, plain tf.function"):
+        assert case in out, case
+    assert "FAILED" not in out  # no row crashed
+    lines = out.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith("targets ("))
+    targets = [line for line in lines[start + 1:] if line.startswith("  ")]
+    # full and selective at P=2 and P=4, optimize=memory, process peak
+    assert len(targets) == 6, targets
+    for line in targets:
+        assert line.split()[0] in ("PASS", "FAIL"), line
+    assert any(line.startswith("overall: ") for line in lines[start:])
+
+
+def _gpu_may_be_visible() -> bool:
+    """Whether an NVIDIA GPU may be visible (then the GPU benchmark would run
+    in full: this test is for machines without one)."""
+    import shutil
+
+    if os.environ.get("CUDA_VISIBLE_DEVICES", None) in ("", "-1"):
+        return False
+    return os.path.exists("/dev/nvidia0") or shutil.which("nvidia-smi") is not None
+
+
+@pytest.mark.skipif(_gpu_may_be_visible(), reason="a GPU may be visible: gpu_limited.py would run in full")
+def test_memory_gpu_limited_skips_without_a_gpu():
+    env = dict(os.environ)
+    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
+    env.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    proc = subprocess.run(
+        [sys.executable, str(MEMORY_GPU_LIMITED)],
+        cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, timeout=300,
+    )
+    assert proc.returncode == 0, f"{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    assert proc.stdout.strip().splitlines() == [
+        "SKIPPED: no GPU visible to TensorFlow (this benchmark needs one physical GPU, split into logical GPUs "
+        "with memory limits)"
+    ], proc.stdout

@@ -36,7 +36,10 @@ BFC_ENV = "TF_CPU_ALLOCATOR_USE_BFC"
 
 
 def cpu_allocator_counts_bytes() -> bool:
-    """Whether ``get_memory_info`` works for CPU devices in this process."""
+    """Whether ``get_memory_info`` counts bytes for CPU devices in this process
+    (``TF_CPU_ALLOCATOR_USE_BFC=true`` set before TensorFlow started)."""
+    if os.environ.get(BFC_ENV, "").lower() not in ("1", "true"):
+        return False
     try:
         tf.config.experimental.get_memory_info("CPU:0")
         return True
