@@ -249,6 +249,9 @@ class CompiledStep:
 
         if recompute is not None:
             cut(recompute)
+        elif budget is None:
+            # Nothing to fit: "auto" recomputes nothing, and no prediction is needed.
+            cut(["never" if cfg.recompute == "auto" else cfg.recompute] * plan.num_partitions)
         else:
             def predict(modes: Sequence[str]) -> MemoryReport:
                 cut(modes)
