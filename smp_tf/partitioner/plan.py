@@ -26,6 +26,7 @@ from __future__ import annotations
 from typing import Any, Dict, List, Mapping, Optional, Sequence
 
 from smp_tf.graph_view import OpGraph
+from smp_tf.memory import format_bytes
 from smp_tf.partitioner import balance
 from smp_tf.partitioner.groups import Groups, colocation_groups
 
@@ -558,24 +559,16 @@ class PartitionPlan:
         tot_v = sum(r["variable_bytes"] for r in rows) or 1
         lines = [
             f"PartitionPlan: {self.num_partitions} partitions, {len(self.op_graph)} ops, "
-            f"{_fmt_bytes(self.cut_bytes)} cut per micro-batch, {self.seconds:.2f} s",
+            f"{format_bytes(self.cut_bytes)} cut per micro-batch, {self.seconds:.2f} s",
             f"{'part':>4}  {'device':<16} {'ops':>7} {'vars':>5} {'var bytes':>10} {'share':>6} {'GFLOP':>9} {'share':>6}",
         ]
         for r in rows:
             lines.append(
                 f"{r['partition']:>4}  {str(r['device'] or '-'):<16} {r['ops']:>7} {r['variables']:>5} "
-                f"{_fmt_bytes(r['variable_bytes']):>10} {100 * r['variable_bytes'] / tot_v:>5.1f}% "
+                f"{format_bytes(r['variable_bytes']):>10} {100 * r['variable_bytes'] / tot_v:>5.1f}% "
                 f"{r['flops'] / 1e9:>9.3f} {100 * r['flops'] / tot_f:>5.1f}%"
             )
         return "\n".join(lines)
 
     def __repr__(self) -> str:
         return self.report()
-
-
-def _fmt_bytes(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if abs(n) < 1024 or unit == "GiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n:.1f} GiB"
