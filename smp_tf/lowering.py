@@ -46,8 +46,14 @@ logger = logging.getLogger("smp_tf")
 __all__ = ["CompiledStep", "FusedValue"]
 
 
-def _task_body(sub, input_names, captured, outputs, captures):
-    """The Python body of a task function: imports the task's GraphDef."""
+def _task_body(sub, input_names, captured, outputs, captures, pins=()):
+    """The Python body of a task function: imports the task's GraphDef.
+
+    `pins` (tensor name, static shape) are the task's `Task.pinned` tensors:
+    each gets a second reader, a one-element slice that the outputs carry
+    along, so the graph optimiser sees as many readers as in the single-device
+    graph. The slice runs as soon as the tensor exists and holds none of it.
+    """
     # Inputs no node reads any more (a stashed variable read whose product
     # now reads the transposed copy) stay arguments but are not mapped:
     # import_graph_def rejects mappings for tensors nothing reads.
@@ -77,10 +83,39 @@ def _task_body(sub, input_names, captured, outputs, captures):
                 internal = fg.capture(cap, name=name)
             input_map[f"{name}:0"] = internal
         outs = tf.graph_util.import_graph_def(sub, input_map=input_map, return_elements=outputs, name="")
+        outs = list(outs)
+        extra = [_pin(fg.get_tensor_by_name(name), shape) for name, shape in pins]
+        extra = [x for x in extra if x is not None]
+        if extra and outs:
+            # The slices must reach the outputs through data edges, or the
+            # optimiser prunes them (or turns them into control edges, which
+            # it does not count as readers). They cannot be outputs of their
+            # own: a call's unused outputs are removed when the caller is
+            # optimised; and the optimiser drops the unused inputs of an
+            # IdentityN. An optional holding the outputs and the slices is
+            # opaque to it and copies nothing; a call's outputs are ready
+            # only when its whole body has run, so this delays nothing.
+            carried = outs + extra
+            optional = tf.raw_ops.OptionalFromValue(components=carried)
+            outs = list(tf.raw_ops.OptionalGetValue(
+                optional=optional,
+                output_types=[x.dtype for x in carried],
+                output_shapes=[x.shape for x in carried],
+            ))[: len(outs)]
         # A last output gives every call a handle to depend on.
-        return list(outs) + [tf.constant(True)]
+        return outs + [tf.constant(True)]
 
     return body
+
+
+def _pin(x: tf.Tensor, shape) -> Optional[tf.Tensor]:
+    """A reader of `x` that costs nothing and keeps nothing of it alive."""
+    if shape is None or any(d is None for d in shape):
+        return None
+    if len(shape) == 0 or 0 in shape:
+        return tf.identity(x)  # a scalar or an empty tensor: nothing to hold
+    r = len(shape)
+    return tf.strided_slice(x, [0] * r, [1] * r, shrink_axis_mask=(1 << r) - 1)
 
 
 def _tensor_name(node_input: str) -> str:
@@ -351,7 +386,8 @@ class CompiledStep:
                     in_specs.append(tf.TensorSpec(shape, dtype))
                     input_names.append(f"{_transposed_name(g.ops[r].name)}:0")
                 pretranspose_graph_def(sub, products, placeholders)
-            body = _task_body(sub, input_names, captured, outputs, self.traced.captures)
+            pins = [(g.tensor_name(t), g.tensors[t].shape) for t in task.pinned]
+            body = _task_body(sub, input_names, captured, outputs, self.traced.captures, pins)
             # Task functions stay calls (not inlined): the graph optimiser
             # then works on each task once instead of on M copies, and a
             # call waits for its control dependencies before any op of its

@@ -473,8 +473,9 @@ def choose_recompute(
 
     With ``requested="auto"`` every partition starts at ``"never"``, and a
     partition whose predicted peak is over `budget` moves to
-    ``"selective"``, then ``"full"``, until every partition fits. Any other
-    mode is used everywhere. With a budget, the result must fit.
+    ``"selective"``, then ``"full"``, until every partition fits; a partition
+    whose peak a step up does not lower (the last stage) stays where it is.
+    Any other mode is used everywhere. With a budget, the result must fit.
 
     Args:
         predict: recompute mode per partition -> the predicted report.
@@ -496,13 +497,31 @@ def choose_recompute(
     report = predict(modes)
     if budget is None:
         return modes, report
+    # A partition whose peak a step up does not lower (the last stage, whose
+    # forward and backward run in one task, keeps nothing between tasks)
+    # stays where it was: recomputing there would only cost time.
+    stuck: set = set()
     while requested == "auto":
-        over = [r.partition for r in report if r.total > budget and modes[r.partition] != "full"]
+        over = [
+            r.partition for r in report
+            if r.total > budget and modes[r.partition] != "full" and r.partition not in stuck
+        ]
         if not over:
             break
+        before = {r.partition: r.total for r in report}
+        tried = list(modes)
         for p in over:
-            modes[p] = _ESCALATION[_ESCALATION.index(modes[p]) + 1]
-        report = predict(modes)
+            tried[p] = _ESCALATION[_ESCALATION.index(modes[p]) + 1]
+        attempt = predict(tried)
+        useless = [p for p in over if attempt[p].total >= before[p]]
+        stuck.update(useless)
+        if len(useless) == len(over):
+            report = predict(modes)  # predict() may keep state: leave it at `modes`
+            continue
+        for p in useless:
+            tried[p] = modes[p]
+        modes = tried
+        report = predict(modes) if useless else attempt
     over = [r for r in report if r.total > budget]
     if over:
         raise MemoryBudgetError(_budget_message(report, budget, requested, predict, modes))

@@ -93,6 +93,9 @@ class Task:
         recomputed: forward ops of an earlier task of the same partition
             that this (backward) task runs again instead of receiving their
             outputs (activation recomputation, see `recomputable_ops`).
+        pinned: tensors of the task that the single-device graph reads
+            several times but the task reads once (see `pinned_tensors`);
+            the lowering gives each one a second, negligible reader.
     """
 
     partition: int
@@ -108,6 +111,7 @@ class Task:
     arg_names: List[str] = field(default_factory=list)
     transposed_reads: List[int] = field(default_factory=list)
     recomputed: List[int] = field(default_factory=list)
+    pinned: List[int] = field(default_factory=list)
 
     @property
     def key(self) -> Tuple[int, int]:
@@ -701,7 +705,53 @@ def build_tasks(
             producer.outputs.append(t)
     for task in tasks.values():
         task.outputs.sort()
+        task.pinned = pinned_tensors(graph, task)
     return sorted(tasks.values(), key=lambda t: (t.wave, t.partition))
+
+
+#: Dtypes whose arithmetic rounds, so that a rewrite can change the values.
+_ROUNDING_DTYPES = ("float", "bfloat", "complex")
+
+
+def pinned_tensors(graph: OpGraph, task: Task) -> List[int]:
+    """Tensors of `task` read by one op of the task but by several in the step.
+
+    TensorFlow's graph optimiser rewrites arithmetic differently depending
+    on how many ops read a tensor: it folds a chain of additions into one
+    ``AddN`` (which rounds differently) and fuses an op into its reader only
+    when that reader is the sole one. In the single-device graph a forward
+    activation is read by its forward consumer and by its gradient; in a
+    task that recomputes it, or in a forward task that no longer returns it
+    because the backward recomputes it, only one reader is left, and the
+    optimiser would rewrite that task's arithmetic in a way the single-device
+    run did not. The lowering therefore gives each such tensor a second
+    reader that costs nothing (a one-element slice returned by the task).
+
+    Args:
+        graph: the traced graph.
+        task: a task of `build_tasks` (members, copies, recomputed ops and
+            outputs set).
+
+    Returns:
+        Sorted tensor ids, produced by the task's members or recomputed ops,
+        that exactly one op of the task reads, that the task does not return
+        and that two or more ops of the traced graph read.
+    """
+    own = set(task.members) | set(task.copies) | set(task.recomputed)
+    returned = set(task.outputs)
+    out = []
+    for i in sorted(set(task.members) | set(task.recomputed)):
+        op = graph.ops[i]
+        if op.kind != "op":
+            continue
+        for t in op.outputs:
+            info = graph.tensors[t]
+            if t in returned or not info.dtype.startswith(_ROUNDING_DTYPES):
+                continue
+            readers = set(info.consumers)
+            if len(readers) >= 2 and len(readers & own) == 1:
+                out.append(t)
+    return out
 
 
 def task_specs(tasks: Sequence[Task]) -> List[TaskSpec]:

@@ -81,6 +81,8 @@ def test_all_keys_set():
         "dp_timeout": 12.5,
         "shard_inputs": False,
         "uneven_inputs": "raise",
+        "recompute": "selective",
+        "memory_budget": 2**30,
     }
     cfg = parse(given)
     assert cfg.to_dict() == given

@@ -117,6 +117,42 @@ def test_recomputable_ops_keep_state_reads_and_stateful_draws():
     assert not again[g.op_index["read_seed"]] and not again[g.op_index["draw"]] and not again[g.op_index["bump"]]
 
 
+def test_pinned_tensors_keep_the_readers_of_the_single_device_graph():
+    # a feeds b in the forward and g_b (its gradient reads a) in the
+    # backward: two readers in the single-device graph. With recomputation
+    # the forward no longer returns a (the backward computes it again), so
+    # the forward task reads it once, and so does the backward that
+    # recomputes it: both tasks pin it, to show the graph optimiser two
+    # readers as the single-device graph does (it would otherwise fold a
+    # chain of additions through a into one AddN that rounds differently).
+    spec = [
+        {"name": "x", "type": "Placeholder", "kind": "arg", "bytes": 40, "flops": 0},
+        {"name": "read", "type": "ReadVariableOp", "variables": ["w"], "stateful": True, "bytes": 40, "flops": 0},
+        {"name": "a", "type": "AddV2", "inputs": ["x", "read"], "bytes": 40, "flops": 10},
+        {"name": "b", "type": "AddV2", "inputs": ["a", "x"], "bytes": 40, "flops": 10},
+        {"name": "c", "type": "MatMul", "inputs": ["b", "x"], "bytes": 40, "flops": 1000},
+        {"name": "loss", "type": "Sum", "inputs": ["c"], "bytes": 4, "flops": 10},
+        {"name": "g_c", "type": "Fill", "inputs": ["loss"], "bytes": 40, "forward": "c"},
+        {"name": "g_b", "type": "MatMul", "inputs": ["g_c", "x"], "bytes": 40, "forward": "c", "flops": 1000},
+        {"name": "g_x", "type": "Mul", "inputs": ["g_b", "a"], "bytes": 40, "forward": "b", "flops": 10},
+    ]
+    g = OpGraph.from_spec(spec, variable_bytes={"w": 40})
+    parts = [0, 0, 0, 0, 1, 1, 1, 1, 0]
+    outputs = [g.ops[g.op_index[n]].outputs[0] for n in ("loss", "g_x")]
+    a = g.ops[g.op_index["a"]].outputs[0]
+    by_key = lambda tasks: {t.key: t for t in tasks}  # noqa: E731
+    never = by_key(build_tasks(g, parts, outputs))
+    # Without recomputation the forward returns a for the backward: two readers.
+    assert all(not t.pinned for t in never.values())
+    full = by_key(build_tasks(g, parts, outputs, recompute="full"))
+    forward, backward = full[(0, 0)], full[(0, 2)]
+    assert a not in forward.outputs and forward.pinned == [a]
+    assert g.op_index["a"] in backward.recomputed and backward.pinned == [a]
+    # b has one reader everywhere (c, on the other partition, reads it
+    # through the task's output): nothing to pin.
+    assert g.ops[g.op_index["b"]].outputs[0] not in forward.pinned
+
+
 def _kept(tasks, g):
     st = storage_bytes(g)
     return {t.key: sum(st[x] for x in t.kept_inputs()) for t in tasks}
@@ -196,6 +232,29 @@ def test_choose_recompute_escalates_only_where_needed():
     assert "partition 0 300 B" in msg and "OVER" in msg and "recompute='full'" in msg and "fits" in msg
     with pytest.raises(MemoryBudgetError, match="more partitions"):
         choose_recompute(predict, 2, "auto", 50)
+
+
+def test_choose_recompute_leaves_a_partition_recomputing_does_not_help():
+    # Partition 1 (a last stage) needs 250 bytes whatever it recomputes;
+    # partition 0 as above. With a budget of 200 partition 0 goes to
+    # selective, partition 1 stays at never (recomputing there would cost
+    # time for nothing) and the error names it.
+    need = {"never": 300, "selective": 150, "full": 100}
+    calls = []
+
+    def predict(modes):
+        calls.append(list(modes))
+        return MemoryReport([
+            PartitionMemory(0, total=need[modes[0]], recompute=modes[0]),
+            PartitionMemory(1, total=250, recompute=modes[1]),
+        ])
+
+    with pytest.raises(MemoryBudgetError) as e:
+        choose_recompute(predict, 2, "auto", 200)
+    assert "partition 1 250 B (activations 0 B, recompute='never') OVER" in str(e.value)
+    assert "partition 0 150 B (activations 0 B, recompute='selective')" in str(e.value)
+    # A budget partition 1 fits: it is never escalated.
+    assert choose_recompute(predict, 2, "auto", 260)[0] == ["selective", "never"]
 
 
 # -- a real step ----------------------------------------------------------------
