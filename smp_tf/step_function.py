@@ -30,9 +30,9 @@ import numpy as np
 import tensorflow as tf
 
 from smp_tf import placement, state
-from smp_tf.memory import stage_multipliers
+from smp_tf.memory import optimizer_slots, stage_multipliers
 from smp_tf.lowering import CompiledStep, FusedValue
-from smp_tf.partitioner.plan import PartitionPlan, assign_partitions
+from smp_tf.partitioner.plan import DEFAULT_SLOTS, PartitionPlan, assign_partitions
 from smp_tf.split import check_split_sizes, split_arguments
 from smp_tf.step_output import FusedOp, StepOutput
 from smp_tf.trace import Traced, trace_microbatch
@@ -233,6 +233,9 @@ class StepFunction:
             # schedule keeps micro-batches alive there.
             stage_multipliers=stage_multipliers(cfg.partitions, cfg.microbatches, cfg.pipeline),
             recompute="never" if cfg.recompute == "auto" else cfg.recompute,
+            # The optimizer's state per trainable byte when the step knows
+            # its optimizer; otherwise Adam's two slots.
+            slots=DEFAULT_SLOTS if self.optimizer is None else optimizer_slots(self.optimizer),
             contiguous=cfg.contiguous,
             auto_partition=cfg.auto_partition,
             default_partition=cfg.default_partition or 0,

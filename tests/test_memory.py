@@ -300,6 +300,42 @@ def test_memory_report_of_a_step_and_the_budget_error():
     assert step.memory_report().budget == 2**30
 
 
+def test_optimize_memory_partitions_for_the_steps_optimizer(monkeypatch):
+    import keras
+    import numpy as np
+    import tensorflow as tf
+
+    import smp_tf as smp
+    import smp_tf.step_function as sf
+    from tests.models import BATCH, mlp
+
+    seen = []
+    real = sf.assign_partitions
+
+    def spy(*args, **kwargs):
+        seen.append(kwargs.get("slots"))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(sf, "assign_partitions", spy)
+    smp.init({"partitions": 2, "microbatches": 2, "optimize": "memory"})
+    model = mlp()
+
+    def body(x, y):
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_mean((y - model(x, training=True)) ** 2)
+        return loss, tape.gradient(loss, model.trainable_variables)
+
+    x = np.ones((BATCH, 16), "float32")
+    y = np.ones((BATCH, 4), "float32")
+    # Unknown optimizer: Adam's two slots; a known one: its own (plain SGD
+    # keeps none, SGD with momentum one).
+    for optimizer, slots in ((None, 2.0), (keras.optimizers.SGD(), 0.0), (keras.optimizers.SGD(momentum=0.9), 1.0)):
+        step = smp.step(body)
+        step.optimizer = optimizer
+        step(x, y)
+        assert seen[-1] == slots
+
+
 _MEASURE = r"""
 import os, sys
 os.environ["TF_CPU_ALLOCATOR_USE_BFC"] = "true"

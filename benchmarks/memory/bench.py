@@ -187,6 +187,10 @@ def build(smp, tf, keras, s: dict):
             loss = loss_fn(y, model(x, training=True))
         return loss, tape.gradient(loss, model.trainable_variables)
 
+    # The step applies no optimizer: tell it so (plain SGD keeps no state),
+    # or the partitioner and the reports would count Adam's two slots.
+    step.optimizer = keras.optimizers.SGD()
+
     rng = np.random.default_rng(0)
     B = s["batch"]
     tokens = rng.integers(0, V, (B, S + 1))
