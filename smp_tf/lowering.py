@@ -25,7 +25,7 @@ import tensorflow as tf
 from smp_tf.boundary import raw_input, raw_output
 from smp_tf.config import Config
 from smp_tf.memory import MemoryReport, choose_recompute, optimizer_slots, predict_memory
-from smp_tf.partitioner.plan import PartitionPlan
+from smp_tf.partitioner.plan import DEFAULT_SLOTS, PartitionPlan
 from smp_tf.rewrite import (
     FusedGradient,
     PreTransposed,
@@ -49,7 +49,7 @@ __all__ = ["CompiledStep", "FusedValue"]
 def _task_body(sub, input_names, captured, outputs, captures, pins=()):
     """The Python body of a task function: imports the task's GraphDef.
 
-    `pins` (tensor name, static shape) are the task's `Task.pinned` tensors:
+    `pins` (tensor names) are the task's `Task.pinned` tensors:
     each gets a second reader, a one-element slice that the outputs carry
     along, so the graph optimiser sees as many readers as in the single-device
     graph. The slice runs as soon as the tensor exists and holds none of it.
@@ -84,7 +84,7 @@ def _task_body(sub, input_names, captured, outputs, captures, pins=()):
             input_map[f"{name}:0"] = internal
         outs = tf.graph_util.import_graph_def(sub, input_map=input_map, return_elements=outputs, name="")
         outs = list(outs)
-        extra = [_pin(fg.get_tensor_by_name(name), shape) for name, shape in pins]
+        extra = [_pin(fg.get_tensor_by_name(name)) for name in pins]
         extra = [x for x in extra if x is not None]
         if extra and outs:
             # The slices must reach the outputs through data edges, or the
@@ -108,10 +108,11 @@ def _task_body(sub, input_names, captured, outputs, captures, pins=()):
     return body
 
 
-def _pin(x: tf.Tensor, shape) -> Optional[tf.Tensor]:
+def _pin(x: tf.Tensor) -> Optional[tf.Tensor]:
     """A reader of `x` that costs nothing and keeps nothing of it alive."""
-    if shape is None or any(d is None for d in shape):
+    if not x.shape.is_fully_defined():
         return None
+    shape = x.shape.as_list()
     if len(shape) == 0 or 0 in shape:
         return tf.identity(x)  # a scalar or an empty tensor: nothing to hold
     r = len(shape)
@@ -290,7 +291,7 @@ class CompiledStep:
         else:
             def predict(modes: Sequence[str]) -> MemoryReport:
                 cut(modes)
-                return self.memory_report(optimizer, budget=budget, slots=None if optimizer is not None else 2.0)
+                return self.memory_report(optimizer, budget=budget, slots=None if optimizer is not None else DEFAULT_SLOTS)
 
             modes, _ = choose_recompute(predict, plan.num_partitions, cfg.recompute, self.budget)
             if modes != self.recompute:
@@ -386,7 +387,7 @@ class CompiledStep:
                     in_specs.append(tf.TensorSpec(shape, dtype))
                     input_names.append(f"{_transposed_name(g.ops[r].name)}:0")
                 pretranspose_graph_def(sub, products, placeholders)
-            pins = [(g.tensor_name(t), g.tensors[t].shape) for t in task.pinned]
+            pins = [g.tensor_name(t) for t in task.pinned]
             body = _task_body(sub, input_names, captured, outputs, self.traced.captures, pins)
             # Task functions stay calls (not inlined): the graph optimiser
             # then works on each task once instead of on M copies, and a
