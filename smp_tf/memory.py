@@ -55,6 +55,8 @@ __all__ = [
     "MemoryReport",
     "MemoryBudgetError",
     "predict_memory",
+    "predict_assignment",
+    "refine_memory_split",
     "storage_bytes",
     "task_workspace",
     "optimizer_slots",
@@ -438,6 +440,87 @@ def predict_memory(
     static = sum(r.variables + r.optimizer + r.gradients for r in rows)
     process_peak = static + _peak(process)[0]
     return MemoryReport(rows, process_peak=process_peak, budget=budget)
+
+
+def predict_assignment(
+    graph: OpGraph,
+    partition_of_op: Sequence[int],
+    output_tensors: Sequence[int],
+    *,
+    num_partitions: int,
+    num_microbatches: int,
+    kind: str,
+    recompute: str = "never",
+    slots: float = 0.0,
+) -> MemoryReport:
+    """`predict_memory` for an assignment, before any lowering.
+
+    Cuts the tasks (`rewrite.build_tasks`), simulates the schedule with unit
+    costs and predicts every partition's peak, counting `slots` optimizer
+    slots per trainable byte and, as gradients, the floating-point outputs
+    of gradient ops among `output_tensors`.
+    """
+    from smp_tf.rewrite import build_tasks, task_specs
+    from smp_tf.schedule import make_schedule
+
+    tasks = build_tasks(graph, partition_of_op, sorted(set(output_tensors)), recompute=recompute)
+    simulation = make_schedule(task_specs(tasks), num_microbatches, kind).simulate()
+    partition_of_variable: Dict[str, int] = {}
+    for op, p in zip(graph.ops, partition_of_op):
+        for v in op.variables:
+            partition_of_variable.setdefault(v, p)
+    gradient_bytes: Dict[int, int] = {}
+    for t in set(output_tensors):
+        tensor = graph.tensors[t]
+        op = graph.ops[tensor.producer]
+        if op.is_gradient and op.kind == "op" and tensor.dtype.startswith(("float", "bfloat", "half", "double")):
+            p = partition_of_op[tensor.producer]
+            gradient_bytes[p] = gradient_bytes.get(p, 0) + tensor.bytes
+    return predict_memory(
+        graph, partition_of_op, tasks, simulation,
+        num_partitions=num_partitions,
+        partition_of_variable=partition_of_variable,
+        gradient_bytes=gradient_bytes,
+        slots=slots,
+    )
+
+
+def refine_memory_split(
+    assign: Callable[[Optional[Sequence[float]]], List[int]],
+    predict: Callable[[Sequence[int]], MemoryReport],
+    rounds: int = 3,
+) -> List[int]:
+    """A contiguous memory split that also balances what it cannot model per unit.
+
+    The split (`assign`, given each stage's fixed bytes) balances what
+    scales with the units a stage holds: variables, optimizer slots,
+    gradient sums and activations times the micro-batches the schedule
+    keeps. A stage's boundary buffers and the transient workspace of its
+    largest task (on the last stage: the logits and their gradient) are
+    only known once the tasks exist, so each round predicts the split's
+    peaks (`predict`), hands their ``buffers + transient`` back to the
+    split as that stage's fixed bytes, and splits again. Returns the
+    assignment with the lowest largest predicted peak seen (the first on
+    ties), stopping early when a round changes nothing.
+
+    Args:
+        assign: stage overheads (None: none) -> partition of each op.
+        predict: partition of each op -> its `MemoryReport`.
+        rounds: how many times at most to split again.
+    """
+    current = assign(None)
+    report = predict(current)
+    best, best_peak = current, max((r.total for r in report.partitions), default=0)
+    for _ in range(rounds):
+        nxt = assign([r.buffers + r.transient for r in report.partitions])
+        if nxt == current:
+            break
+        current = nxt
+        report = predict(current)
+        peak = max((r.total for r in report.partitions), default=0)
+        if peak < best_peak:
+            best, best_peak = current, peak
+    return best
 
 
 def stage_multipliers(num_partitions: int, num_microbatches: int, kind: str) -> List[float]:

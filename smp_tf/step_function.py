@@ -30,7 +30,7 @@ import numpy as np
 import tensorflow as tf
 
 from smp_tf import placement, state
-from smp_tf.memory import optimizer_slots, stage_multipliers
+from smp_tf.memory import optimizer_slots, predict_assignment, refine_memory_split, stage_multipliers
 from smp_tf.lowering import CompiledStep, FusedValue
 from smp_tf.partitioner.plan import DEFAULT_SLOTS, PartitionPlan, assign_partitions
 from smp_tf.split import check_split_sizes, split_arguments
@@ -225,24 +225,47 @@ class StepFunction:
         )
         _check_no_trainable_writes(traced)
         t1 = time.perf_counter()
-        assignment = assign_partitions(
-            traced.op_graph,
-            cfg.partitions,
-            optimize=cfg.optimize,
-            # optimize="memory": a stage's activations count as often as the
-            # schedule keeps micro-batches alive there.
-            stage_multipliers=stage_multipliers(cfg.partitions, cfg.microbatches, cfg.pipeline),
-            recompute="never" if cfg.recompute == "auto" else cfg.recompute,
-            # The optimizer's state per trainable byte when the step knows
-            # its optimizer; otherwise Adam's two slots.
-            slots=DEFAULT_SLOTS if self.optimizer is None else optimizer_slots(self.optimizer),
-            contiguous=cfg.contiguous,
-            auto_partition=cfg.auto_partition,
-            default_partition=cfg.default_partition or 0,
-            # Variables placed by an earlier step since smp.init stay; their
-            # ops go where they live.
-            pinned=placement.pinned_partitions(traced.captures, topo.devices),
-        )
+        pinned = placement.pinned_partitions(traced.captures, topo.devices)
+        slots = DEFAULT_SLOTS if self.optimizer is None else optimizer_slots(self.optimizer)
+        recompute = "never" if cfg.recompute == "auto" else cfg.recompute
+        multipliers = stage_multipliers(cfg.partitions, cfg.microbatches, cfg.pipeline)
+
+        def assign(overheads: Optional[Sequence[float]] = None) -> List[int]:
+            return assign_partitions(
+                traced.op_graph,
+                cfg.partitions,
+                optimize=cfg.optimize,
+                # optimize="memory": a stage's activations count as often as the
+                # schedule keeps micro-batches alive there.
+                stage_multipliers=multipliers,
+                recompute=recompute,
+                # The optimizer's state per trainable byte when the step knows
+                # its optimizer; otherwise Adam's two slots.
+                slots=slots,
+                contiguous=cfg.contiguous,
+                auto_partition=cfg.auto_partition,
+                default_partition=cfg.default_partition or 0,
+                # Variables placed by an earlier step since smp.init stay; their
+                # ops go where they live.
+                pinned=pinned,
+                stage_overheads=overheads,
+            )
+
+        if cfg.optimize == "memory" and cfg.contiguous and cfg.auto_partition and cfg.partitions > 1 and not pinned:
+            # Boundary buffers and each stage's largest task are known only
+            # once the tasks exist: split again with them as fixed bytes.
+            g = traced.op_graph
+            ids = {g.tensor_name(t.id): t.id for t in g.tensors}
+            outputs = [ids[name] for name in traced.output_names if name is not None]
+            assignment = refine_memory_split(
+                assign,
+                lambda parts: predict_assignment(
+                    g, parts, outputs, num_partitions=cfg.partitions, num_microbatches=cfg.microbatches,
+                    kind=cfg.pipeline, recompute=recompute, slots=slots,
+                ),
+            )
+        else:
+            assignment = assign()
         # Partitioning time: the graph view, the groups and the assignment.
         plan = PartitionPlan(
             traced.graph, traced.op_graph, assignment, cfg.partitions, topo.devices,

@@ -325,6 +325,22 @@ def test_auto_contiguous_memory_mode_weighs_variable_bytes():
     assert [_part(g, a, f"L{i}/f") for i in (1, 2, 3)] == [1, 1, 1]
 
 
+def test_memory_mode_counts_each_stages_fixed_overheads():
+    # Four equal layers (4 variable bytes * (1 + 2 slots + 2 gradients) = 20
+    # each; no gradient op reads a forward output, so no activations): 2 + 2
+    # without overheads. A stage 1 that needs 30 bytes whatever it holds
+    # (say, the workspace of its loss) is best with one layer: 3 + 1 costs
+    # max(60, 20 + 30) = 60 against 2 + 2's 70 and 4 + 0's 80.
+    g = _chain()
+    plan = _plan()
+    even = plan.assign_partitions(g, 2, optimize="memory", stage_multipliers=[1.0, 1.0])
+    assert [_part(g, even, f"L{i}/f") for i in range(4)] == [0, 0, 1, 1]
+    heavy = plan.assign_partitions(g, 2, optimize="memory", stage_multipliers=[1.0, 1.0], stage_overheads=[0, 30])
+    assert [_part(g, heavy, f"L{i}/f") for i in range(4)] == [0, 0, 0, 1]
+    with pytest.raises(ValueError, match="fixed_costs must have"):
+        plan.assign_partitions(g, 2, optimize="memory", stage_multipliers=[1.0, 1.0], stage_overheads=[0])
+
+
 @pytest.mark.parametrize("contiguous", [True, False])
 def test_memory_mode_keeps_variable_bytes_within_ten_percent_of_even(contiguous):
     # Activations dominate the first layers, variables the last two. Memory

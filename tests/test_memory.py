@@ -22,7 +22,9 @@ from smp_tf.memory import (
     PartitionMemory,
     choose_recompute,
     optimizer_slots,
+    predict_assignment,
     predict_memory,
+    refine_memory_split,
     stage_multipliers,
     storage_bytes,
     task_workspace,
@@ -54,6 +56,46 @@ def _chain():
     parts = [0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 0, 0]
     outputs = [g.ops[g.op_index[n]].outputs[0] for n in ("loss", "g_w0", "g_w1")]
     return g, parts, outputs
+
+
+def test_predict_assignment_is_the_prediction_of_the_lowered_tasks():
+    g, parts, outputs = _chain()
+    tasks = build_tasks(g, parts, outputs)
+    simulation = make_schedule(task_specs(tasks), 3, "interleaved").simulate()
+    grads = {0: g.tensors[outputs[1]].bytes, 1: g.tensors[outputs[2]].bytes}
+    want = predict_memory(g, parts, tasks, simulation, num_partitions=2,
+                          partition_of_variable={"w0": 0, "w1": 1}, gradient_bytes=grads, slots=1.0)
+    got = predict_assignment(g, parts, outputs, num_partitions=2, num_microbatches=3, kind="interleaved", slots=1.0)
+    assert got.partitions == want.partitions
+    assert got.process_peak == want.process_peak
+
+
+def _totals_report(totals, overheads):
+    return MemoryReport([PartitionMemory(p, total=t, transient=o) for p, (t, o) in enumerate(zip(totals, overheads))])
+
+
+def test_refine_memory_split_hands_the_overheads_back_and_keeps_the_best():
+    # Each assignment is a tuple naming itself; the prediction of each is fixed.
+    predictions = {
+        (0,): _totals_report([100, 140], [5, 40]),
+        (1,): _totals_report([120, 118], [7, 30]),
+        (2,): _totals_report([125, 119], [7, 30]),
+    }
+    seen = []
+
+    def assign(overheads):
+        seen.append(None if overheads is None else list(overheads))
+        return [len(seen) - 1] if len(seen) <= 3 else [2]
+
+    best = refine_memory_split(assign, lambda a: predictions[tuple(a)], rounds=5)
+    # Round 1 splits with no overheads, round 2 with the first prediction's
+    # buffers + transient, round 3 with the second's; then the split repeats.
+    assert seen == [None, [5, 40], [7, 30], [7, 30]]
+    assert best == [1]  # the lowest largest peak: 120 < 125 < 140
+    # A split that does not move stops at once.
+    calls = []
+    assert refine_memory_split(lambda o: calls.append(o) or [0], lambda a: predictions[(0,)]) == [0]
+    assert calls == [None, [5, 40]]
 
 
 def test_stage_multipliers_follow_the_schedule():

@@ -316,6 +316,7 @@ def assign_partitions(
     pinned: Optional[Mapping[str, int]] = None,
     stage_multipliers: Optional[Sequence[float]] = None,
     recompute: str = "never",
+    stage_overheads: Optional[Sequence[float]] = None,
 ) -> List[int]:
     """Assigns every op of `graph` to a partition.
 
@@ -342,6 +343,10 @@ def assign_partitions(
             its multiplier (`stage_memory_costs`), instead of capped
             variable bytes.
         recompute: the recompute mode the activations are counted under.
+        stage_overheads: with `stage_multipliers`, bytes each stage needs
+            whatever units it gets (its boundary buffers and the transient
+            workspace of its largest task, as a previous prediction found
+            them; `smp_tf.memory.refine_memory_split`).
 
     Returns:
         The partition of each op, indexed like ``graph.ops``.
@@ -403,6 +408,7 @@ def assign_partitions(
                 bounds = balance.stage_weighted_split(
                     [static[g] for g in unit_groups], [kept[g] for g in unit_groups],
                     list(stage_multipliers), cuts, tolerance=tolerance,
+                    fixed_costs=None if stage_overheads is None else [float(x) for x in stage_overheads],
                 )
                 costs = [static[g] + stage_multipliers[0] * kept[g] for g in unit_groups]
             else:
