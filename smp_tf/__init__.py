@@ -59,6 +59,7 @@ _EXPORTS = {
     "dp_size": "smp_tf.state",
     "init": "smp_tf.state",
     "is_initialized": "smp_tf.state",
+    "local_partitions": "smp_tf.state",
     "local_rank": "smp_tf.state",
     "local_size": "smp_tf.state",
     "mp_rank": "smp_tf.state",

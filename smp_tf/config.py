@@ -46,6 +46,9 @@ recompute              "never"        (smp_tf only) activation
 memory_budget          None           (smp_tf only) bytes each partition's
                                       device may use; None: the device's
                                       memory on GPUs, no limit on CPUs
+pipeline_processes     1              (smp_tf only) processes one pipeline
+                                      spans; with n processes there are
+                                      n / pipeline_processes replicas
 =====================  =============  =======================================
 
 As on SageMaker, the JSON object in the environment variable
@@ -81,7 +84,7 @@ _CHOICES: Dict[str, Tuple[str, ...]] = {
     "uneven_inputs": ("join", "raise"),
     "recompute": ("never", "selective", "full", "auto"),
 }
-_INT_KEYS = ("partitions", "microbatches", "default_partition")
+_INT_KEYS = ("partitions", "microbatches", "default_partition", "pipeline_processes")
 _BOOL_KEYS = (
     "auto_partition", "contiguous", "horovod", "fuse_weight_gradients", "pretranspose_weights", "shard_inputs",
 )
@@ -145,6 +148,12 @@ class Config:
             ``recompute="auto"`` says so, and a step that cannot fit raises
             before it runs. None: on GPUs the device's memory, on CPUs no
             limit.
+        pipeline_processes: processes each pipeline spans (each holds
+            ``partitions / pipeline_processes`` consecutive partitions, on
+            its own devices; `smp_tf.distributed.layout`). The first process
+            of a pipeline traces and drives the step; the others serve their
+            devices to it. With n processes there are
+            ``n / pipeline_processes`` data-parallel replicas.
 
     Raises:
         ValueError: a value has the wrong type or is out of range.
@@ -166,6 +175,7 @@ class Config:
     uneven_inputs: str = "join"
     recompute: str = "never"
     memory_budget: Optional[int] = None
+    pipeline_processes: int = 1
 
     def __post_init__(self) -> None:
         for key in _INT_KEYS:
@@ -195,12 +205,19 @@ class Config:
                     f"(e.g. 8 * 2**30 for 8 GiB) or None. Received: memory_budget={budget!r}"
                 )
             object.__setattr__(self, "memory_budget", int(budget))
-        for key in ("partitions", "microbatches"):
+        for key in ("partitions", "microbatches", "pipeline_processes"):
             if getattr(self, key) < 1:
                 raise ValueError(
                     f"Config parameter '{key}' must be at least 1. "
                     f"Received: {key}={getattr(self, key)!r}"
                 )
+
+        if self.partitions % self.pipeline_processes:
+            raise ValueError(
+                f"partitions={self.partitions} cannot be shared evenly by pipeline_processes="
+                f"{self.pipeline_processes}: each process of a pipeline holds the same number of "
+                "partitions. Use a number of partitions that is a multiple of pipeline_processes."
+            )
 
         if self.default_partition is None:
             if not self.auto_partition:

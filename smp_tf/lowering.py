@@ -195,10 +195,10 @@ def _annotate_resource(placeholder: tf.Tensor, variable: Any) -> None:
 def _partition_of_device(device: str, devices: Sequence[str]) -> int:
     """The partition whose device `device` names (0 when none does)."""
     if device:
-        spec = tf.DeviceSpec.from_string(device)
+        from smp_tf.placement import same_device
+
         for p, d in enumerate(devices):
-            other = tf.DeviceSpec.from_string(d)
-            if (spec.device_type, spec.device_index) == (other.device_type, other.device_index):
+            if same_device(device, d):
                 return p
     return 0
 

@@ -75,8 +75,16 @@ def live_models() -> List[Any]:
 
 
 def same_device(a: str, b: str) -> bool:
-    """Whether two device strings name the same device (type and index)."""
+    """Whether two device names name the same device.
+
+    The job, replica and task count only when both names give them: a name
+    without them (``/device:CPU:1``) means this process's device.
+    """
     da, db = tf.DeviceSpec.from_string(a or ""), tf.DeviceSpec.from_string(b or "")
+    for field in ("job", "replica", "task"):
+        x, y = getattr(da, field), getattr(db, field)
+        if x is not None and y is not None and x != y:
+            return False
     return (da.device_type or "CPU").upper() == (db.device_type or "CPU").upper() and (
         da.device_index or 0
     ) == (db.device_index or 0)

@@ -56,6 +56,7 @@ __all__ = [
     "num_microbatches",
     "data_parallel",
     "process_group",
+    "local_partitions",
 ]
 
 
@@ -90,6 +91,7 @@ class _State:
         self.topology: Optional[Topology] = None
         self.cluster: Any = None  # smp_tf.distributed.cluster.ClusterInfo
         self.group: Any = None  # smp_tf.distributed.runtime.ProcessGroup
+        self.layout: Any = None  # smp_tf.distributed.layout.PipelineLayout
         self.post_partition_hooks: list = []
         self.generation = 0
         # The generation in which the post-partition hooks last ran.
@@ -202,9 +204,26 @@ def init(config: Optional[Mapping[str, Any]] = None) -> Config:
     from smp_tf.distributed.cluster import from_environment
 
     info = from_environment()
-    topo = _setup_devices(cfg.partitions, info.local_rank, info.local_size, cfg.placement_strategy)
     group = None
-    if info.is_distributed:
+    from smp_tf.distributed.layout import PipelineLayout
+
+    layout = PipelineLayout(info.size, cfg.partitions, cfg.pipeline_processes, cfg.placement_strategy)
+    if cfg.pipeline_processes > 1:
+        from smp_tf.distributed import remote
+
+        if layout.replicas > 1:
+            raise ValueError(
+                f"pipeline_processes={cfg.pipeline_processes} with {info.size} processes makes "
+                f"{layout.replicas} pipeline replicas; data parallelism over pipelines that span "
+                "processes is not available yet. Start exactly pipeline_processes processes."
+            )
+        local = _setup_devices(layout.partitions_per_process, info.local_rank, info.local_size, cfg.placement_strategy)
+        # Returns on the driver of a pipeline only; the other processes serve.
+        process = remote.start(info, layout, local.kind, local.logical_cpu, cfg.dp_timeout)
+        topo = Topology(process.devices, local.kind, local.logical_cpu)
+    else:
+        topo = _setup_devices(cfg.partitions, info.local_rank, info.local_size, cfg.placement_strategy)
+    if info.is_distributed and cfg.pipeline_processes == 1:
         import json
 
         from smp_tf.distributed import runtime
@@ -221,6 +240,7 @@ def init(config: Optional[Mapping[str, Any]] = None) -> Config:
         _STATE.topology = topo
         _STATE.cluster = info
         _STATE.group = group
+        _STATE.layout = layout
         _STATE.generation += 1
     logger.info("smp_tf initialised: %s on %s (rank %d of %d)", cfg, topo.devices, info.rank, info.size)
     return cfg
@@ -272,9 +292,11 @@ def local_size() -> int:
 
 
 def mp_rank() -> int:
-    """Model-parallel rank: 0, since this process drives every partition of its replica."""
-    _require_init()
-    return 0
+    """Model-parallel rank: this process's position in its pipeline (0 for the
+    process that drives it; with ``pipeline_processes`` k, the j-th process
+    holds partitions ``j * partitions / k ...``)."""
+    st = _require_init()
+    return st.layout.pp_rank(st.cluster.rank)
 
 
 def mp_size() -> int:
@@ -293,13 +315,22 @@ def pp_size() -> int:
 
 
 def dp_rank() -> int:
-    """Data-parallel rank: the index of this process's pipeline replica (= `rank`)."""
-    return _require_init().cluster.rank
+    """Data-parallel rank: the index of this process's pipeline replica
+    (`rank` when each pipeline is one process)."""
+    st = _require_init()
+    return st.layout.dp_rank(st.cluster.rank)
 
 
 def dp_size() -> int:
-    """Number of data-parallel pipeline replicas (= `size`)."""
-    return _require_init().cluster.size
+    """Number of data-parallel pipeline replicas (processes / ``pipeline_processes``)."""
+    return _require_init().layout.replicas
+
+
+def local_partitions() -> Tuple[int, ...]:
+    """The partitions whose devices this process holds (all of them unless
+    ``pipeline_processes`` > 1)."""
+    st = _require_init()
+    return st.layout.stages(st.cluster.rank)
 
 
 def data_parallel() -> bool:

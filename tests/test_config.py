@@ -61,6 +61,7 @@ def test_defaults():
         "uneven_inputs": "join",
         "recompute": "never",
         "memory_budget": None,
+        "pipeline_processes": 1,
     }
     assert parse({}) == cfg
 
@@ -83,12 +84,25 @@ def test_all_keys_set():
         "uneven_inputs": "raise",
         "recompute": "selective",
         "memory_budget": 2**30,
+        "pipeline_processes": 2,
     }
     cfg = parse(given)
     assert cfg.to_dict() == given
     # to_dict round-trips, and a Config is accepted as the config.
     assert parse(cfg.to_dict()) == cfg
     assert parse(cfg) == cfg
+
+
+@pytest.mark.parametrize("value", [0, -1, 1.5, True, "2"])
+def test_pipeline_processes_must_be_a_positive_integer(value):
+    with pytest.raises(ValueError, match="pipeline_processes"):
+        parse({"partitions": 2, "pipeline_processes": value})
+
+
+def test_pipeline_processes_must_share_the_partitions_evenly():
+    with pytest.raises(ValueError, match=r"partitions=3 cannot be shared evenly by pipeline_processes=2"):
+        parse({"partitions": 3, "pipeline_processes": 2})
+    assert parse({"partitions": 4, "pipeline_processes": 2}).pipeline_processes == 2
 
 
 def test_config_is_frozen_and_hashable():

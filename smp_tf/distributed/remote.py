@@ -1,0 +1,223 @@
+"""One pipeline across several processes, on TensorFlow's distributed runtime.
+
+With ``pipeline_processes = k > 1`` (`smp_tf.distributed.layout`):
+
+* every process runs a TensorFlow gRPC server, task ``rank`` of the job
+  ``worker``, serving the devices of the stages it holds;
+* the first process of each pipeline (its driver) also connects to the
+  cluster as a client (task ``replica`` of the job ``client``, a job that
+  lists only itself, so that drivers never wait for each other): it sees the
+  devices of every worker, traces and partitions the step and places
+  partition p on the device of the process that holds stage p. TensorFlow's
+  distributed function runtime then runs each process's share of the step
+  on that process and moves the boundary tensors between processes (gRPC
+  ``RecvTensor``), each transfer starting as soon as its tensor is ready,
+  so a stage's compute overlaps its neighbours' transfers as on one host;
+* the other processes serve until their driver's server goes away, then
+  exit: the code after ``smp.init`` runs in the drivers only.
+
+Why a driver rather than every process running its own stages: one process
+holds the traced step, the schedule and every output, so everything that
+works in one process (Keras ``fit``, ``StepOutput``, checkpoints of the whole
+model) works unchanged, while each variable, activation and gradient still
+lives on the device of its stage.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import time
+from dataclasses import dataclass
+from typing import Optional, Tuple
+
+from smp_tf.distributed.cluster import ClusterInfo, parse_address
+from smp_tf.distributed.layout import PipelineLayout
+
+logger = logging.getLogger("smp_tf")
+
+__all__ = ["WORKER", "CLIENT", "PipelineProcess", "start", "current"]
+
+#: Job of every process's server.
+WORKER = "worker"
+#: Job of the drivers' client contexts.
+CLIENT = "client"
+
+_CURRENT: Optional["PipelineProcess"] = None
+#: This process's server: kept for the life of the process.
+_SERVER = None
+
+
+@dataclass(frozen=True)
+class PipelineProcess:
+    """This process's place in a job whose pipelines span processes.
+
+    Attributes:
+        info: the cluster (rank, size, addresses).
+        layout: which rank holds which stage.
+        devices: on a driver, the full device name of each partition of its
+            pipeline; empty on the other processes.
+        timeout: `Config.dp_timeout`.
+    """
+
+    info: ClusterInfo
+    layout: PipelineLayout
+    devices: Tuple[str, ...]
+    timeout: float
+
+    @property
+    def rank(self) -> int:
+        return self.info.rank
+
+    @property
+    def replica(self) -> int:
+        return self.layout.dp_rank(self.info.rank)
+
+    @property
+    def is_driver(self) -> bool:
+        return self.layout.is_driver(self.info.rank)
+
+
+def current() -> Optional[PipelineProcess]:
+    """This process's `PipelineProcess`, or None when pipelines do not span processes."""
+    return _CURRENT
+
+
+def worker_device(rank: int, kind: str, index: int) -> str:
+    """The full name of device `index` of `kind` on the server of `rank`."""
+    return f"/job:{WORKER}/replica:0/task:{rank}/device:{kind}:{index}"
+
+
+def _session_config(kind: str, num_devices: int, logical_cpu: bool):
+    import tensorflow as tf
+
+    config = tf.compat.v1.ConfigProto(device_count={kind: num_devices})
+    config.experimental.collective_group_leader = f"/job:{WORKER}/replica:0/task:0"
+    if logical_cpu and num_devices > 1:
+        # As in one process: one core per logical device, all at once.
+        config.intra_op_parallelism_threads = 1
+        config.inter_op_parallelism_threads = max(num_devices, tf.config.threading.get_inter_op_parallelism_threads())
+    return config
+
+
+def _alive(address: str, timeout: float = 2.0) -> bool:
+    host, port = parse_address(address)
+    try:
+        with socket.create_connection((host, port), timeout=timeout):
+            return True
+    except OSError:
+        return False
+
+
+def _serve(info: ClusterInfo, layout: PipelineLayout, addresses: Tuple[str, ...], timeout: float) -> None:
+    """Serves this process's devices until its driver's server is gone, then exits."""
+    driver = layout.driver(layout.dp_rank(info.rank))
+    logger.info(
+        "smp_tf: rank %d serves stages %s of pipeline %d to its driver, rank %d (%s)",
+        info.rank, list(layout.stages(info.rank)), layout.dp_rank(info.rank), driver, addresses[driver],
+    )
+    deadline = time.monotonic() + max(timeout, 120.0)
+    seen = False
+    while True:
+        up = _alive(addresses[driver])
+        if up:
+            seen = True
+        elif seen:
+            break  # the driver finished (or died: it reports that itself)
+        elif time.monotonic() > deadline:
+            logger.error("smp_tf: rank %d: the driver of its pipeline, rank %d, never started its server", info.rank, driver)
+            os._exit(1)
+        time.sleep(1.0)
+    logger.info("smp_tf: rank %d: its driver, rank %d, is done; exiting", info.rank, driver)
+    # Nothing of the user's program runs here, and TensorFlow's server does
+    # not shut down cleanly: leave at once.
+    logging.shutdown()
+    os._exit(0)
+
+
+def start(info: ClusterInfo, layout: PipelineLayout, kind: str, logical_cpu: bool, timeout: float) -> PipelineProcess:
+    """Starts this process's server; on a driver, connects to the cluster.
+
+    Called by `smp.init` after the local devices are configured and before
+    TensorFlow's runtime starts. On a process that is not a driver this
+    never returns (`_serve`).
+
+    Args:
+        info: the cluster.
+        layout: the job's layout.
+        kind: ``"CPU"`` or ``"GPU"``, the kind of every stage's device.
+        logical_cpu: whether the devices are logical CPU devices.
+        timeout: `Config.dp_timeout`.
+
+    Returns:
+        On a driver, its `PipelineProcess`.
+    """
+    global _CURRENT, _SERVER
+    if _CURRENT is not None:
+        if _CURRENT.info == info and _CURRENT.layout == layout:
+            return _CURRENT
+        raise RuntimeError(
+            f"smp.init was called again with another cluster or layout ({info}, {layout}) than the running "
+            f"one ({_CURRENT.info}, {_CURRENT.layout}); a process joins one cluster for its lifetime. "
+            "Start new processes."
+        )
+    import tensorflow as tf
+    from tensorflow.python.eager import context
+
+    addresses = info.addresses
+    if addresses is None:
+        from smp_tf.distributed import cluster, rendezvous
+
+        port = cluster.pick_free_ports(1)[0]
+        addresses = rendezvous.exchange_addresses(info, f"{rendezvous.my_host()}:{port}", timeout=max(timeout, 120.0))
+    addresses = tuple(addresses)
+    if context.context()._context_handle is not None:  # noqa: SLF001 - no public "is initialised"
+        raise RuntimeError(
+            "smp.init must start this process's server before TensorFlow runs its first operation. "
+            "Call smp.init at the very start of the program (importing TensorFlow and Keras first is fine)."
+        )
+    cluster_spec = tf.train.ClusterSpec({WORKER: list(addresses)})
+    config = _session_config(kind, layout.partitions_per_process, logical_cpu)
+    try:
+        _SERVER = tf.distribute.Server(cluster_spec, job_name=WORKER, task_index=info.rank, start=True, config=config)
+    except tf.errors.UnknownError as e:
+        raise OSError(
+            f"smp_tf: rank {info.rank} cannot start its server on {addresses[info.rank]}: {str(e).splitlines()[0]}. "
+            "Choose other ports (smp_tf.launch picks free ones)."
+        ) from e
+    if not layout.is_driver(info.rank):
+        _serve(info, layout, addresses, timeout)
+        raise AssertionError("unreachable")  # _serve exits the process
+
+    # The driver: wait for every server of its pipeline, then connect.
+    replica = layout.dp_rank(info.rank)
+    deadline = time.monotonic() + max(timeout, 120.0)
+    for r in layout.pipeline(replica):
+        while not _alive(addresses[r]):
+            if time.monotonic() > deadline:
+                raise RuntimeError(
+                    f"smp_tf: rank {info.rank} waited {max(timeout, 120.0):.0f} s for the server of rank {r} "
+                    f"({addresses[r]}), which holds stages {list(layout.stages(r))} of its pipeline. "
+                    "Check that every process was started with the same cluster environment."
+                )
+            time.sleep(0.2)
+    host = parse_address(addresses[info.rank])[0]
+    from smp_tf.distributed.cluster import pick_free_ports
+
+    client = f"{host}:{pick_free_ports(1)[0]}"
+    # The client job lists only this driver: connecting asks every listed
+    # task for its devices, and another driver would not answer before it
+    # has connected itself.
+    client_spec = tf.train.ClusterSpec({WORKER: list(addresses), CLIENT: {replica: client}})
+    context.context().configure_collective_ops(collective_leader=f"/job:{WORKER}/replica:0/task:0")
+    tf.config.experimental_connect_to_cluster(
+        client_spec, job_name=CLIENT, task_index=replica, protocol="grpc", make_master_device_default=True
+    )
+    devices = tuple(worker_device(r, kind, i) for r, i in layout.placement(replica))
+    _CURRENT = PipelineProcess(info, layout, devices, float(timeout))
+    logger.info(
+        "smp_tf: rank %d drives pipeline %d: %s", info.rank, replica,
+        ", ".join(f"stage {p} on rank {r} {kind}:{i}" for p, (r, i) in enumerate(layout.placement(replica))),
+    )
+    return _CURRENT

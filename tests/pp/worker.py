@@ -1,0 +1,46 @@
+"""One process of the pipeline-across-processes tests (run in 2 processes by the tests).
+
+Usage: worker.py SCENARIO OUT_DIR PARTITIONS PIPELINE. Rank 0 drives the
+pipeline and writes what the test compares to OUT_DIR/rank0.json; rank 1
+serves its stages and never gets past `smp.init`.
+"""
+
+import json
+import os
+import sys
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+os.environ.setdefault("TF_DETERMINISTIC_OPS", "1")
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
+
+import smp_tf as smp  # noqa: E402
+
+SCENARIO, OUT, PARTITIONS, PIPELINE = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4]
+smp.init({"partitions": PARTITIONS, "microbatches": 4, "pipeline": PIPELINE, "pipeline_processes": 2,
+          "dp_timeout": 20.0})
+
+import keras  # noqa: E402
+
+from tests.dp import common  # noqa: E402
+
+model = common.build(seed=100)
+result = {"rank": smp.rank(), "size": smp.size(), "dp_rank": smp.dp_rank(), "dp_size": smp.dp_size(),
+          "pp_rank": smp.pp_rank(), "mp_size": smp.mp_size(), "local_partitions": list(smp.local_partitions())}
+x, y = common.batches(3)
+
+if SCENARIO == "custom_loop":
+    train = common.train_function(model, keras.optimizers.SGD(common.LR))
+    result["losses"] = [float(train(x[s], y[s])) for s in range(3)]
+elif SCENARIO == "fit":
+    model.compile(optimizer=keras.optimizers.SGD(common.LR), loss=common.loss)
+    history = model.fit(x.reshape(-1, 16), y.reshape(-1, 4), batch_size=common.GLOBAL_BATCH, epochs=2,
+                        shuffle=False, verbose=0)
+    result["losses"] = history.history["loss"]
+    result["predict"] = model.predict(x[0], batch_size=common.GLOBAL_BATCH, verbose=0).tolist()
+else:
+    raise SystemExit(f"unknown scenario {SCENARIO!r}")
+
+result["weights"] = [v.numpy().tolist() for v in model.trainable_variables]
+result["devices"] = [v.value.device for v in model.trainable_variables]
+with open(os.path.join(OUT, f"rank{smp.rank()}.json"), "w") as f:
+    json.dump(result, f)
