@@ -105,3 +105,27 @@ def test_fit_across_processes_equals_plain_keras(tmp_path):
     for a, b in zip(got["weights"], plain.trainable_variables):
         np.testing.assert_allclose(np.array(a, dtype=np.float32), b.numpy(), rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(got["predict"], plain.predict(x[0], verbose=0), rtol=1e-5, atol=1e-6)
+
+
+def test_the_launcher_starts_a_pipeline_over_two_processes_and_counts_their_devices(tmp_path):
+    import subprocess as sp
+
+    result = sp.run(
+        [sys.executable, "-m", "smp_tf.launch", "-n", "2", "--partitions", "4", "--pipeline-processes", "2",
+         "--timeout", "200", WORKER, "custom_loop", str(tmp_path), "4", "interleaved"],
+        cwd=ROOT, env=dict(os.environ, PYTHONPATH=ROOT), capture_output=True, text=True, timeout=240,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert ("1 pipeline(s) of 4 partition(s), each over 2 process(es) (cluster): 2 partition(s) per process; "
+            "2 logical CPU device(s) each") in result.stderr
+    got = json.load(open(os.path.join(tmp_path, "rank0.json")))
+    assert got["local_partitions"] == [0, 1] and len(got["losses"]) == 3
+
+
+def test_the_launcher_needs_partitions_for_pipeline_processes(tmp_path):
+    from smp_tf import launch
+
+    script = tmp_path / "noop.py"
+    script.write_text("")
+    assert launch.main(["-n", "2", "--pipeline-processes", "2", str(script)]) == launch.EXIT_USAGE
+    assert launch.main(["-n", "3", "--partitions", "2", "--pipeline-processes", "2", str(script)]) == launch.EXIT_USAGE
