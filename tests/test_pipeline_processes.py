@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -29,8 +30,11 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WORKER = os.path.join(ROOT, "tests", "pp", "worker.py")
 
 
-def run_pipeline(args: List[str], out, timeout: float = 240.0):
-    """Runs the 2 processes of one pipeline; returns (exit codes, outputs)."""
+def run_pipeline(args: List[str], out, timeout: float = 240.0, then=None):
+    """Runs the 2 processes of one pipeline; returns (exit codes, outputs).
+
+    `then(procs)`, if given, runs once the processes are started (it may
+    signal them); the timeout covers it."""
     from smp_tf.distributed.cluster import pick_free_ports
 
     addresses = ",".join(f"127.0.0.1:{p}" for p in pick_free_ports(2, "127.0.0.1"))
@@ -43,8 +47,12 @@ def run_pipeline(args: List[str], out, timeout: float = 240.0):
     start = time.monotonic()
     codes: List[Optional[int]] = [None, None]
     try:
+        if then is not None:
+            then(procs, start)
         for r in range(2):
             codes[r] = procs[r].wait(timeout=max(1.0, timeout - (time.monotonic() - start)))
+    except subprocess.TimeoutExpired:
+        pass
     finally:
         for p in procs:
             if p.poll() is None:
@@ -129,3 +137,31 @@ def test_the_launcher_needs_partitions_for_pipeline_processes(tmp_path):
     script.write_text("")
     assert launch.main(["-n", "2", "--pipeline-processes", "2", str(script)]) == launch.EXIT_USAGE
     assert launch.main(["-n", "3", "--partitions", "2", "--pipeline-processes", "2", str(script)]) == launch.EXIT_USAGE
+
+
+@pytest.mark.parametrize("how", ["killed", "stalled"])
+def test_a_lost_stage_process_stops_the_driver_within_the_timeout(tmp_path, how):
+    import signal
+
+    lost = {}
+
+    def lose_rank_1(procs, start):
+        ready = os.path.join(tmp_path, "ready")
+        while not os.path.exists(ready):
+            if time.monotonic() - start > 180 or procs[0].poll() is not None:
+                return
+            time.sleep(0.2)
+        os.kill(procs[1].pid, signal.SIGKILL if how == "killed" else signal.SIGSTOP)
+        lost["at"] = time.monotonic()
+        procs[0].wait(timeout=60)
+        lost["after"] = time.monotonic() - lost["at"]
+        procs[1].kill()  # a stopped process waits for nothing else
+
+    codes, outputs = run_pipeline(["loop", "2", "interleaved"], tmp_path, then=lose_rank_1)
+    assert "after" in lost, f"the driver did not stop\n{outputs[0][-3000:]}"
+    assert codes[0] == 1, outputs[0][-3000:]
+    # dp_timeout is 8 s in the worker; a dead process is seen within a second or two.
+    assert lost["after"] < (5.0 if how == "killed" else 8.0 + 10.0), lost
+    what = "is gone" if how == "killed" else "stopped responding"
+    assert re.search(r"smp_tf: rank 1 on 127\.0\.0\.1:\d+, which holds stages \[1\] of pipeline 0, " + what,
+                     outputs[0]), outputs[0][-3000:]

@@ -28,6 +28,7 @@ from __future__ import annotations
 import logging
 import os
 import socket
+import threading
 import time
 from dataclasses import dataclass
 from typing import Optional, Tuple
@@ -47,6 +48,10 @@ CLIENT = "client"
 _CURRENT: Optional["PipelineProcess"] = None
 #: This process's server: kept for the life of the process.
 _SERVER = None
+#: Exit code of a driver whose pipeline lost a process.
+EXIT_STAGE_LOST = 1
+#: Seconds between two looks of the driver's watchdog at its servers.
+WATCH_INTERVAL_S = 1.0
 
 
 @dataclass(frozen=True)
@@ -136,6 +141,82 @@ def _serve(info: ClusterInfo, layout: PipelineLayout, addresses: Tuple[str, ...]
     os._exit(0)
 
 
+def _lost_message(rank: int, layout: PipelineLayout, addresses: Tuple[str, ...], other: int, why: str) -> str:
+    return (
+        f"smp_tf: rank {other} on {addresses[other]}, which holds stages {list(layout.stages(other))} of pipeline "
+        f"{layout.dp_rank(other)}, {why}. The pipeline cannot go on: rank {rank} stops "
+        "(restart every process of the job, for example from the last checkpoint)."
+    )
+
+
+_GONE = "is gone (its server refuses connections: the process died)"
+
+
+def _install_excepthook(rank: int, layout: PipelineLayout, addresses: Tuple[str, ...]) -> None:
+    """An error that ends the driver's program and names a task of its
+    pipeline (TensorFlow's "/job:worker/replica:0/task:N") first says which
+    rank and host that is, and whether its process is gone."""
+    import re
+    import sys
+
+    previous = sys.excepthook
+
+    def hook(kind, value, traceback) -> None:
+        tasks = {int(t) for t in re.findall(r"/job:%s/replica:\d+/task:(\d+)" % WORKER, str(value))}
+        for other in sorted(t for t in tasks if t != rank and 0 <= t < len(addresses)):
+            why = _GONE if not _alive(addresses[other], timeout=2.0) else "failed while running its stages"
+            print(_lost_message(rank, layout, addresses, other, why), file=sys.stderr, flush=True)
+        previous(kind, value, traceback)
+
+    sys.excepthook = hook
+
+
+def _stage_lost(rank: int, layout: PipelineLayout, addresses: Tuple[str, ...], other: int, why: str) -> None:
+    message = _lost_message(rank, layout, addresses, other, why)
+    logger.error(message)
+    import sys
+
+    print(message, file=sys.stderr, flush=True)
+    logging.shutdown()
+    # The main thread may be inside a step that waits for the lost process.
+    os._exit(EXIT_STAGE_LOST)
+
+
+#: What an HTTP/2 client sends first: the connection preface and an empty
+#: SETTINGS frame. A gRPC server answers with its own SETTINGS frame.
+_HTTP2_HELLO = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + b"\x00\x00\x00\x04\x00\x00\x00\x00\x00"
+
+
+def _answers(address: str, timeout: float) -> bool:
+    """Whether the gRPC server at `address` answers an HTTP/2 greeting within
+    `timeout` seconds. A stopped or hung process still has its port open (the
+    kernel accepts the connection) but never answers; its server's threads
+    are what answer, whatever its main thread does."""
+    host, port = parse_address(address)
+    try:
+        with socket.create_connection((host, port), timeout=timeout) as sock:
+            sock.settimeout(timeout)
+            sock.sendall(_HTTP2_HELLO)
+            return len(sock.recv(9)) > 0
+    except OSError:
+        return False
+
+
+def _watch(rank: int, layout: PipelineLayout, addresses: Tuple[str, ...], others, timeout: float) -> None:
+    """The driver's watchdog: stops the driver when a process of its pipeline
+    died (its server refuses connections) or stalled (its server does not
+    answer within `timeout` seconds)."""
+    while True:
+        for r in others:
+            if not _alive(addresses[r], timeout=min(2.0, timeout)):
+                _stage_lost(rank, layout, addresses, r, _GONE)
+            if not _answers(addresses[r], timeout):
+                if not _alive(addresses[r], timeout=min(2.0, timeout)):
+                    _stage_lost(rank, layout, addresses, r, _GONE)
+                _stage_lost(rank, layout, addresses, r, f"stopped responding (no answer for {timeout:g} s: it hangs)")
+        time.sleep(WATCH_INTERVAL_S)
+
+
 def start(info: ClusterInfo, layout: PipelineLayout, kind: str, logical_cpu: bool, timeout: float) -> PipelineProcess:
     """Starts this process's server; on a driver, connects to the cluster.
 
@@ -216,6 +297,12 @@ def start(info: ClusterInfo, layout: PipelineLayout, kind: str, logical_cpu: boo
     )
     devices = tuple(worker_device(r, kind, i) for r, i in layout.placement(replica))
     _CURRENT = PipelineProcess(info, layout, devices, float(timeout))
+    others = [r for r in layout.pipeline(replica) if r != info.rank]
+    _install_excepthook(info.rank, layout, addresses)
+    threading.Thread(
+        target=_watch, args=(info.rank, layout, addresses, others, float(timeout)), name="smp_tf-stage-watchdog",
+        daemon=True,
+    ).start()
     logger.info(
         "smp_tf: rank %d drives pipeline %d: %s", info.rank, replica,
         ", ".join(f"stage {p} on rank {r} {kind}:{i}" for p, (r, i) in enumerate(layout.placement(replica))),

@@ -17,7 +17,7 @@ import smp_tf as smp  # noqa: E402
 
 SCENARIO, OUT, PARTITIONS, PIPELINE = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4]
 smp.init({"partitions": PARTITIONS, "microbatches": 4, "pipeline": PIPELINE, "pipeline_processes": 2,
-          "dp_timeout": 20.0})
+          "dp_timeout": 8.0 if SCENARIO == "loop" else 20.0})
 
 import keras  # noqa: E402
 
@@ -37,6 +37,13 @@ elif SCENARIO == "fit":
                         shuffle=False, verbose=0)
     result["losses"] = history.history["loss"]
     result["predict"] = model.predict(x[0], batch_size=common.GLOBAL_BATCH, verbose=0).tolist()
+elif SCENARIO == "loop":
+    # Trains until the test kills or stops the other process.
+    train = common.train_function(model, keras.optimizers.SGD(common.LR))
+    train(x[0], y[0])
+    open(os.path.join(OUT, "ready"), "w").close()
+    while True:
+        train(x[0], y[0])
 else:
     raise SystemExit(f"unknown scenario {SCENARIO!r}")
 
