@@ -24,8 +24,9 @@ import tensorflow as tf
 
 from smp_tf.boundary import raw_input, raw_output
 from smp_tf.config import Config
-from smp_tf.memory import MemoryReport, choose_recompute, optimizer_slots, predict_memory
+from smp_tf.memory import MemoryReport, choose_recompute, is_gradient_output, optimizer_slots, predict_memory
 from smp_tf.partitioner.plan import DEFAULT_SLOTS, PartitionPlan
+from smp_tf.placement import partition_of_device
 from smp_tf.rewrite import (
     FusedGradient,
     PreTransposed,
@@ -192,17 +193,6 @@ def _annotate_resource(placeholder: tf.Tensor, variable: Any) -> None:
     placeholder.op._set_attr("_handle_shapes", shapes)
 
 
-def _partition_of_device(device: str, devices: Sequence[str]) -> int:
-    """The partition whose device `device` names (0 when none does)."""
-    if device:
-        from smp_tf.placement import same_device
-
-        for p, d in enumerate(devices):
-            if same_device(device, d):
-                return p
-    return 0
-
-
 def _transposed_name(read_name: str) -> str:
     return f"smp_transposed/{read_name}"
 
@@ -257,10 +247,7 @@ class CompiledStep:
         self.plan = plan
         self.num_microbatches = cfg.microbatches
         g = plan.op_graph
-        self.output_tensors: List[Optional[int]] = []
-        tensor_ids = {g.tensor_name(t.id): t.id for t in g.tensors}
-        for name in traced.output_names:
-            self.output_tensors.append(None if name is None else tensor_ids[name])
+        self.output_tensors: List[Optional[int]] = traced.output_tensors()
         self.devices = list(plan.devices)
         # Outputs computed once over all micro-batches after the pipeline
         # (opt-in: their inputs stay alive for every micro-batch).
@@ -538,7 +525,7 @@ class CompiledStep:
             shape = tf.TensorShape(v.shape)
             if not shape.is_fully_defined() or shape.num_elements() <= 1:
                 continue  # iteration counters and the like
-            part = _partition_of_device(getattr(getattr(v, "value", v), "device", ""), self.devices)
+            part = partition_of_device(getattr(getattr(v, "value", v), "device", ""), self.devices)
             out[part] = out.get(part, 0) + shape.num_elements() * tf.as_dtype(v.dtype).size
         return out or None
 
@@ -551,10 +538,7 @@ class CompiledStep:
                 info.append(None)
                 continue
             producer = self.fused[k][0].op if k in self.fused else g.tensors[t].producer
-            op = g.ops[producer]
-            tensor = g.tensors[t]
-            floating = tensor.dtype.startswith(("float", "bfloat", "half", "double"))
-            info.append((op.is_gradient and floating and op.kind == "op", self.plan.partition_of_op[producer], tensor.bytes))
+            info.append((is_gradient_output(g, producer, t), self.plan.partition_of_op[producer], g.tensors[t].bytes))
         return info
 
     def written_state(self) -> List[Tuple[Any, int]]:

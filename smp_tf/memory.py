@@ -56,6 +56,7 @@ __all__ = [
     "MemoryBudgetError",
     "predict_memory",
     "predict_assignment",
+    "is_gradient_output",
     "refine_memory_split",
     "storage_bytes",
     "task_workspace",
@@ -442,6 +443,15 @@ def predict_memory(
     return MemoryReport(rows, process_peak=process_peak, budget=budget)
 
 
+def is_gradient_output(graph: OpGraph, op: int, tensor: int) -> bool:
+    """Whether step output `tensor`, made by `op`, is a gradient (summed over
+    micro-batches, counted in ``gradients``): a floating-point output of a
+    gradient op."""
+    o = graph.ops[op]
+    return o.is_gradient and o.kind == "op" and graph.tensors[tensor].dtype.startswith(
+        ("float", "bfloat", "half", "double"))
+
+
 def predict_assignment(
     graph: OpGraph,
     partition_of_op: Sequence[int],
@@ -471,11 +481,10 @@ def predict_assignment(
             partition_of_variable.setdefault(v, p)
     gradient_bytes: Dict[int, int] = {}
     for t in set(output_tensors):
-        tensor = graph.tensors[t]
-        op = graph.ops[tensor.producer]
-        if op.is_gradient and op.kind == "op" and tensor.dtype.startswith(("float", "bfloat", "half", "double")):
-            p = partition_of_op[tensor.producer]
-            gradient_bytes[p] = gradient_bytes.get(p, 0) + tensor.bytes
+        producer = graph.tensors[t].producer
+        if is_gradient_output(graph, producer, t):
+            p = partition_of_op[producer]
+            gradient_bytes[p] = gradient_bytes.get(p, 0) + graph.tensors[t].bytes
     return predict_memory(
         graph, partition_of_op, tasks, simulation,
         num_partitions=num_partitions,

@@ -53,6 +53,7 @@ __all__ = [
     "live_models",
     "register_model",
     "same_device",
+    "partition_of_device",
 ]
 
 #: Attribute set on a moved `tf.Variable`: the `state.generation()` it was placed in.
@@ -88,6 +89,15 @@ def same_device(a: str, b: str) -> bool:
     return (da.device_type or "CPU").upper() == (db.device_type or "CPU").upper() and (
         da.device_index or 0
     ) == (db.device_index or 0)
+
+
+def partition_of_device(device: str, devices: Sequence[str]) -> int:
+    """The partition whose device (`devices[p]`) `device` names; 0 when none does."""
+    if device:
+        for p, d in enumerate(devices):
+            if same_device(device, d):
+                return p
+    return 0
 
 
 def _resource_variable(variable: Any) -> Optional[Any]:

@@ -254,13 +254,11 @@ class StepFunction:
         if cfg.optimize == "memory" and cfg.contiguous and cfg.auto_partition and cfg.partitions > 1 and not pinned:
             # Boundary buffers and each stage's largest task are known only
             # once the tasks exist: split again with them as fixed bytes.
-            g = traced.op_graph
-            ids = {g.tensor_name(t.id): t.id for t in g.tensors}
-            outputs = [ids[name] for name in traced.output_names if name is not None]
+            outputs = [t for t in traced.output_tensors() if t is not None]
             assignment = refine_memory_split(
                 assign,
                 lambda parts: predict_assignment(
-                    g, parts, outputs, num_partitions=cfg.partitions, num_microbatches=cfg.microbatches,
+                    traced.op_graph, parts, outputs, num_partitions=cfg.partitions, num_microbatches=cfg.microbatches,
                     kind=cfg.pipeline, recompute=recompute, slots=slots,
                 ),
             )

@@ -249,6 +249,12 @@ class Traced:
     layers: List[Any] = field(default_factory=list)
     view_seconds: float = 0.0
 
+    def output_tensors(self) -> List[Optional[int]]:
+        """`op_graph` tensor id of each flat output (None for None outputs)."""
+        g = self.op_graph
+        ids = {g.tensor_name(t.id): t.id for t in g.tensors}
+        return [None if name is None else ids[name] for name in self.output_names]
+
 
 def _keras_variables_of(layers: Sequence[Any]) -> Dict[int, Any]:
     """id(tf.Variable) -> Keras variable, for the variables of `layers`."""

@@ -66,13 +66,9 @@ def _variables_to_sync() -> List[Any]:
 
 
 def _partition_of(variable: Any, devices: Sequence[str]) -> int:
-    from smp_tf.placement import same_device
+    from smp_tf.placement import partition_of_device
 
-    device = getattr(getattr(variable, "value", variable), "device", "")
-    for p, d in enumerate(devices):
-        if same_device(device, d):
-            return p
-    return 0
+    return partition_of_device(getattr(getattr(variable, "value", variable), "device", ""), devices)
 
 
 def _uneven_message(rank: int, running: str) -> str:

@@ -33,16 +33,22 @@ import time
 from dataclasses import dataclass
 from typing import Optional, Tuple
 
-from smp_tf.distributed.cluster import ClusterInfo, parse_address
+from smp_tf.distributed.cluster import ClusterInfo, parse_address, pick_free_ports
 from smp_tf.distributed.layout import PipelineLayout
+from smp_tf.distributed.runtime import (
+    JOB,
+    missing_ranks,
+    require_runtime_not_started,
+    server_addresses,
+    task_name,
+)
 
 logger = logging.getLogger("smp_tf")
 
-__all__ = ["WORKER", "CLIENT", "PipelineProcess", "start", "current"]
+__all__ = ["CLIENT", "PipelineProcess", "start"]
 
-#: Job of every process's server.
-WORKER = "worker"
-#: Job of the drivers' client contexts.
+#: Job of the drivers' client contexts (every process's server is a task of
+#: `runtime.JOB`, as with data parallelism).
 CLIENT = "client"
 
 _CURRENT: Optional["PipelineProcess"] = None
@@ -61,8 +67,8 @@ class PipelineProcess:
     Attributes:
         info: the cluster (rank, size, addresses).
         layout: which rank holds which stage.
-        devices: on a driver, the full device name of each partition of its
-            pipeline; empty on the other processes.
+        devices: the full device name of each partition of the pipeline
+            this process drives.
         timeout: `Config.dp_timeout`.
     """
 
@@ -71,34 +77,17 @@ class PipelineProcess:
     devices: Tuple[str, ...]
     timeout: float
 
-    @property
-    def rank(self) -> int:
-        return self.info.rank
-
-    @property
-    def replica(self) -> int:
-        return self.layout.dp_rank(self.info.rank)
-
-    @property
-    def is_driver(self) -> bool:
-        return self.layout.is_driver(self.info.rank)
-
-
-def current() -> Optional[PipelineProcess]:
-    """This process's `PipelineProcess`, or None when pipelines do not span processes."""
-    return _CURRENT
-
 
 def worker_device(rank: int, kind: str, index: int) -> str:
     """The full name of device `index` of `kind` on the server of `rank`."""
-    return f"/job:{WORKER}/replica:0/task:{rank}/device:{kind}:{index}"
+    return f"{task_name(rank)}/device:{kind}:{index}"
 
 
 def _session_config(kind: str, num_devices: int, logical_cpu: bool):
     import tensorflow as tf
 
     config = tf.compat.v1.ConfigProto(device_count={kind: num_devices})
-    config.experimental.collective_group_leader = f"/job:{WORKER}/replica:0/task:0"
+    config.experimental.collective_group_leader = task_name(0)
     if logical_cpu and num_devices > 1:
         # As in one process: one core per logical device, all at once.
         config.intra_op_parallelism_threads = 1
@@ -156,14 +145,12 @@ def _install_excepthook(rank: int, layout: PipelineLayout, addresses: Tuple[str,
     """An error that ends the driver's program and names a task of its
     pipeline (TensorFlow's "/job:worker/replica:0/task:N") first says which
     rank and host that is, and whether its process is gone."""
-    import re
     import sys
 
     previous = sys.excepthook
 
     def hook(kind, value, traceback) -> None:
-        tasks = {int(t) for t in re.findall(r"/job:%s/replica:\d+/task:(\d+)" % WORKER, str(value))}
-        for other in sorted(t for t in tasks if t != rank and 0 <= t < len(addresses)):
+        for other in (t for t in missing_ranks(str(value)) if t != rank and t < len(addresses)):
             why = _GONE if not _alive(addresses[other], timeout=2.0) else "failed while running its stages"
             print(_lost_message(rank, layout, addresses, other, why), file=sys.stderr, flush=True)
         previous(kind, value, traceback)
@@ -208,12 +195,11 @@ def _watch(rank: int, layout: PipelineLayout, addresses: Tuple[str, ...], others
     answer within `timeout` seconds)."""
     while True:
         for r in others:
-            if not _alive(addresses[r], timeout=min(2.0, timeout)):
-                _stage_lost(rank, layout, addresses, r, _GONE)
             if not _answers(addresses[r], timeout):
-                if not _alive(addresses[r], timeout=min(2.0, timeout)):
-                    _stage_lost(rank, layout, addresses, r, _GONE)
-                _stage_lost(rank, layout, addresses, r, f"stopped responding (no answer for {timeout:g} s: it hangs)")
+                # A dead process refuses the connection; a hung one accepts it.
+                why = _GONE if not _alive(addresses[r], timeout=min(2.0, timeout)) else (
+                    f"stopped responding (no answer for {timeout:g} s: it hangs)")
+                _stage_lost(rank, layout, addresses, r, why)
         time.sleep(WATCH_INTERVAL_S)
 
 
@@ -246,22 +232,12 @@ def start(info: ClusterInfo, layout: PipelineLayout, kind: str, logical_cpu: boo
     import tensorflow as tf
     from tensorflow.python.eager import context
 
-    addresses = info.addresses
-    if addresses is None:
-        from smp_tf.distributed import cluster, rendezvous
-
-        port = cluster.pick_free_ports(1)[0]
-        addresses = rendezvous.exchange_addresses(info, f"{rendezvous.my_host()}:{port}", timeout=max(timeout, 120.0))
-    addresses = tuple(addresses)
-    if context.context()._context_handle is not None:  # noqa: SLF001 - no public "is initialised"
-        raise RuntimeError(
-            "smp.init must start this process's server before TensorFlow runs its first operation. "
-            "Call smp.init at the very start of the program (importing TensorFlow and Keras first is fine)."
-        )
-    cluster_spec = tf.train.ClusterSpec({WORKER: list(addresses)})
+    addresses = server_addresses(info, timeout)
+    require_runtime_not_started("start this process's server")
+    cluster_spec = tf.train.ClusterSpec({JOB: list(addresses)})
     config = _session_config(kind, layout.partitions_per_process, logical_cpu)
     try:
-        _SERVER = tf.distribute.Server(cluster_spec, job_name=WORKER, task_index=info.rank, start=True, config=config)
+        _SERVER = tf.distribute.Server(cluster_spec, job_name=JOB, task_index=info.rank, start=True, config=config)
     except tf.errors.UnknownError as e:
         raise OSError(
             f"smp_tf: rank {info.rank} cannot start its server on {addresses[info.rank]}: {str(e).splitlines()[0]}. "
@@ -284,14 +260,12 @@ def start(info: ClusterInfo, layout: PipelineLayout, kind: str, logical_cpu: boo
                 )
             time.sleep(0.2)
     host = parse_address(addresses[info.rank])[0]
-    from smp_tf.distributed.cluster import pick_free_ports
-
     client = f"{host}:{pick_free_ports(1)[0]}"
     # The client job lists only this driver: connecting asks every listed
     # task for its devices, and another driver would not answer before it
     # has connected itself.
-    client_spec = tf.train.ClusterSpec({WORKER: list(addresses), CLIENT: {replica: client}})
-    context.context().configure_collective_ops(collective_leader=f"/job:{WORKER}/replica:0/task:0")
+    client_spec = tf.train.ClusterSpec({JOB: list(addresses), CLIENT: {replica: client}})
+    context.context().configure_collective_ops(collective_leader=task_name(0))
     tf.config.experimental_connect_to_cluster(
         client_spec, job_name=CLIENT, task_index=replica, protocol="grpc", make_master_device_default=True
     )

@@ -33,6 +33,36 @@ JOB = "worker"
 _GROUP: Optional["ProcessGroup"] = None
 
 
+def task_name(rank: int) -> str:
+    """TensorFlow's name of the server task of `rank` (``/job:worker/replica:0/task:3``)."""
+    return f"/job:{JOB}/replica:0/task:{rank}"
+
+
+def server_addresses(info: ClusterInfo, timeout: float) -> Tuple[str, ...]:
+    """Every rank's server address: from the environment, or exchanged
+    through the coordinator after picking a free port for this rank."""
+    if info.addresses is not None:
+        return tuple(info.addresses)
+    from smp_tf.distributed import cluster, rendezvous
+
+    port = cluster.pick_free_ports(1)[0]
+    return tuple(
+        rendezvous.exchange_addresses(info, f"{rendezvous.my_host()}:{port}", timeout=max(timeout, 120.0))
+    )
+
+
+def require_runtime_not_started(doing: str) -> None:
+    """Raises unless TensorFlow's runtime is still to be started (a server
+    must be set up before it)."""
+    from tensorflow.python.eager import context
+
+    if context.context()._context_handle is not None:  # noqa: SLF001 - no public "is initialised"
+        raise RuntimeError(
+            f"smp.init must {doing} before TensorFlow runs its first operation. "
+            "Call smp.init at the very start of the program (importing TensorFlow and Keras first is fine)."
+        )
+
+
 @dataclass(frozen=True)
 class ProcessGroup:
     """The processes (pipeline replicas) of a data-parallel run.
@@ -58,7 +88,7 @@ class ProcessGroup:
 
     def task(self, rank: int) -> str:
         """TensorFlow's name of the task of `rank`."""
-        return f"/job:{JOB}/replica:0/task:{rank}"
+        return task_name(rank)
 
     def device(self, local_device: str) -> str:
         """The full name of a local device (``/device:CPU:1`` -> ``/job:worker/.../device:CPU:1``)."""
@@ -193,19 +223,10 @@ def start(info: ClusterInfo, timeout: float, config_json: str) -> ProcessGroup:
     except ImportError:  # pragma: no cover - older layouts
         from tsl.protobuf import coordination_config_pb2
 
-    addresses = info.addresses
-    if addresses is None:
-        from smp_tf.distributed import cluster, rendezvous
-
-        port = cluster.pick_free_ports(1)[0]
-        addresses = rendezvous.exchange_addresses(info, f"{rendezvous.my_host()}:{port}", timeout=max(timeout, 120.0))
+    addresses = server_addresses(info, timeout)
+    require_runtime_not_started("form the data-parallel group")
     ctx = context.context()
-    if ctx._context_handle is not None:  # noqa: SLF001 - no public "is initialised"
-        raise RuntimeError(
-            "smp.init must form the data-parallel group before TensorFlow runs its first operation. "
-            "Call smp.init at the very start of the program (importing TensorFlow and Keras first is fine)."
-        )
-    leader = f"/job:{JOB}/replica:0/task:0"
+    leader = task_name(0)
     heartbeat_ms = int(min(10.0, timeout) * 1000)
     ctx.configure_collective_ops(
         collective_leader=leader,

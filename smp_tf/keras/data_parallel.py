@@ -89,11 +89,10 @@ def reduce_gradients(grads: List[Any], variables: List[Any], weight: tf.Tensor, 
     """The mean over the replicas of each replica's gradients, weighted by
     its rows, bucketed per partition (the partition of the variable)."""
     devices = state.topology().devices
-    from smp_tf.placement import same_device
+    from smp_tf.placement import partition_of_device
 
     def partition(v):
-        device = v.value.device if hasattr(v, "value") else v.device
-        return next((p for p, d in enumerate(devices) if same_device(device, d)), 0)
+        return partition_of_device(v.value.device if hasattr(v, "value") else v.device, devices)
 
     members = [k for k, g in enumerate(grads) if g is not None]
     partition_of = {k: partition(variables[k]) for k in members}
