@@ -190,6 +190,37 @@ def install_slot_placement() -> None:
     add_variable_from_reference.__wrapped__ = original
     add_variable_from_reference._smp_tf = True
     TFOptimizer.add_variable_from_reference = add_variable_from_reference
+    _install_update_placement(TFOptimizer)
+
+
+def _install_update_placement(TFOptimizer: Any) -> None:
+    """Runs each variable's optimizer update on that variable's device.
+
+    Under the default distribution strategy Keras places the update of a
+    variable (``lr * grad`` and the slot arithmetic) on the function's
+    default device, the first partition's: every other partition's
+    gradients would travel there and back each step, across processes
+    when a pipeline spans them. The same kernels run on the variable's
+    device instead, so the results are the same.
+    """
+    original = getattr(TFOptimizer, "_distributed_tf_update_step", None)
+    if original is None or getattr(original, "_smp_tf", False):  # pragma: no cover - another Keras layout
+        return
+
+    def _distributed_tf_update_step(self, distribution, grads_and_vars, learning_rate):
+        if tf.distribute.has_strategy():
+            return original(self, distribution, grads_and_vars, learning_rate)
+
+        def apply_grad_to_update_var(var, grad, learning_rate):
+            with tf.device(getattr(var, "device", "") or None):
+                return self.update_step(grad, var, learning_rate)
+
+        for grad, var in grads_and_vars:
+            distribution.extended.update(var, apply_grad_to_update_var, args=(grad, learning_rate), group=False)
+
+    _distributed_tf_update_step.__wrapped__ = original
+    _distributed_tf_update_step._smp_tf = True
+    TFOptimizer._distributed_tf_update_step = _distributed_tf_update_step
 
 
 def known_optimizers() -> List[Any]:

@@ -211,16 +211,14 @@ def init(config: Optional[Mapping[str, Any]] = None) -> Config:
     if cfg.pipeline_processes > 1:
         from smp_tf.distributed import remote
 
-        if layout.replicas > 1:
-            raise ValueError(
-                f"pipeline_processes={cfg.pipeline_processes} with {info.size} processes makes "
-                f"{layout.replicas} pipeline replicas; data parallelism over pipelines that span "
-                "processes is not available yet. Start exactly pipeline_processes processes."
-            )
         local = _setup_devices(layout.partitions_per_process, info.local_rank, info.local_size, cfg.placement_strategy)
         # Returns on the driver of a pipeline only; the other processes serve.
         process = remote.start(info, layout, local.kind, local.logical_cpu, cfg.dp_timeout)
         topo = Topology(process.devices, local.kind, local.logical_cpu)
+        if layout.replicas > 1:
+            import json
+
+            group = remote.data_parallel_group(process, json.dumps(cfg.to_dict(), sort_keys=True))
     else:
         topo = _setup_devices(cfg.partitions, info.local_rank, info.local_size, cfg.placement_strategy)
     if info.is_distributed and cfg.pipeline_processes == 1:
@@ -229,12 +227,12 @@ def init(config: Optional[Mapping[str, Any]] = None) -> Config:
         from smp_tf.distributed import runtime
 
         group = runtime.start(info, cfg.dp_timeout, json.dumps(cfg.to_dict(), sort_keys=True))
-        if not cfg.horovod:
-            logger.warning(
-                "smp_tf: %d processes but horovod=False: the replicas will not average their "
-                "gradients and will drift apart. Set {'horovod': True} for data parallelism.",
-                info.size,
-            )
+    if group is not None and not cfg.horovod:
+        logger.warning(
+            "smp_tf: %d pipeline replicas but horovod=False: the replicas will not average their "
+            "gradients and will drift apart. Set {'horovod': True} for data parallelism.",
+            layout.replicas,
+        )
     with _STATE.lock:
         _STATE.config = cfg
         _STATE.topology = topo

@@ -1,10 +1,11 @@
 """One pipeline across 2 processes (``pipeline_processes=2``) equals the same
-layout in one process, bit for bit.
+layout in one process, bit for bit; 2 such pipelines with data parallelism
+(4 processes) equal one process on the whole batch.
 
-Each test starts 2 processes on 127.0.0.1 (tests/pp/worker.py): rank 0
-drives the pipeline, rank 1 serves its stages. Every wait is bounded, and
-only the processes a test started are ended. The references run in this
-process, on its logical CPU devices.
+Each test starts its processes on 127.0.0.1 (tests/pp/worker.py): the first
+process of each pipeline drives it, the other serves its stages. Every wait
+is bounded, and only the processes a test started are ended. The references
+run in this process, on its logical CPU devices.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from typing import List, Optional
 import keras
 import numpy as np
 import pytest
+import tensorflow as tf
 
 import smp_tf as smp
 from tests.dp import common
@@ -30,26 +32,26 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WORKER = os.path.join(ROOT, "tests", "pp", "worker.py")
 
 
-def run_pipeline(args: List[str], out, timeout: float = 240.0, then=None):
-    """Runs the 2 processes of one pipeline; returns (exit codes, outputs).
+def run_pipeline(args: List[str], out, timeout: float = 240.0, then=None, processes: int = 2):
+    """Runs the processes of the job; returns (exit codes, outputs).
 
     `then(procs)`, if given, runs once the processes are started (it may
     signal them); the timeout covers it."""
     from smp_tf.distributed.cluster import pick_free_ports
 
-    addresses = ",".join(f"127.0.0.1:{p}" for p in pick_free_ports(2, "127.0.0.1"))
+    addresses = ",".join(f"127.0.0.1:{p}" for p in pick_free_ports(processes, "127.0.0.1"))
     procs = []
-    for r in range(2):
-        env = dict(os.environ, SMP_TF_RANK=str(r), SMP_TF_SIZE="2", SMP_TF_LOCAL_RANK=str(r),
-                   SMP_TF_LOCAL_SIZE="2", SMP_TF_ADDRESSES=addresses, PYTHONPATH=ROOT)
+    for r in range(processes):
+        env = dict(os.environ, SMP_TF_RANK=str(r), SMP_TF_SIZE=str(processes), SMP_TF_LOCAL_RANK=str(r),
+                   SMP_TF_LOCAL_SIZE=str(processes), SMP_TF_ADDRESSES=addresses, PYTHONPATH=ROOT)
         procs.append(subprocess.Popen([sys.executable, WORKER, *args[:1], str(out), *args[1:]], env=env, cwd=ROOT,
                                       stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
     start = time.monotonic()
-    codes: List[Optional[int]] = [None, None]
+    codes: List[Optional[int]] = [None] * processes
     try:
         if then is not None:
             then(procs, start)
-        for r in range(2):
+        for r in range(processes):
             codes[r] = procs[r].wait(timeout=max(1.0, timeout - (time.monotonic() - start)))
     except subprocess.TimeoutExpired:
         pass
@@ -96,23 +98,103 @@ def test_custom_loop_across_processes_equals_one_process(tmp_path, partitions, p
     assert got["devices"][-1].startswith("/job:worker/replica:0/task:1/")
 
 
-def test_fit_across_processes_equals_plain_keras(tmp_path):
-    got = _driver_result(["fit", "2", "interleaved"], tmp_path)
-    smp.init({"partitions": 1, "microbatches": 1})
-    keras.utils.set_random_seed(100)
+def _plain_model(seed: int) -> keras.Model:
+    """`common.build`'s model as a plain `keras.Model`."""
+    keras.utils.set_random_seed(seed)
     inp = keras.Input((16,))
     h = inp
     for i in range(3):
         h = keras.layers.Dense(32, activation="relu", name=f"d{i}")(h)
-    plain = keras.Model(inp, keras.layers.Dense(4, name="head")(h))
+    return keras.Model(inp, keras.layers.Dense(4, name="head")(h))
+
+
+def test_fit_across_processes_equals_plain_keras(tmp_path):
+    got = _driver_result(["fit", "2", "interleaved"], tmp_path)
+    plain = _assert_fit_equals_plain_keras(got)
+    x, _ = common.batches(3)
+    np.testing.assert_allclose(got["predict"], plain.predict(x[0], verbose=0), rtol=1e-5, atol=1e-6)
+
+
+def _assert_fit_equals_plain_keras(got: dict) -> keras.Model:
+    """The worker's 2-epoch `fit` against plain Keras on the same data; returns the plain model."""
+    smp.init({"partitions": 1, "microbatches": 1})
+    plain = _plain_model(seed=100)
     plain.compile(optimizer=keras.optimizers.SGD(common.LR), loss=common.loss)
     x, y = common.batches(3)
     history = plain.fit(x.reshape(-1, 16), y.reshape(-1, 4), batch_size=common.GLOBAL_BATCH, epochs=2,
                         shuffle=False, verbose=0)
     np.testing.assert_allclose(got["losses"], history.history["loss"], rtol=1e-5, atol=1e-6)
     for a, b in zip(got["weights"], plain.trainable_variables):
-        np.testing.assert_allclose(np.array(a, dtype=np.float32), b.numpy(), rtol=1e-5, atol=1e-6)
-    np.testing.assert_allclose(got["predict"], plain.predict(x[0], verbose=0), rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(np.array(a, dtype=np.float32), b.numpy(), rtol=1e-5, atol=1e-5)
+    return plain
+
+
+# --------------------------------------------------------------------------
+# 2 replicas of a pipeline over 2 processes each: data parallelism
+# --------------------------------------------------------------------------
+def _replicas_result(scenario: str, tmp_path):
+    codes, outputs = run_pipeline([scenario, "2", "interleaved"], tmp_path, processes=4)
+    assert codes == [0] * 4, f"exit codes {codes}\n" + "\n".join(
+        f"--- rank {r}:\n{o[-2500:]}" for r, o in enumerate(outputs))
+    # Ranks 0 and 2 drive pipelines 0 and 1; ranks 1 and 3 only serve.
+    assert sorted(f for f in os.listdir(tmp_path) if f.endswith(".json")) == ["rank0.json", "rank2.json"]
+    return [json.load(open(os.path.join(tmp_path, f"rank{r}.json"))) for r in (0, 2)]
+
+
+def _reference(batches):
+    """One process, one pipeline, the whole batch, from replica 0's initial weights."""
+    smp.init({"partitions": 2, "microbatches": 4})
+    model = common.build(seed=100)
+    train = common.train_function(model, keras.optimizers.SGD(common.LR))
+    losses = [float(train(x, y)) for x, y in batches]
+    return model, losses
+
+
+def test_two_replicas_of_a_pipeline_over_four_processes_equal_one_process_on_the_whole_batch(tmp_path):
+    a, b = _replicas_result("dp_custom_loop", tmp_path)
+    assert [(r["rank"], r["dp_rank"], r["dp_size"], r["pp_rank"], r["local_partitions"]) for r in (a, b)] == [
+        (0, 0, 2, 0, [0]), (2, 1, 2, 0, [0])]
+    assert a["allgather"] == b["allgather"] == [{"dp_rank": 0, "rank": 0}, {"dp_rank": 1, "rank": 2}]
+    # Each replica's variables live on its own two processes.
+    assert {d.split("/task:")[1][0] for d in a["devices"]} == {"0", "1"}
+    assert {d.split("/task:")[1][0] for d in b["devices"]} == {"2", "3"}
+    for u, v in zip(a["weights"], b["weights"]):  # the replicas stay identical
+        np.testing.assert_array_equal(np.array(u), np.array(v))
+    # The sequential description: 3 steps on whole batches, then (smp.join)
+    # 2 steps on whole batches and one on replica 1's half alone.
+    assert (a["joined_steps"], b["joined_steps"]) == (1, 0)
+    x, y = common.batches(3)
+    more_x, more_y = common.batches(6)
+    batches = [(x[s], y[s]) for s in range(3)] + [(more_x[s], more_y[s]) for s in (3, 4)]
+    model, losses = _reference(batches + [common.half(more_x[5], more_y[5], 1)])
+    np.testing.assert_allclose(np.add(a["losses"], b["losses"]) / 2, losses[:3], rtol=1e-5)
+    for w, r in zip(a["weights"], model.trainable_variables):
+        np.testing.assert_allclose(np.array(w), r.numpy(), rtol=1e-5, atol=1e-5)
+
+    # Saved once by rank 0: the checkpoint restores in one process on another
+    # layout, the weights file in plain Keras, the export serves.
+    saved = [np.array(w, dtype=np.float32) for w in a["weights"]]
+    smp.init({"partitions": 3, "microbatches": 2})
+    restored = common.build(seed=7)
+    smp.CheckpointManager(tf.train.Checkpoint(model=restored), tmp_path / "ckpt").restore()
+    for u, v in zip(restored.trainable_variables, saved):
+        np.testing.assert_array_equal(u.numpy(), v)
+    plain = _plain_model(seed=7)
+    plain.load_weights(str(tmp_path / "w.weights.h5"))
+    for u, v in zip(plain.trainable_variables, saved):
+        np.testing.assert_array_equal(u.numpy(), v)
+    predicted = np.load(tmp_path / "predict.npy")
+    np.testing.assert_allclose(plain.predict(x[0], verbose=0), predicted, rtol=1e-5, atol=1e-6)
+    served = tf.saved_model.load(str(tmp_path / "export"))
+    np.testing.assert_allclose(served.serve(tf.constant(x[0])), predicted, rtol=1e-5, atol=1e-6)
+
+
+def test_fit_with_two_replicas_of_a_pipeline_over_four_processes_equals_plain_keras(tmp_path):
+    a, b = _replicas_result("dp_fit", tmp_path)
+    assert a["losses"] == b["losses"]  # the epoch's logs describe the global data
+    for u, v in zip(a["weights"], b["weights"]):
+        np.testing.assert_array_equal(np.array(u), np.array(v))
+    _assert_fit_equals_plain_keras(a)
 
 
 def test_the_launcher_starts_a_pipeline_over_two_processes_and_counts_their_devices(tmp_path):

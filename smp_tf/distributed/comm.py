@@ -119,15 +119,9 @@ def allgather(obj: Any, group: CommGroup = CommGroup.WORLD) -> List[Any]:
     group = _check_group(group)
     if not _distributed(group):
         return [obj]
-    pg = state.process_group()
     n = next(_counters["allgather/" + group.name])
-    key = f"allgather/{group.name}/{n}"
-    pg.put(f"{key}/{pg.rank}", _encode(obj))
-    values = [_decode(pg.get(f"{key}/{r}")) for r in range(pg.size)]
-    # Everyone has read every value before any is deleted.
-    pg.barrier(f"{key}/read")
-    pg.delete(f"{key}/{pg.rank}")
-    return values
+    texts = state.process_group().allgather(f"allgather/{group.name}/{n}", _encode(obj))
+    return [_decode(t) for t in texts]
 
 
 def _world_rank(rank: int, rank_type: RankType) -> int:

@@ -123,8 +123,7 @@ def finish_uneven(raise_if_uneven: bool, variables: Optional[Callable[[], List[A
             joined += 1
     # The replicas that joined the fewest steps finished last: every update
     # was applied there. The lowest such rank gives its variables.
-    group.put(f"join/{n}/{group.rank}", str(joined))
-    counts = [int(group.get(f"join/{n}/{r}")) for r in range(group.size)]
+    counts = [int(c) for c in group.allgather(f"join/{n}", str(joined))]
     if max(counts) > 0:
         root = counts.index(min(counts))
         vs = (variables or _variables_to_sync)()

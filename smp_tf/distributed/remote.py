@@ -31,12 +31,13 @@ import socket
 import threading
 import time
 from dataclasses import dataclass
-from typing import Optional, Tuple
+from typing import List, Optional, Tuple
 
 from smp_tf.distributed.cluster import ClusterInfo, parse_address, pick_free_ports
 from smp_tf.distributed.layout import PipelineLayout
 from smp_tf.distributed.runtime import (
     JOB,
+    ReplicaError,
     missing_ranks,
     require_runtime_not_started,
     server_addresses,
@@ -45,7 +46,7 @@ from smp_tf.distributed.runtime import (
 
 logger = logging.getLogger("smp_tf")
 
-__all__ = ["CLIENT", "PipelineProcess", "start"]
+__all__ = ["CLIENT", "PipelineGroup", "PipelineProcess", "start"]
 
 #: Job of the drivers' client contexts (every process's server is a task of
 #: `runtime.JOB`, as with data parallelism).
@@ -78,9 +79,128 @@ class PipelineProcess:
     timeout: float
 
 
+def io_device() -> Optional[str]:
+    """The driver's own CPU (its client task) when this process drives a
+    pipeline that spans processes, else None."""
+    if _CURRENT is None:
+        return None
+    return f"/job:{CLIENT}/replica:0/task:{_CURRENT.layout.dp_rank(_CURRENT.info.rank)}/device:CPU:0"
+
+
 def worker_device(rank: int, kind: str, index: int) -> str:
     """The full name of device `index` of `kind` on the server of `rank`."""
     return f"{task_name(rank)}/device:{kind}:{index}"
+
+
+#: Collective group of the drivers' control collectives (barriers, gathers):
+#: the stage-0 devices of every replica, apart from the gradient groups.
+CONTROL_GROUP = 999
+
+
+class PipelineGroup:
+    """The data-parallel group of a job whose pipelines span processes.
+
+    Its members are the pipelines' drivers (rank = the replica,
+    `PipelineLayout.dp_rank`); the stage processes never run the user's
+    program. Gradients are all-reduced among the devices of each stage
+    (`collectives`), as with one process per pipeline. The drivers are
+    clients of the cluster, outside TensorFlow's coordination service, so
+    their barriers and gathers are collectives too, on the stage-0 devices,
+    bounded by the timeout; point-to-point messages (``smp.send``) are not
+    available.
+
+    Attributes:
+        rank: this driver's replica.
+        size: the number of replicas.
+        timeout: `Config.dp_timeout`.
+        device_0: this replica's stage-0 device (full name).
+    """
+
+    coordinated = False
+
+    def __init__(self, replica: int, replicas: int, timeout: float, device_0: str) -> None:
+        self.rank = replica
+        self.size = replicas
+        self.timeout = float(timeout)
+        self.device_0 = device_0
+        self._uses = 0
+        self._functions: dict = {}
+
+    def task(self, rank: int) -> str:
+        return task_name(rank)
+
+    def device(self, device: str) -> str:
+        """Devices of a pipeline that spans processes are full names already."""
+        return device
+
+    def _collective_sum(self, values, name: str, timeout: Optional[float]):
+        import tensorflow as tf
+        from tensorflow.python.ops import collective_ops
+
+        from smp_tf.distributed.collectives import instance_key
+
+        self._uses += 1
+        key = instance_key("control", name, self._uses)
+        seconds = self.timeout if timeout is None else timeout
+        reduce = self._functions.get(seconds)
+        if reduce is None:
+            # In a function: a driver waiting in an eager collective would
+            # hold up the other drivers' function registrations on its servers.
+            @tf.function(autograph=False, input_signature=[
+                tf.TensorSpec([None], tf.int32), tf.TensorSpec([], tf.int32)])
+            def reduce(x, key):
+                with tf.device(self.device_0):
+                    return collective_ops.all_reduce_v2(
+                        x, group_size=self.size, group_key=CONTROL_GROUP, instance_key=key, merge_op="Add",
+                        final_op="Id", timeout=seconds,
+                    )
+
+            self._functions[seconds] = reduce
+        try:
+            return reduce(tf.constant(values, tf.int32), tf.constant(key, tf.int32)).numpy()
+        except tf.errors.OpError as e:
+            raise ReplicaError(
+                f"smp_tf: replica {self.rank} waited more than {seconds:g} s for the other replicas' drivers "
+                f"in {name!r}: {str(e).strip().splitlines()[0]}. Every replica stops; restart all of them.",
+                missing_ranks(str(e)),
+            ) from e
+
+    def barrier(self, name: str, timeout: Optional[float] = None) -> None:
+        """Waits until every driver reached the barrier `name`."""
+        self._collective_sum([1], f"barrier/{name}", timeout)
+
+    def allgather(self, name: str, value: str, timeout: Optional[float] = None) -> List[str]:
+        """Every driver's `value`, in replica order."""
+        import numpy as np
+
+        mine = np.frombuffer(value.encode("utf-8"), np.uint8).astype(np.int32)
+        lengths = [0] * self.size
+        lengths[self.rank] = len(mine)
+        lengths = [int(n) for n in self._collective_sum(lengths, f"gather/{name}/lengths", timeout)]
+        data = np.zeros(max(1, sum(lengths)), np.int32)
+        start = sum(lengths[: self.rank])
+        data[start:start + len(mine)] = mine
+        summed = self._collective_sum(data, f"gather/{name}", timeout)
+        out, position = [], 0
+        for n in lengths:
+            out.append(bytes(summed[position:position + n].astype(np.uint8)).decode("utf-8"))
+            position += n
+        return out
+
+    def put(self, key: str, value: str) -> None:
+        raise NotImplementedError(
+            "smp.send / smp.recv_from / smp.broadcast are not available when pipelines span processes "
+            "(pipeline_processes > 1): use smp.allgather or smp.barrier, which every driver calls."
+        )
+
+    get = put
+
+    def delete(self, key: str) -> None:
+        pass
+
+    def report_error(self, message: str) -> None:
+        """The others learn of a failing driver from its watchdog when it exits."""
+        logger.error(message)
 
 
 def _session_config(kind: str, num_devices: int, logical_cpu: bool):
@@ -141,6 +261,10 @@ def _lost_message(rank: int, layout: PipelineLayout, addresses: Tuple[str, ...],
 _GONE = "is gone (its server refuses connections: the process died)"
 
 
+#: Set when the driver's program ends with an uncaught error.
+_FAILED = threading.Event()
+
+
 def _install_excepthook(rank: int, layout: PipelineLayout, addresses: Tuple[str, ...]) -> None:
     """An error that ends the driver's program and names a task of its
     pipeline (TensorFlow's "/job:worker/replica:0/task:N") first says which
@@ -150,6 +274,7 @@ def _install_excepthook(rank: int, layout: PipelineLayout, addresses: Tuple[str,
     previous = sys.excepthook
 
     def hook(kind, value, traceback) -> None:
+        _FAILED.set()
         for other in (t for t in missing_ranks(str(value)) if t != rank and t < len(addresses)):
             why = _GONE if not _alive(addresses[other], timeout=2.0) else "failed while running its stages"
             print(_lost_message(rank, layout, addresses, other, why), file=sys.stderr, flush=True)
@@ -189,12 +314,18 @@ def _answers(address: str, timeout: float) -> bool:
         return False
 
 
+#: Set when the driver's program ends: the other processes may then go.
+_FINISHING = threading.Event()
+
+
 def _watch(rank: int, layout: PipelineLayout, addresses: Tuple[str, ...], others, timeout: float) -> None:
-    """The driver's watchdog: stops the driver when a process of its pipeline
+    """The driver's watchdog: stops the driver when a process of the job
     died (its server refuses connections) or stalled (its server does not
     answer within `timeout` seconds)."""
-    while True:
+    while not _FINISHING.is_set():
         for r in others:
+            if _FINISHING.is_set():
+                return
             if not _answers(addresses[r], timeout):
                 # A dead process refuses the connection; a hung one accepts it.
                 why = _GONE if not _alive(addresses[r], timeout=min(2.0, timeout)) else (
@@ -247,15 +378,17 @@ def start(info: ClusterInfo, layout: PipelineLayout, kind: str, logical_cpu: boo
         _serve(info, layout, addresses, timeout)
         raise AssertionError("unreachable")  # _serve exits the process
 
-    # The driver: wait for every server of its pipeline, then connect.
+    # The driver: wait for every server of the job, then connect (its
+    # cluster lists them all; connecting while one is still starting can
+    # leave this process's own server unreachable).
     replica = layout.dp_rank(info.rank)
     deadline = time.monotonic() + max(timeout, 120.0)
-    for r in layout.pipeline(replica):
+    for r in range(info.size):
         while not _alive(addresses[r]):
             if time.monotonic() > deadline:
                 raise RuntimeError(
                     f"smp_tf: rank {info.rank} waited {max(timeout, 120.0):.0f} s for the server of rank {r} "
-                    f"({addresses[r]}), which holds stages {list(layout.stages(r))} of its pipeline. "
+                    f"({addresses[r]}), which holds stages {list(layout.stages(r))} of pipeline {layout.dp_rank(r)}. "
                     "Check that every process was started with the same cluster environment."
                 )
             time.sleep(0.2)
@@ -271,7 +404,9 @@ def start(info: ClusterInfo, layout: PipelineLayout, kind: str, logical_cpu: boo
     )
     devices = tuple(worker_device(r, kind, i) for r, i in layout.placement(replica))
     _CURRENT = PipelineProcess(info, layout, devices, float(timeout))
-    others = [r for r in layout.pipeline(replica) if r != info.rank]
+    # With several replicas a lost process of another pipeline stalls this
+    # one's gradient all-reduce: watch every process of the job.
+    others = [r for r in range(info.size) if r != info.rank]
     _install_excepthook(info.rank, layout, addresses)
     threading.Thread(
         target=_watch, args=(info.rank, layout, addresses, others, float(timeout)), name="smp_tf-stage-watchdog",
@@ -282,3 +417,30 @@ def start(info: ClusterInfo, layout: PipelineLayout, kind: str, logical_cpu: boo
         ", ".join(f"stage {p} on rank {r} {kind}:{i}" for p, (r, i) in enumerate(layout.placement(replica))),
     )
     return _CURRENT
+
+
+def data_parallel_group(process: PipelineProcess, config_json: str) -> PipelineGroup:
+    """The drivers' data-parallel group (several replicas of a pipeline that
+    spans processes), checked to run one configuration; at exit every driver
+    waits for the others, so that no replica's processes go while another
+    still all-reduces with them."""
+    from smp_tf.distributed import runtime
+
+    group = runtime.group()
+    if not isinstance(group, PipelineGroup):  # not smp.init again
+        layout = process.layout
+        group = PipelineGroup(layout.dp_rank(process.info.rank), layout.replicas, process.timeout, process.devices[0])
+        import atexit
+
+        atexit.register(_leave_together, group)
+    return runtime.use_group(group, config_json)
+
+
+def _leave_together(group: PipelineGroup) -> None:
+    if _FAILED.is_set():
+        return  # the others' watchdogs see this process go
+    try:
+        group.barrier("exit", timeout=max(group.timeout, 120.0))
+    except Exception as e:  # noqa: BLE001 - exiting anyway
+        logger.error("smp_tf: replica %d left without the others: %s", group.rank, e)
+    _FINISHING.set()

@@ -20,7 +20,7 @@ import logging
 import os
 import re
 from dataclasses import dataclass
-from typing import Any, Optional, Tuple
+from typing import Any, List, Optional, Tuple
 
 from smp_tf.distributed.cluster import EXIT_PORT_IN_USE, ClusterInfo
 
@@ -125,6 +125,15 @@ class ProcessGroup:
             raise_replica_error(e, self, f"waiting for {key!r}")
         raise AssertionError("unreachable")
 
+    def allgather(self, name: str, value: str, timeout: Optional[float] = None) -> List[str]:
+        """Every rank's `value`, in rank order (every rank calls it with the same `name`)."""
+        self.put(f"{name}/{self.rank}", value)
+        values = [self.get(f"{name}/{r}", timeout) for r in range(self.size)]
+        # Everyone has read every value before any is deleted.
+        self.barrier(f"{name}/read", timeout)
+        self.delete(f"{name}/{self.rank}")
+        return values
+
     def delete(self, key: str) -> None:
         from tensorflow.python.eager import context
 
@@ -182,6 +191,18 @@ def raise_replica_error(error: BaseException, group: "ProcessGroup", during: str
 def group() -> Optional[ProcessGroup]:
     """The process group of this process, or None with a single process."""
     return _GROUP
+
+
+def use_group(group: Any, config_json: str) -> Any:
+    """Makes `group` (a `remote.PipelineGroup`: the drivers of pipelines
+    that span processes) the data-parallel group, after checking that every
+    member runs the same configuration."""
+    global _GROUP
+    if _GROUP is not group:
+        group.barrier("init", timeout=max(group.timeout, 120.0))
+        _GROUP = group
+    _check_same_config(group, config_json)
+    return group
 
 
 def start(info: ClusterInfo, timeout: float, config_json: str) -> ProcessGroup:
@@ -287,10 +308,9 @@ def _check_same_config(group: ProcessGroup, config_json: str) -> None:
     """Every rank must run the same configuration (same partitions, schedule, ...)."""
     generation = getattr(_check_same_config, "calls", 0)
     _check_same_config.calls = generation + 1
-    group.put(f"config/{generation}/{group.rank}", config_json)
     mine = json.loads(config_json)
-    for r in range(group.size):
-        other = json.loads(group.get(f"config/{generation}/{r}"))
+    for r, text in enumerate(group.allgather(f"config/{generation}", config_json)):
+        other = json.loads(text)
         if other != mine:
             diff = {k: (mine.get(k), other.get(k)) for k in sorted(set(mine) | set(other)) if mine.get(k) != other.get(k)}
             raise ValueError(
@@ -298,5 +318,4 @@ def _check_same_config(group: ProcessGroup, config_json: str) -> None:
                 f"{ {k: {'rank ' + str(group.rank): a, 'rank ' + str(r): b} for k, (a, b) in diff.items()} }. "
                 "Every replica must call smp.init with the same config."
             )
-    group.barrier(f"config/{generation}")
 

@@ -113,7 +113,9 @@ def watchdog() -> Optional[Watchdog]:
     from smp_tf import state
 
     group = state.process_group() if state.is_initialized() else None
-    if group is None:
+    if group is None or not getattr(group, "coordinated", True):
+        # Drivers of pipelines that span processes: their stage watchdog
+        # (`remote`) watches every process of the job instead.
         return None
     if _WATCHDOG is None or _WATCHDOG.group is not group:
         _WATCHDOG = Watchdog(group, group.timeout)

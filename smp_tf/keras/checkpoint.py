@@ -129,7 +129,7 @@ class CheckpointManager:
         os.makedirs(tmp)
         # Written eagerly, whatever graph the caller is tracing.
         with tf.init_scope():
-            self.checkpoint.write(os.path.join(tmp, self.checkpoint_name))
+            self.checkpoint.write(os.path.join(tmp, self.checkpoint_name), options=_io_options())
         folder = self._folder(number)
         if os.path.exists(folder):
             shutil.rmtree(folder)
@@ -172,4 +172,14 @@ class CheckpointManager:
         elif not tf.io.gfile.exists(os.fspath(path) + ".index"):
             raise ValueError(f"No complete checkpoint at {path!r}. Complete checkpoints: {self.checkpoints}")
         with tf.init_scope():
-            return self.checkpoint.read(path)
+            return self.checkpoint.read(path, options=_io_options())
+
+
+def _io_options() -> Optional[tf.train.CheckpointOptions]:
+    """When the pipeline spans processes, its driver reads and writes every
+    file itself (the variables of other hosts travel to it), so that a
+    checkpoint is one set of files on the driver's file system."""
+    from smp_tf.distributed import remote
+
+    device = remote.io_device()
+    return None if device is None else tf.train.CheckpointOptions(experimental_io_device=device)

@@ -1,8 +1,10 @@
 """One process of the pipeline-across-processes tests (run in 2 processes by the tests).
 
-Usage: worker.py SCENARIO OUT_DIR PARTITIONS PIPELINE. Rank 0 drives the
-pipeline and writes what the test compares to OUT_DIR/rank0.json; rank 1
-serves its stages and never gets past `smp.init`.
+Usage: worker.py SCENARIO OUT_DIR PARTITIONS PIPELINE. The first process of
+each pipeline drives it and writes what the test compares to
+OUT_DIR/rank<rank>.json; the others serve their stages and never get past
+`smp.init`. The ``dp_*`` scenarios run 2 replicas of the pipeline (4
+processes) with data parallelism, each replica on its half of every batch.
 """
 
 import json
@@ -17,13 +19,16 @@ import smp_tf as smp  # noqa: E402
 
 SCENARIO, OUT, PARTITIONS, PIPELINE = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4]
 smp.init({"partitions": PARTITIONS, "microbatches": 4, "pipeline": PIPELINE, "pipeline_processes": 2,
-          "dp_timeout": 8.0 if SCENARIO == "loop" else 20.0})
+          "dp_timeout": 8.0 if SCENARIO == "loop" else 20.0, "horovod": SCENARIO.startswith("dp_")})
 
 import keras  # noqa: E402
+import numpy as np  # noqa: E402
+import tensorflow as tf  # noqa: E402
 
 from tests.dp import common  # noqa: E402
 
-model = common.build(seed=100)
+# Different initial weights per replica on purpose: replica 0's are broadcast.
+model = common.build(seed=100 + smp.dp_rank())
 result = {"rank": smp.rank(), "size": smp.size(), "dp_rank": smp.dp_rank(), "dp_size": smp.dp_size(),
           "pp_rank": smp.pp_rank(), "mp_size": smp.mp_size(), "local_partitions": list(smp.local_partitions())}
 x, y = common.batches(3)
@@ -44,6 +49,27 @@ elif SCENARIO == "loop":
     open(os.path.join(OUT, "ready"), "w").close()
     while True:
         train(x[0], y[0])
+elif SCENARIO == "dp_custom_loop":
+    result["allgather"] = smp.allgather({"dp_rank": smp.dp_rank(), "rank": smp.rank()})
+    smp.barrier()
+    train = common.train_function(model, keras.optimizers.SGD(common.LR))
+    result["losses"] = [float(train(*common.half(x[s], y[s], smp.dp_rank()))) for s in range(3)]
+    # Uneven data: replica 0 has 2 more batches, replica 1 has 3.
+    more_x, more_y = common.batches(6)
+    with smp.join() as joined:
+        for s in range(2 if smp.dp_rank() == 0 else 3):
+            train(*common.half(more_x[3 + s], more_y[3 + s], smp.dp_rank()))
+    result["joined_steps"] = joined.joined_steps
+    if smp.rank() == 0:  # saved once, by one process
+        model.save_weights(os.path.join(OUT, "w.weights.h5"))
+        smp.CheckpointManager(tf.train.Checkpoint(model=model), os.path.join(OUT, "ckpt")).save()
+        model.save_model(os.path.join(OUT, "export"))
+        np.save(os.path.join(OUT, "predict.npy"), model.predict(x[0], verbose=0))
+elif SCENARIO == "dp_fit":
+    model.compile(optimizer=keras.optimizers.SGD(common.LR), loss=common.loss)
+    history = model.fit(x.reshape(-1, 16), y.reshape(-1, 4), batch_size=common.GLOBAL_BATCH, epochs=2,
+                        shuffle=False, verbose=0)
+    result["losses"] = history.history["loss"]
 else:
     raise SystemExit(f"unknown scenario {SCENARIO!r}")
 

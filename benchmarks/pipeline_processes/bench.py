@@ -1,0 +1,413 @@
+"""One pipeline across two processes against the same pipeline in one process.
+
+Prints one table; every figure in it is measured by this invocation:
+
+(a) the step time of the MLP of ``benchmarks/pipeline`` (8 x Dense(1024),
+    batch 256, MSE, SGD) at P=2, M=8, interleaved: in one process with two
+    logical devices, and across two processes (``pipeline_processes=2``) on
+    the same two cores. Target: across processes <= 1.15x one process.
+(b) the bytes the step moves between the processes, counted on the loopback
+    interface (``/proc/net/dev``, bytes sent during the timed steps, less
+    the same interface's traffic while idle), next to the tensor bytes the
+    step sends across by construction (what the graph says must cross).
+(c) the transport's bandwidth: the same bytes moved by TensorFlow between
+    the two processes' devices (gRPC ``RecvTensor``), against a plain TCP
+    copy of the same bytes between two processes; and the time of one small
+    transfer (a boundary tensor of one micro-batch) both ways.
+
+Run ``python benchmarks/pipeline_processes/bench.py`` (``--quick`` for small
+sizes: checks the script, the figures mean nothing). Every process is
+started on 127.0.0.1 by this script and ended by it; see README.md beside
+this file.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Dict, List, Optional
+
+ROOT = Path(__file__).resolve().parents[2]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from benchmarks.machine import choose_cpus, versions  # noqa: E402
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+_MARK = "@@SMP_BENCH_RESULT@@"
+P = 2
+M = 8
+TARGET = 1.15
+#: Ping-pong rounds of one small-transfer measurement.
+PINGS = 16
+
+
+def sizes(quick: bool) -> dict:
+    if quick:
+        return dict(layers=8, width=256, batch=64)
+    return dict(layers=8, width=1024, batch=256)
+
+
+def _emit(result: dict) -> None:
+    print(_MARK + json.dumps(result), flush=True)
+
+
+def _loopback_tx_bytes() -> Optional[int]:
+    try:
+        with open("/proc/net/dev") as f:
+            for line in f:
+                name, _, rest = line.partition(":")
+                if name.strip() == "lo":
+                    return int(rest.split()[8])  # transmit bytes
+    except OSError:
+        pass
+    return None
+
+
+# ---------------------------------------------------------------------------
+# The training step (both sides)
+# ---------------------------------------------------------------------------
+def _model_and_step(args, smp, tf, keras):
+    from benchmarks.pipeline.bench import build_mlp, smp_train_step
+
+    keras.utils.set_random_seed(0)
+    s = sizes(args.quick)
+    model = build_mlp(keras, smp.DistributedModel, s["layers"], s["width"], "mlp")
+    train, _ = smp_train_step(tf, keras, smp, model)
+    # The batch starts on partition 0's device on both sides.
+    with tf.device(smp.topology().devices[0]):
+        x = tf.random.normal([s["batch"], s["width"]], seed=1)
+        y = tf.random.normal([s["batch"], s["width"]], seed=2)
+    return model, train, x, y
+
+
+def _time_steps(train, x, y, warmup: int, repeats: int) -> List[float]:
+    for _ in range(warmup):
+        train(x, y).numpy()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        train(x, y).numpy()
+        times.append(time.perf_counter() - start)
+    return times
+
+
+def part_one(args) -> dict:
+    """P=2 in one process, pinned to both CPUs."""
+    cpus = [int(c) for c in args.cpus.split(",")]
+    os.sched_setaffinity(0, set(cpus))
+    import smp_tf as smp
+
+    smp.init({"partitions": P, "microbatches": M, "pipeline": "interleaved"})
+    import keras
+    import tensorflow as tf
+
+    _, train, x, y = _model_and_step(args, smp, tf, keras)
+    return {"step_s": _time_steps(train, x, y, args.warmup, args.repeats)}
+
+
+def part_driver(args) -> dict:
+    """P=2 across two processes: this is rank 0 (pinned to the first CPU);
+    rank 1 serves partition 1 from the second CPU."""
+    import smp_tf as smp
+
+    smp.init({"partitions": P, "microbatches": M, "pipeline": "interleaved", "pipeline_processes": 2})
+    import keras
+    import tensorflow as tf
+
+    model, train, x, y = _model_and_step(args, smp, tf, keras)
+    devices = smp.topology().devices
+    out: Dict[str, object] = {"devices": list(devices)}
+    for _ in range(args.warmup):
+        train(x, y).numpy()
+    # Idle loopback traffic over the same time (the watchdog's probes, ...).
+    idle_start, t0 = _loopback_tx_bytes(), time.perf_counter()
+    time.sleep(1.0)
+    idle = None if idle_start is None else (_loopback_tx_bytes() - idle_start) / (time.perf_counter() - t0)
+    before = _loopback_tx_bytes()
+    times = _time_steps(train, x, y, 0, args.repeats)
+    after = _loopback_tx_bytes()
+    out["step_s"] = times
+    if before is not None:
+        out["lo_bytes_per_step"] = (after - before - idle * sum(times)) / len(times)
+        out["lo_idle_bytes_per_s"] = idle
+
+    # The transport alone: one tensor of `nbytes` from partition 1's device to
+    # partition 0's, and a ping-pong of one micro-batch's boundary tensor.
+    s = sizes(args.quick)
+    nbytes = int(args.nbytes)
+    with tf.device(devices[1]):
+        big = tf.Variable(tf.zeros([nbytes // 4], tf.float32))
+    small_rows = s["batch"] // M
+
+    @tf.function
+    def pull():
+        with tf.device(devices[1]):
+            t = big.read_value()
+        with tf.device(devices[0]):
+            return t[0]
+
+    @tf.function
+    def ping(t):
+        for _ in range(PINGS):
+            with tf.device(devices[1]):
+                t = tf.identity(t)
+            with tf.device(devices[0]):
+                t = tf.identity(t)
+        return t[0, 0]
+
+    with tf.device(devices[0]):
+        boundary = tf.zeros([small_rows, s["width"]], tf.float32)
+    pull_s, ping_s = [], []
+    for _ in range(args.warmup):
+        pull().numpy()
+        ping(boundary).numpy()
+    for _ in range(args.repeats):
+        start = time.perf_counter()
+        pull().numpy()
+        pull_s.append(time.perf_counter() - start)
+        start = time.perf_counter()
+        ping(boundary).numpy()
+        ping_s.append((time.perf_counter() - start) / (2 * PINGS))
+    out.update(pull_s=pull_s, transfer_s=ping_s, boundary_bytes=small_rows * s["width"] * 4)
+    return out
+
+
+# ---------------------------------------------------------------------------
+# A plain TCP copy of the same bytes, between two processes
+# ---------------------------------------------------------------------------
+def part_tcp_receiver(args) -> dict:
+    """Receives `nbytes` per round and answers one byte (the sender times it);
+    then answers each small message of `small` bytes with the same message."""
+    os.sched_setaffinity(0, {int(args.cpus.split(",")[1])})
+    server = socket.create_server(("127.0.0.1", int(args.port)))
+    conn, _ = server.accept()
+    conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    buf = bytearray(1 << 20)
+    while True:
+        header = conn.recv(16, socket.MSG_WAITALL)
+        if len(header) < 16:
+            return {}
+        kind, n = int(header[:8]), int(header[8:])
+        got = 0
+        view = memoryview(buf)
+        while got < n:
+            got += conn.recv_into(view[: min(len(buf), n - got)])
+        if kind == 0:
+            conn.sendall(b"k")
+        else:  # echo n bytes
+            conn.sendall(bytes(n))
+
+
+def tcp_copy(args, nbytes: int, small: int, repeats: int) -> dict:
+    cpus = args.cpus.split(",")
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    receiver = subprocess.Popen(
+        [sys.executable, __file__, "--part", "tcp_receiver", "--cpus", args.cpus, "--port", str(port)],
+        cwd=ROOT,
+    )
+    try:
+        os.sched_setaffinity(0, {int(cpus[0])})
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                conn = socket.create_connection(("127.0.0.1", port), timeout=30)
+                break
+            except OSError:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.05)
+        conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        payload, reply = bytes(nbytes), bytes(small)
+        big_s, small_s = [], []
+        for i in range(repeats + 2):
+            start = time.perf_counter()
+            conn.sendall(b"%08d%08d" % (0, nbytes) + payload)
+            conn.recv(1, socket.MSG_WAITALL)
+            if i >= 2:
+                big_s.append(time.perf_counter() - start)
+            start = time.perf_counter()
+            for _ in range(PINGS):
+                conn.sendall(b"%08d%08d" % (1, small) + reply)
+                conn.recv(small, socket.MSG_WAITALL)
+            if i >= 2:
+                small_s.append((time.perf_counter() - start) / (2 * PINGS))
+        conn.close()
+        return {"pull_s": big_s, "transfer_s": small_s}
+    finally:
+        os.sched_setaffinity(0, {int(c) for c in cpus})
+        try:
+            receiver.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            receiver.kill()
+
+
+# ---------------------------------------------------------------------------
+# Orchestration
+# ---------------------------------------------------------------------------
+def _result_of(output: str) -> dict:
+    for line in output.splitlines():
+        if line.startswith(_MARK):
+            return json.loads(line[len(_MARK):])
+    raise RuntimeError("no result in the output:\n" + output[-3000:])
+
+
+def _common(args) -> List[str]:
+    out = ["--repeats", str(args.repeats), "--warmup", str(args.warmup), "--cpus", args.cpus,
+           "--nbytes", str(args.nbytes)]
+    return out + (["--quick"] if args.quick else [])
+
+
+def run_one(args) -> dict:
+    proc = subprocess.run([sys.executable, __file__, "--part", "one", *_common(args)], cwd=ROOT,
+                          capture_output=True, text=True, timeout=900)
+    if proc.returncode != 0:
+        raise RuntimeError(proc.stdout[-2000:] + proc.stderr[-3000:])
+    return _result_of(proc.stdout)
+
+
+def run_two(args) -> dict:
+    from smp_tf.distributed.cluster import pick_free_ports
+
+    addresses = ",".join(f"127.0.0.1:{p}" for p in pick_free_ports(2, "127.0.0.1"))
+    cpus = args.cpus.split(",")
+    procs = []
+    for rank in range(2):
+        env = dict(os.environ, SMP_TF_RANK=str(rank), SMP_TF_SIZE="2", SMP_TF_LOCAL_RANK=str(rank),
+                   SMP_TF_LOCAL_SIZE="2", SMP_TF_ADDRESSES=addresses, PYTHONPATH=str(ROOT))
+        # One process per CPU, pinned before TensorFlow starts its threads.
+        cmd = ["taskset", "-c", cpus[rank], sys.executable, __file__, "--part", "driver", *_common(args)]
+        procs.append(subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                      text=True))
+    try:
+        outs = [p.communicate(timeout=900) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    if procs[0].returncode != 0 or procs[1].returncode != 0:
+        raise RuntimeError(f"exit codes {[p.returncode for p in procs]}\n" + "\n".join(o[1][-2000:] for o in outs))
+    return _result_of(outs[0][0])
+
+
+def _ms(seconds: float) -> str:
+    return f"{seconds * 1e3:.2f}"
+
+
+def _mib(nbytes: float) -> str:
+    return f"{nbytes / 2**20:.2f} MiB"
+
+
+def build_table(args, one: List[float], two: List[float], drivers: List[dict], tcp: dict, elapsed: float) -> str:
+    s = sizes(args.quick)
+    med = statistics.median
+    t1, t2 = med(one), med(two)
+    ratio = t2 / t1
+    lo = [d["lo_bytes_per_step"] for d in drivers if "lo_bytes_per_step" in d]
+    rows_per_mb = s["batch"] // M
+    boundary = rows_per_mb * s["width"] * 4
+    # What must cross per step: each micro-batch's activation (forward) and
+    # its gradient (backward) between the stages, and the labels y, which the
+    # last stage's loss reads from partition 0's device.
+    tensor_bytes = 2 * M * boundary + s["batch"] * s["width"] * 4
+    pull = med([t for d in drivers for t in d["pull_s"]])
+    transfer = med([t for d in drivers for t in d["transfer_s"]])
+    tcp_pull, tcp_transfer = med(tcp["pull_s"]), med(tcp["transfer_s"])
+    nbytes = int(args.nbytes)
+    lines = [
+        "smp_tf pipeline across processes benchmark%s: MLP %d x Dense(%d), batch %d, P=%d, M=%d, interleaved"
+        % (" (--quick: figures mean nothing)" if args.quick else "", s["layers"], s["width"], s["batch"], P, M),
+        "%s; CPUs %s; %d timed steps after %d warm-up per run, %d run(s) per side, medians; run took %.0f s"
+        % (versions(), args.cpus, args.repeats, args.warmup, args.rounds, elapsed),
+        "",
+        "%-62s %14s" % ("figure", "value"),
+        "%-62s %14s" % ("-" * 62, "-" * 14),
+        "%-62s %14s" % ("(a) step, P=2 in one process (2 logical devices) [ms]", _ms(t1)),
+        "%-62s %14s" % ("(a) step, P=2 across 2 processes, one device each [ms]", _ms(t2)),
+        "%-62s %14s" % ("(a) across processes / one process (target <= %.2f)" % TARGET,
+                        "%.3f %s" % (ratio, "PASS" if ratio <= TARGET else "FAIL")),
+        "%-62s %14s" % ("(b) tensor bytes that must cross per step", _mib(tensor_bytes)),
+        "%-62s %14s" % ("(b) bytes sent on loopback per step (measured)", _mib(med(lo)) if lo else "n/a"),
+        "%-62s %14s" % ("(b) measured / tensor bytes", "%.3f" % (med(lo) / tensor_bytes) if lo else "n/a"),
+        "%-62s %14s" % ("(c) TensorFlow: %s from stage 1 to stage 0 [ms]" % _mib(nbytes), _ms(pull)),
+        "%-62s %14s" % ("(c) plain TCP copy of the same bytes [ms]", _ms(tcp_pull)),
+        "%-62s %14s" % ("(c) TensorFlow bandwidth [MiB/s]", "%.0f" % (nbytes / pull / 2**20)),
+        "%-62s %14s" % ("(c) plain TCP bandwidth [MiB/s]", "%.0f" % (nbytes / tcp_pull / 2**20)),
+        "%-62s %14s" % ("(c) TensorFlow / TCP bandwidth", "%.3f" % (tcp_pull / pull)),
+        "%-62s %14s" % ("(c) one boundary tensor (%s), TensorFlow [ms]" % _mib(boundary), _ms(transfer)),
+        "%-62s %14s" % ("(c) one boundary tensor, plain TCP [ms]", _ms(tcp_transfer)),
+        "",
+        "Where the difference goes: %.2f ms per step more across processes. The step sends %d boundary"
+        % ((t2 - t1) * 1e3, 2 * M),
+        "tensors and the labels; at the measured TensorFlow cost of one boundary tensor (%.2f ms, a round"
+        % (transfer * 1e3),
+        "trip on the critical path when nothing overlaps) the transfers alone would cost up to %.2f ms;"
+        % (2 * M * transfer * 1e3),
+        "the pipeline overlaps most of it with the stages' compute.",
+    ]
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="small sizes, few repeats (checks the script)")
+    parser.add_argument("--repeats", type=int, default=None, help="timed steps per run (default 15; 3 with --quick)")
+    parser.add_argument("--warmup", type=int, default=2, help="untimed steps before timing")
+    parser.add_argument("--rounds", type=int, default=None, help="runs per side, alternating (default 2; 1 --quick)")
+    parser.add_argument("--json", help="write the raw results to this file")
+    parser.add_argument("--part", default="all", choices=["all", "one", "driver", "tcp_receiver"],
+                        help=argparse.SUPPRESS)
+    parser.add_argument("--cpus", default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--nbytes", default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--port", default=None, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.repeats is None:
+        args.repeats = 3 if args.quick else 15
+    if args.rounds is None:
+        args.rounds = 1 if args.quick else 2
+    if args.part == "tcp_receiver":
+        part_tcp_receiver(args)
+        return 0
+    if args.part in ("one", "driver"):
+        _emit(part_one(args) if args.part == "one" else part_driver(args))
+        return 0
+    cpus = choose_cpus(2)
+    if cpus is None:
+        print("SKIPPED: this benchmark needs 2 CPUs (sched_getaffinity)", flush=True)
+        return 0
+    args.cpus = ",".join(str(c) for c in cpus)
+    s = sizes(args.quick)
+    args.nbytes = 2 * M * (s["batch"] // M) * s["width"] * 4 + s["batch"] * s["width"] * 4
+    start = time.monotonic()
+    one, two, drivers = [], [], []
+    for r in range(args.rounds):
+        # Alternate the order so that a drift of the machine hits both sides.
+        for side in (("one", "two") if r % 2 == 0 else ("two", "one")):
+            if side == "one":
+                one += run_one(args)["step_s"]
+            else:
+                d = run_two(args)
+                drivers.append(d)
+                two += d["step_s"]
+    small = (s["batch"] // M) * s["width"] * 4
+    tcp = tcp_copy(args, int(args.nbytes), small, args.repeats)
+    table = build_table(args, one, two, drivers, tcp, time.monotonic() - start)
+    print(table, flush=True)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"one": one, "two": two, "drivers": drivers, "tcp": tcp}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
