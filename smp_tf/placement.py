@@ -222,6 +222,24 @@ def _install_update_placement(TFOptimizer: Any) -> None:
     _distributed_tf_update_step._smp_tf = True
     TFOptimizer._distributed_tf_update_step = _distributed_tf_update_step
 
+    # Under the default strategy the "all-reduce" of the gradients is an
+    # identity over one replica, built as device-less identity ops: they
+    # would run on the function's default device, and every gradient of a
+    # remote partition would cross to it and back (over the network when a
+    # pipeline spans processes). The values are the gradients themselves.
+    reduce = getattr(TFOptimizer, "_all_reduce_sum_gradients", None)
+    if reduce is None or getattr(reduce, "_smp_tf", False):  # pragma: no cover - another Keras layout
+        return
+
+    def _all_reduce_sum_gradients(self, grads_and_vars):
+        if tf.distribute.has_strategy():
+            return reduce(self, grads_and_vars)
+        return list(grads_and_vars)
+
+    _all_reduce_sum_gradients.__wrapped__ = reduce
+    _all_reduce_sum_gradients._smp_tf = True
+    TFOptimizer._all_reduce_sum_gradients = _all_reduce_sum_gradients
+
 
 def known_optimizers() -> List[Any]:
     """The Keras optimizers that created slots since smp_tf was imported."""

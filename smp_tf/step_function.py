@@ -19,6 +19,7 @@ its ops into the caller's graph.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import inspect
@@ -169,9 +170,13 @@ class StepFunction:
 
     # -- splitting -------------------------------------------------------
     def _split(self, args: tuple, kwargs: dict, num_microbatches: int, uneven: bool = False) -> List[Tuple[tuple, dict]]:
-        parts = split_arguments(
-            self._signature, args, kwargs, num_microbatches, self._non_split, self._split_axes, uneven=uneven
-        )
+        from smp_tf.distributed import remote
+
+        device = remote.first_stage_device()
+        with tf.device(device) if device is not None else contextlib.nullcontext():
+            parts = split_arguments(
+                self._signature, args, kwargs, num_microbatches, self._non_split, self._split_axes, uneven=uneven
+            )
         # numpy arrays become tensors so that they are traced, not baked in.
         def to_tensor(x):
             return tf.convert_to_tensor(x) if isinstance(x, np.ndarray) else x

@@ -57,6 +57,9 @@ _CURRENT: Optional["PipelineProcess"] = None
 _SERVER = None
 #: Exit code of a driver whose pipeline lost a process.
 EXIT_STAGE_LOST = 1
+#: Inter-op threads of a process's server beyond one per device (see
+#: `_session_config`).
+TRANSFER_THREADS = 3
 #: Seconds between two looks of the driver's watchdog at its servers.
 WATCH_INTERVAL_S = 1.0
 
@@ -85,6 +88,19 @@ def io_device() -> Optional[str]:
     if _CURRENT is None:
         return None
     return f"/job:{CLIENT}/replica:0/task:{_CURRENT.layout.dp_rank(_CURRENT.info.rank)}/device:CPU:0"
+
+
+def first_stage_device() -> Optional[str]:
+    """The device of this driver's first stage when this process drives a
+    pipeline that spans processes, else None.
+
+    The step splits its batch into micro-batches there: an op without a
+    device would run on the driver's client CPU, and every input would go
+    there and back before the first stage reads it.
+    """
+    if _CURRENT is None:
+        return None
+    return _CURRENT.devices[0]
 
 
 def worker_device(rank: int, kind: str, index: int) -> str:
@@ -211,7 +227,14 @@ def _session_config(kind: str, num_devices: int, logical_cpu: bool):
     if logical_cpu and num_devices > 1:
         # As in one process: one core per logical device, all at once.
         config.intra_op_parallelism_threads = 1
-        config.inter_op_parallelism_threads = max(num_devices, tf.config.threading.get_inter_op_parallelism_threads())
+    # The transfers to other processes run as small ops (`_Send`, and the
+    # completions of `RecvTensor` calls) on the inter-op pool, which runs
+    # the newest work first: with one thread per device they wait behind
+    # that device's compute, and the neighbour stage waits with them. Spare
+    # threads run them as soon as their tensor is ready.
+    config.inter_op_parallelism_threads = max(
+        num_devices + TRANSFER_THREADS, tf.config.threading.get_inter_op_parallelism_threads()
+    )
     return config
 
 
@@ -367,6 +390,9 @@ def start(info: ClusterInfo, layout: PipelineLayout, kind: str, logical_cpu: boo
     require_runtime_not_started("start this process's server")
     cluster_spec = tf.train.ClusterSpec({JOB: list(addresses)})
     config = _session_config(kind, layout.partitions_per_process, logical_cpu)
+    # The same pool size for this process's own context (a driver's client
+    # runs its share of each step there).
+    tf.config.threading.set_inter_op_parallelism_threads(config.inter_op_parallelism_threads)
     try:
         _SERVER = tf.distribute.Server(cluster_spec, job_name=JOB, task_index=info.rank, start=True, config=config)
     except tf.errors.UnknownError as e:
