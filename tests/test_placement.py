@@ -225,3 +225,74 @@ def test_post_partition_hooks_run_eagerly_once_per_init(monkeypatch, tmp_path):
 def test_hook_must_be_callable():
     with pytest.raises(ValueError, match="callable"):
         smp.register_post_partition_hook(42)
+
+
+def _outer_graph(model, optimizer, step, x, y):
+    @tf.function
+    def train(x, y):
+        loss, grads, _ = step(x, y)
+        optimizer.apply_gradients(zip([g.accumulate() for g in grads], model.trainable_variables))
+        return loss.reduce_mean()
+
+    return train.get_concrete_function(tf.constant(x), tf.constant(y)).graph
+
+
+@pytest.mark.parametrize("optimizer_cls", [keras.optimizers.Adam, keras.optimizers.SGD])
+def test_optimizer_updates_run_on_each_variables_device(optimizer_cls):
+    """Each variable's update reads its gradient where both live: no op
+    without a device stands between a partition's gradient and its update
+    (such an op runs on the function's default device, and every gradient of
+    another partition would go there and back, over the network when a
+    pipeline spans processes)."""
+    model = _mlp()
+    x, y = models.data("mlp")
+    smp.init({"partitions": 2, "microbatches": 2})
+    step = smp.step(models.make_body(model, "mlp"))
+    opt = optimizer_cls(learning_rate=1e-3)
+    graph = _outer_graph(model, opt, step, x, y)
+    updates = [op for op in graph.get_operations() if op.type in ("AssignSubVariableOp", "AssignVariableOp",
+                                                                   "AssignAddVariableOp")]
+    assert updates
+    big = [op for op in graph.get_operations() if op.type in ("Identity", "IdentityN") and not op.device
+           and any(t.shape.num_elements() and t.shape.num_elements() > 1 for t in op.outputs)]
+    assert not big, [op.name for op in big]
+    # Every update of a model or slot variable runs on one of the partitions.
+    for op in updates:
+        if op.inputs[1].shape.num_elements() and op.inputs[1].shape.num_elements() > 1:
+            assert op.device.endswith(("CPU:0", "CPU:1")), (op.name, op.device)
+
+
+def test_optimizer_update_placement_keeps_the_numbers():
+    """The same training with the optimizer's updates on the variables'
+    devices equals the single-device loop."""
+    model = _mlp()
+    ref = keras.models.clone_model(model)
+    ref.set_weights(model.get_weights())
+    x, y = models.data("mlp")
+    M = 2
+    smp.init({"partitions": 2, "microbatches": M})
+    losses = _train(model, keras.optimizers.Adam(1e-3), smp.step(models.make_body(model, "mlp")), x, y, 2)
+    ref_losses = _reference_train(ref, keras.optimizers.Adam(1e-3), x, y, 2, M)
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-6)
+    for a, b in zip(model.get_weights(), ref.get_weights()):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_batch_is_split_on_the_first_stage_device_when_a_pipeline_spans_processes(monkeypatch):
+    """A driver splits the batch on its first stage's device, not on its
+    client CPU (the default device of its ops)."""
+    from smp_tf.distributed import remote
+
+    model = _mlp()
+    x, y = models.data("mlp")
+    smp.init({"partitions": 2, "microbatches": 2})
+    monkeypatch.setattr(remote, "first_stage_device", lambda: "/device:CPU:1")
+    step = smp.step(models.make_body(model, "mlp"))
+    graph = _outer_graph(model, keras.optimizers.SGD(1e-3), step, x, y)
+    splits = [op for op in graph.get_operations() if op.type in ("Reshape", "Unpack")]
+    assert splits
+    assert all(op.device.endswith("CPU:1") for op in splits), [(op.name, op.device) for op in splits]
+    monkeypatch.setattr(remote, "first_stage_device", lambda: None)
+    step = smp.step(models.make_body(model, "mlp"))
+    graph = _outer_graph(model, keras.optimizers.SGD(1e-3), step, x, y)
+    assert all(not op.device for op in graph.get_operations() if op.type in ("Reshape", "Unpack"))
