@@ -18,6 +18,7 @@ PIPELINE_BENCH = ROOT / "benchmarks" / "pipeline" / "bench.py"
 PARTITIONER_BENCH = ROOT / "benchmarks" / "partitioner" / "bench.py"
 DATA_PARALLEL_BENCH = ROOT / "benchmarks" / "data_parallel" / "bench.py"
 KERAS_FIT_BENCH = ROOT / "benchmarks" / "keras_fit" / "bench.py"
+PIPELINE_PROCESSES_BENCH = ROOT / "benchmarks" / "pipeline_processes" / "bench.py"
 
 
 def _run(script: Path, timeout: int) -> str:
@@ -82,6 +83,16 @@ def test_keras_fit_bench_quick_prints_the_table():
     pipelined = [r.split() for r in rows if r.startswith("(c) smp fit, pipeline")]
     assert {r[6] for r in pipelined} == {"simple", "interleaved"}, out
     assert "P=1 overhead target" in out and "NOT MEASURED" not in out
+
+
+@pytest.mark.benchmark
+def test_pipeline_processes_bench_quick_prints_the_table():
+    out = _run(PIPELINE_PROCESSES_BENCH, timeout=900)
+    assert "smp_tf pipeline across processes benchmark (--quick" in out
+    for row in ("(a) step, P=2 in one process", "(a) step, P=2 across 2 processes", "(b) bytes sent on loopback",
+                "(c) TensorFlow bandwidth", "(c) plain TCP bandwidth", "(c) call of a function"):
+        assert row in out, row
+    assert "Where the difference goes" in out
 
 
 def _bench_module():
