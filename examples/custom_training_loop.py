@@ -45,6 +45,10 @@ def parse_args():
     )
     parser.add_argument("--learning-rate", type=float, default=2e-3)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--profile", metavar="DIR",
+        help="after training, record 5 more steps with smp.profile and write DIR/timeline.json (and .png)",
+    )
     return parser.parse_args()
 
 
@@ -176,3 +180,14 @@ test_logits = model(x_test, training=False)
 test_accuracy = float(np.mean(np.argmax(test_logits, axis=1) == y_test))
 print(f"\ntest accuracy: {test_accuracy:.4f} on {len(x_test)} images "
       f"(training took {time.perf_counter() - start:.1f} s)")
+
+if args.profile:
+    # 5. What each device actually ran, and when: a few more training steps
+    #    inside smp.profile. The step function is traced inside the block so
+    #    that it carries the timing probes.
+    with smp.profile(args.profile) as prof:
+        profiled = tf.function(train_on_batch.python_function)
+        for _, (xb, yb) in zip(range(5), batches(x_train, y_train, args.batch_size, rng)):
+            profiled(xb, yb)
+    print("\n" + prof.timeline.summary())
+    print("wrote " + ", ".join(prof.files) + " (open timeline.json in https://ui.perfetto.dev)")

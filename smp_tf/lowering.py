@@ -27,6 +27,7 @@ from smp_tf.config import Config
 from smp_tf.memory import MemoryReport, choose_recompute, is_gradient_output, optimizer_slots, predict_memory
 from smp_tf.partitioner.plan import DEFAULT_SLOTS, PartitionPlan
 from smp_tf.placement import partition_of_device
+from smp_tf.profiling import timeline
 from smp_tf.rewrite import (
     FusedGradient,
     PreTransposed,
@@ -423,6 +424,11 @@ class CompiledStep:
         # of that partition (e.g. its backward) reuse the received copy.
         received: Dict[Tuple[int, int, int], tf.Tensor] = {}
         last: Dict[int, Any] = {}
+        # Under `smp.profile`, each action is timed on its device (see
+        # `smp_tf.profiling.timeline`).
+        probing = timeline.recording()
+        starts: List[tf.Tensor] = []
+        ends: List[tf.Tensor] = []
         for action in self.emit_order:
             task = self._task_by_key[(action.partition, action.wave)]
             m = action.microbatch
@@ -444,7 +450,16 @@ class CompiledStep:
                     inputs.append(arg_values[m][self._arg_index[name]])
                 for r in task.transposed_reads:
                     inputs.append(transposed[(task.partition, r)])
-                outs = self._functions[task.key](*inputs)
+                if probing:
+                    # Starts once the inputs are there and the device's
+                    # previous action is done; the call waits for it.
+                    starts.append(timeline.emit_probe_start([x for x in inputs if isinstance(x, tf.Tensor)]))
+                    with tf.control_dependencies([starts[-1]]):
+                        outs = self._functions[task.key](*inputs)
+                else:
+                    outs = self._functions[task.key](*inputs)
+                if probing:
+                    ends.append(timeline.emit_probe_start(list(outs)))
             # Eagerly (Keras's run_eagerly) the actions simply run one after
             # another in this order; in a graph the next action of the
             # device waits for this call.
@@ -456,6 +471,10 @@ class CompiledStep:
                         sent[(m, t)] = raw_output(value)
         # The last action of each device: what runs after the pipeline waits on it.
         self.last_ops = dict(last)
+        if probing:
+            actions = [(a.partition, a.wave, a.microbatch, self.schedule.display(a)) for a in self.emit_order]
+            key = timeline.register(self.schedule, actions, dict(enumerate(self.devices)))
+            timeline.emit_collect(key, starts, ends)
         results = []
         for m in range(M):
             flat = []

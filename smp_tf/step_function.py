@@ -31,6 +31,7 @@ import numpy as np
 import tensorflow as tf
 
 from smp_tf import placement, state
+from smp_tf.profiling import timeline
 from smp_tf.memory import optimizer_slots, predict_assignment, refine_memory_split, stage_multipliers
 from smp_tf.lowering import CompiledStep, FusedValue
 from smp_tf.partitioner.plan import DEFAULT_SLOTS, PartitionPlan, assign_partitions
@@ -154,7 +155,8 @@ class StepFunction:
         self._lock = threading.RLock()
         self._compiled: Dict[Any, Any] = {}
         self._generation = -1
-        self._eager_fn = None
+        #: The eager call's tf.function, with and without timing probes.
+        self._eager_fns: Dict[bool, Any] = {}
         self.schedule = None
         self.last_plan: Optional[PartitionPlan] = None
         self.last_compiled: Optional[CompiledStep] = None
@@ -218,7 +220,7 @@ class StepFunction:
         if self._generation != state.generation():
             key = _config_key()
             self._compiled = {k: v for k, v in self._compiled.items() if k[1] == key}
-            self._eager_fn = None
+            self._eager_fns = {}
             self._generation = state.generation()
 
     def _trace_and_partition(self, mbs: List[Tuple[tuple, dict]]):
@@ -463,7 +465,8 @@ class StepFunction:
         check_split_sizes(self._signature, args, kwargs, cfg.microbatches, self._non_split, self._split_axes)
         with self._lock:
             self._check_generation()
-            if self._eager_fn is None:
+            probing = timeline.recording()
+            if probing not in self._eager_fns:
                 # Library code needs no AutoGraph; the user's body is traced
                 # with the user's own tf.function options in trace_microbatch.
                 kw = {k: v for k, v in self._tf_kwargs.items() if k not in ("jit_compile", "autograph")}
@@ -475,8 +478,9 @@ class StepFunction:
                     # marked dict and rebuild them outside.
                     return tf.nest.map_structure(_mark, outs)
 
-                self._eager_fn = tf.function(run, input_signature=sig, autograph=False, **kw)
-        raw = self._eager_fn(*args, **kwargs)
+                self._eager_fns[probing] = tf.function(run, input_signature=sig, autograph=False, **kw)
+            fn = self._eager_fns[probing]
+        raw = fn(*args, **kwargs)
         return _rebuild_step_outputs(raw)
 
 

@@ -19,6 +19,7 @@ PARTITIONER_BENCH = ROOT / "benchmarks" / "partitioner" / "bench.py"
 DATA_PARALLEL_BENCH = ROOT / "benchmarks" / "data_parallel" / "bench.py"
 KERAS_FIT_BENCH = ROOT / "benchmarks" / "keras_fit" / "bench.py"
 PIPELINE_PROCESSES_BENCH = ROOT / "benchmarks" / "pipeline_processes" / "bench.py"
+TIMELINE_BENCH = ROOT / "benchmarks" / "pipeline" / "timeline.py"
 
 
 def _run(script: Path, timeout: int) -> str:
@@ -93,6 +94,14 @@ def test_pipeline_processes_bench_quick_prints_the_table():
                 "(c) TensorFlow bandwidth", "(c) plain TCP bandwidth", "(c) call of a function"):
         assert row in out, row
     assert "Where the difference goes" in out
+
+
+@pytest.mark.benchmark
+def test_timeline_bench_quick_prints_the_table():
+    out = _run(TIMELINE_BENCH, timeout=900)
+    assert "smp_tf measured timeline (--quick" in out
+    rows = [line.split() for line in out.splitlines() if line.startswith(("simple ", "interleaved "))]
+    assert {(r[0], r[1]) for r in rows} == {(s, m) for s in ("simple", "interleaved") for m in ("2", "4", "8")}
 
 
 def _bench_module():
