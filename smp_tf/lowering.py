@@ -453,17 +453,20 @@ class CompiledStep:
                 if probing:
                     # Starts once the inputs are there and the device's
                     # previous action is done; the call waits for it.
-                    starts.append(timeline.emit_probe_start([x for x in inputs if isinstance(x, tf.Tensor)]))
+                    starts.append(timeline.emit_probe([x for x in inputs if isinstance(x, tf.Tensor)], device))
                     with tf.control_dependencies([starts[-1]]):
                         outs = self._functions[task.key](*inputs)
                 else:
                     outs = self._functions[task.key](*inputs)
                 if probing:
-                    ends.append(timeline.emit_probe_start(list(outs)))
+                    ends.append(timeline.emit_probe(list(outs), device))
             # Eagerly (Keras's run_eagerly) the actions simply run one after
             # another in this order; in a graph the next action of the
             # device waits for this call.
-            last[task.partition] = outs[-1] if tf.executing_eagerly() else outs[-1].op
+            done = ends[-1] if probing else outs[-1]
+            # Probing, the device's next action also waits for this one's end
+            # probe, so that the two never overlap in the record.
+            last[task.partition] = done if tf.executing_eagerly() else done.op
             with tf.name_scope(scope), tf.device(device):
                 for t, value in zip(task.outputs, outs[:-1]):
                     raw[(m, t)] = value

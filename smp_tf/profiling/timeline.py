@@ -354,12 +354,37 @@ def _reset_keras_functions() -> None:
                 setattr(m, attr, None)
 
 
-def emit_probe_start(deps: Sequence[Any]):
-    """A ``tf.timestamp()`` after `deps` (call under the action's device)."""
+#: device -> a variable that only anchors that device's probes (see `emit_probe`).
+_ANCHORS: Dict[str, Any] = {}
+_PROBE_FN: Any = None
+
+
+def emit_probe(deps: Sequence[Any], device: str):
+    """A ``tf.timestamp()`` on `device` that runs after `deps`.
+
+    Inside a ``tf.function``, TensorFlow's automatic control dependencies
+    chain every stateful op that takes no resource (``Timestamp`` is one)
+    in program order, across devices: raw timestamps would make the devices
+    take turns. So the clock is read in a small function that takes a
+    device-local resource it never touches: a read of that resource, which
+    nothing writes, is ordered with nothing.
+    """
     import tensorflow as tf
 
-    with tf.control_dependencies([d for d in deps if d is not None]):
-        return tf.timestamp()
+    global _PROBE_FN
+    if _PROBE_FN is None:
+        @tf.function(input_signature=[tf.TensorSpec([], tf.resource)], autograph=False)
+        def probe(anchor):
+            del anchor
+            return tf.timestamp()
+
+        _PROBE_FN = probe
+    anchor = _ANCHORS.get(device)
+    if anchor is None:
+        with tf.init_scope(), tf.device(device):
+            anchor = _ANCHORS[device] = tf.Variable(0.0, trainable=False, name="smp_timeline_anchor")
+    with tf.device(device), tf.control_dependencies([d for d in deps if d is not None]):
+        return _PROBE_FN(anchor.handle)
 
 
 def emit_collect(key: int, starts: Sequence[Any], ends: Sequence[Any]) -> Any:
