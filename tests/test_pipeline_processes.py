@@ -98,6 +98,23 @@ def test_custom_loop_across_processes_equals_one_process(tmp_path, partitions, p
     assert got["devices"][-1].startswith("/job:worker/replica:0/task:1/")
 
 
+def test_profile_across_processes_records_every_action_of_both_processes(tmp_path):
+    """smp.profile on a driver times the actions of the stages in both
+    processes, and the numbers equal the same loop without probes."""
+    got = _driver_result(["profile", "2", "interleaved"], tmp_path)
+    tl = got["timeline"]
+    assert tl["steps"] == 3 and tl["records"] == 3 * tl["actions"]
+    assert tl["per_device"]["0"] > 0 and tl["per_device"]["1"] > 0
+    assert tl["devices"]["0"].startswith("/job:worker/replica:0/task:0/")
+    assert tl["devices"]["1"].startswith("/job:worker/replica:0/task:1/")
+    assert tl["ordered"]
+    assert "timeline.json" in tl["files"]
+    trace = json.load(open(os.path.join(tmp_path, "timeline", "timeline.json")))
+    assert len([e for e in trace["traceEvents"] if e["ph"] == "X"]) == tl["records"]
+    losses, _ = _reference_custom_loop(2, "interleaved")
+    assert got["losses"] == losses
+
+
 def _plain_model(seed: int) -> keras.Model:
     """`common.build`'s model as a plain `keras.Model`."""
     keras.utils.set_random_seed(seed)

@@ -12,7 +12,9 @@ import os
 import sys
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-os.environ.setdefault("TF_DETERMINISTIC_OPS", "1")
+# Deterministic kernels, except for the profile, whose clock op refuses to
+# run under op determinism (in every process that holds a stage).
+os.environ["TF_DETERMINISTIC_OPS"] = "0" if sys.argv[1] == "profile" else os.environ.get("TF_DETERMINISTIC_OPS", "1")
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
 
 import smp_tf as smp  # noqa: E402
@@ -36,6 +38,20 @@ x, y = common.batches(3)
 if SCENARIO == "custom_loop":
     train = common.train_function(model, keras.optimizers.SGD(common.LR))
     result["losses"] = [float(train(x[s], y[s])) for s in range(3)]
+elif SCENARIO == "profile":
+    # The custom loop inside smp.profile.
+    with smp.profile(os.path.join(OUT, "timeline")) as prof:
+        train = common.train_function(model, keras.optimizers.SGD(common.LR))
+        result["losses"] = [float(train(x[s], y[s])) for s in range(3)]
+    tl = prof.timeline
+    result["timeline"] = {
+        "steps": tl.num_steps, "records": len(tl.records), "actions": sum(len(a) for a in tl.schedule.order.values()),
+        "devices": tl.device_names, "per_device": {str(d): sum(r.device == d for r in tl.records) for d in range(2)},
+        "ordered": all(a.end <= b.start for s in range(tl.num_steps) for d in range(2)
+                       for a, b in zip(*(lambda recs: (recs, recs[1:]))(
+                           [r for r in tl.step_records(s) if r.device == d]))),
+        "files": [os.path.basename(f) for f in prof.files],
+    }
 elif SCENARIO == "fit":
     model.compile(optimizer=keras.optimizers.SGD(common.LR), loss=common.loss)
     history = model.fit(x.reshape(-1, 16), y.reshape(-1, 4), batch_size=common.GLOBAL_BATCH, epochs=2,
