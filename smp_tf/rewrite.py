@@ -39,6 +39,8 @@ _SHAPE_ONLY = frozenset(["Shape", "ShapeN", "Size", "Rank", "BroadcastGradientAr
 
 __all__ = [
     "Task",
+    "BackwardSplit",
+    "split_backward",
     "FusedGradient",
     "build_tasks",
     "fusable_gradients",
@@ -707,6 +709,77 @@ def build_tasks(
         task.outputs.sort()
         task.pinned = pinned_tensors(graph, task)
     return sorted(tasks.values(), key=lambda t: (t.wave, t.partition))
+
+
+@dataclass(frozen=True)
+class BackwardSplit:
+    """A backward task's ops split by what waits for them (see `split_backward`).
+
+    Attributes:
+        b: ops on a path to a tensor another task waits for (the gradients
+            of the task's inputs, which the previous stage needs), and ops
+            that must keep their place (stateful ops, accesses of a resource
+            the step writes): the critical path. Member and recomputed op
+            indices, sorted.
+        w: the other ops: they lead only to the step's outputs (the weight
+            gradients), so they can run later, in a bubble.
+        handoff: tensors B computes and W reads: kept from B until W runs.
+        b_flops, w_flops: estimated flops of each part.
+    """
+
+    b: Tuple[int, ...]
+    w: Tuple[int, ...]
+    handoff: Tuple[int, ...]
+    b_flops: float
+    w_flops: float
+
+
+def split_backward(graph: OpGraph, task: Task, tasks: Sequence[Task]) -> Optional[BackwardSplit]:
+    """Splits a backward task into B (input gradients) and W (weight gradients).
+
+    Derived from the graph alone: B is everything of the task (members and
+    recomputed ops) that a tensor another task reads depends on, through
+    data or control edges, plus every stateful op and every op on a
+    resource the step writes (so state still advances once per micro-batch,
+    in order), with what those depend on. W is the rest. Free ops copied
+    into the task are copied wherever they are needed and belong to
+    neither.
+
+    Args:
+        graph: the traced graph.
+        task: a task of `tasks` (as `build_tasks` returns them).
+        tasks: all tasks of the step: who reads what from `task`.
+
+    Returns:
+        The split, or None when `task` is not a backward task or W would
+        do no work (nothing to move).
+    """
+    if not task.backward:
+        return None
+    own = set(task.members) | set(task.recomputed)
+    critical = {t for other in tasks if other.key != task.key
+                for t, producer in other.producer_of_input.items() if producer == task.key}
+    written = {v for op in graph.ops for v in op.writes}
+    seeds = [graph.tensors[t].producer for t in critical]
+    seeds += [i for i in own if graph.ops[i].stateful or written.intersection(graph.ops[i].variables)]
+    b: Set[int] = set()
+    stack = [i for i in seeds if i in own]
+    while stack:
+        i = stack.pop()
+        if i in b:
+            continue
+        b.add(i)
+        op = graph.ops[i]
+        stack.extend(j for j in [graph.tensors[t].producer for t in op.inputs] + list(op.control_inputs) if j in own)
+    w = own - b
+    w_flops = sum(graph.ops[i].flops for i in w)
+    if w_flops <= 0:
+        return None
+    handoff = sorted({t for i in w for t in graph.ops[i].inputs if graph.tensors[t].producer in b})
+    return BackwardSplit(
+        b=tuple(sorted(b)), w=tuple(sorted(w)), handoff=tuple(handoff),
+        b_flops=float(sum(graph.ops[i].flops for i in b)), w_flops=float(w_flops),
+    )
 
 
 #: Dtypes whose arithmetic rounds, so that a rewrite can change the values.

@@ -632,3 +632,166 @@ def test_task_graph_def_writes_known_shapes_as_constants():
         with tf.compat.v1.Session(graph=imported) as sess:
             d_value = sess.run("d:0", feed_dict={"y:0": [[1.0] * 3] * 2})
     assert list(d_value) == [8.0, 9.0]
+
+
+# -- backward split: B (input gradients) and W (weight gradients) -------------
+def _two_stage_matmuls(relu_grad=False, state_in_weight_path=False):
+    """Two stages of y = x @ w, with TensorFlow's two gradient products each:
+    gx = dy @ w^T (what the previous stage waits for) and gw = x^T @ dy (a
+    weight gradient, a step output). Stage 1 holds the loss (fused task).
+    With `relu_grad`, stage 0's incoming gradient first goes through a
+    ReluGrad that both products read. With `state_in_weight_path`, a
+    stateful op (a write of variable "s") sits on stage 0's weight path."""
+    spec = [
+        {"name": "x", "type": "Placeholder", "kind": "arg", "flops": 0, "p": 0},
+        {"name": "y", "type": "Placeholder", "kind": "arg", "flops": 0, "p": 1},
+        {"name": "r0", "type": "ReadVariableOp", "variables": ["w0"], "flops": 0, "p": 0},
+        {"name": "f0", "type": "MatMul", "inputs": ["x", "r0"], "flops": 10, "p": 0},
+        {"name": "r1", "type": "ReadVariableOp", "variables": ["w1"], "flops": 0, "p": 1},
+        {"name": "f1", "type": "MatMul", "inputs": ["f0", "r1"], "flops": 10, "p": 1},
+        {"name": "loss", "inputs": ["f1", "y"], "flops": 1, "p": 1},
+        {"name": "dl", "inputs": ["loss", "f1"], "forward": "loss", "flops": 1, "p": 1},
+        {"name": "gx1", "type": "MatMul", "inputs": ["dl", "r1"], "forward": "f1", "flops": 10, "p": 1},
+        {"name": "gw1", "type": "MatMul", "inputs": ["f0", "dl"], "forward": "f1", "flops": 10, "p": 1},
+    ]
+    d = "gx1"
+    if relu_grad:
+        spec.append({"name": "rg0", "type": "ReluGrad", "inputs": ["gx1", "f0"], "forward": "f0", "flops": 1, "p": 0})
+        d = "rg0"
+    spec += [
+        {"name": "gx0", "type": "MatMul", "inputs": [d, "r0"], "forward": "f0", "flops": 10, "p": 0},
+        {"name": "gw0", "type": "MatMul", "inputs": ["x", d], "forward": "f0", "flops": 10, "p": 0},
+    ]
+    outputs = ["loss", "gw0", "gw1"]
+    if state_in_weight_path:
+        spec.append({"name": "st", "type": "AssignAddVariableOp", "inputs": ["gw0"], "writes": ["s"], "flops": 1,
+                     "forward": "f0", "p": 0})
+    parts = [s.pop("p") for s in spec]
+    g = OpGraph.from_spec(spec)
+    return g, parts, [_tensor(g, n) for n in outputs]
+
+
+def _split_of(g, parts, outputs, key):
+    from smp_tf.rewrite import split_backward
+
+    tasks = build_tasks(g, parts, outputs)
+    task = _by_key(tasks)[key]
+    return task, split_backward(g, task, tasks)
+
+
+def _names(g, ids):
+    return [g.ops[i].name for i in ids]
+
+
+def test_split_of_the_last_stage_keeps_the_input_gradient_on_the_critical_path():
+    # Stage 1's fused task: the forward, the loss and gx1 (stage 0 waits for
+    # it) are B; only the weight product gw1 can wait.
+    g, parts, outputs = _two_stage_matmuls()
+    task, split = _split_of(g, parts, outputs, (1, 1))
+    assert task.fused
+    assert _names(g, split.b) == ["r1", "f1", "loss", "dl", "gx1"]
+    assert _names(g, split.w) == ["gw1"]
+    # gw1 reads dl from B (kept until W runs) and f0, a task input.
+    assert split.handoff == (_tensor(g, "dl"),)
+    assert (split.b_flops, split.w_flops) == (22.0, 10.0)
+
+
+def test_split_of_the_first_stage_defers_everything_nobody_waits_for():
+    # Nothing is sent upstream of stage 0: its whole backward can wait.
+    g, parts, outputs = _two_stage_matmuls()
+    task, split = _split_of(g, parts, outputs, (0, 2))
+    assert _names(g, split.b) == []
+    assert _names(g, split.w) == ["gx0", "gw0"]
+    assert split.handoff == ()
+
+
+def test_split_hands_over_what_both_parts_read():
+    # Three stages; the middle one's backward: a ReluGrad rg1 of the incoming
+    # gradient, read by gx1 (sent to stage 0: B) and by gw1 (W). rg1 is B,
+    # and W reads it: it is kept from B until W runs.
+    spec = [
+        {"name": "x", "type": "Placeholder", "kind": "arg", "flops": 0, "p": 0},
+        {"name": "r0", "type": "ReadVariableOp", "variables": ["w0"], "flops": 0, "p": 0},
+        {"name": "f0", "type": "MatMul", "inputs": ["x", "r0"], "flops": 10, "p": 0},
+        {"name": "r1", "type": "ReadVariableOp", "variables": ["w1"], "flops": 0, "p": 1},
+        {"name": "f1", "type": "MatMul", "inputs": ["f0", "r1"], "flops": 10, "p": 1},
+        {"name": "a1", "type": "Relu", "inputs": ["f1"], "flops": 1, "p": 1},
+        {"name": "loss", "inputs": ["a1"], "flops": 1, "p": 2},
+        {"name": "dl", "inputs": ["loss", "a1"], "forward": "loss", "flops": 1, "p": 2},
+        {"name": "rg1", "type": "ReluGrad", "inputs": ["dl", "a1"], "forward": "a1", "flops": 1, "p": 1},
+        {"name": "gx1", "type": "MatMul", "inputs": ["rg1", "r1"], "forward": "f1", "flops": 10, "p": 1},
+        {"name": "gw1", "type": "MatMul", "inputs": ["f0", "rg1"], "forward": "f1", "flops": 10, "p": 1},
+        {"name": "gx0", "type": "MatMul", "inputs": ["gx1", "r0"], "forward": "f0", "flops": 10, "p": 0},
+        {"name": "gw0", "type": "MatMul", "inputs": ["x", "gx1"], "forward": "f0", "flops": 10, "p": 0},
+    ]
+    parts = [s.pop("p") for s in spec]
+    g = OpGraph.from_spec(spec)
+    outputs = [_tensor(g, n) for n in ("loss", "gw0", "gw1")]
+    tasks = build_tasks(g, parts, outputs)
+    (middle,) = [t for t in tasks if t.partition == 1 and t.backward]
+    from smp_tf.rewrite import split_backward
+
+    split = split_backward(g, middle, tasks)
+    assert _names(g, split.b) == ["rg1", "gx1"]
+    assert _names(g, split.w) == ["gw1"]
+    assert split.handoff == (_tensor(g, "rg1"),)
+
+
+def test_split_keeps_stateful_ops_and_what_they_read_in_b():
+    # A write on stage 0's weight path must run where it ran (state order):
+    # it stays in B with the product it reads.
+    g, parts, outputs = _two_stage_matmuls(state_in_weight_path=True)
+    task, split = _split_of(g, parts, outputs, (0, 2))
+    assert _names(g, split.b) == ["gw0", "st"]
+    assert _names(g, split.w) == ["gx0"]
+
+
+def test_split_of_a_forward_task_or_of_a_backward_without_weight_work_is_none():
+    from smp_tf.rewrite import split_backward
+
+    g, parts, outputs = _two_stage_matmuls()
+    tasks = build_tasks(g, parts, outputs)
+    assert split_backward(g, _by_key(tasks)[(0, 0)], tasks) is None  # forward
+    # The 3-stage chain's backward ops each produce the input gradient the
+    # previous stage waits for: nothing is left for W.
+    g3, parts3 = _chain3()
+    tasks3 = build_tasks(g3, parts3, [_tensor(g3, "loss"), _tensor(g3, "b0")])
+    assert split_backward(g3, _by_key(tasks3)[(1, 3)], tasks3) is None
+
+
+def test_split_on_a_traced_dense_model_moves_the_weight_gradients_to_w():
+    """On a traced Keras MLP (2 stages): the kernel and bias gradients of
+    the first stage's layers (MatMul with the activation transposed,
+    BiasAddGrad) are W, and so are those of the last stage, whose B still
+    computes the gradient sent to the first stage."""
+    import keras
+
+    import smp_tf as smp
+    from smp_tf.rewrite import split_backward
+    from tests import models
+
+    keras.utils.set_random_seed(3)
+    model = models.mlp()
+    x, y = models.data("mlp")
+    smp.init({"partitions": 2, "microbatches": 2})
+    step = smp.step(models.make_body(model, "mlp"))
+    step(x, y)
+    compiled = step.last_compiled
+    g = compiled.plan.op_graph
+    grads = {g.tensors[t].producer for t in compiled.output_tensors if t is not None and g.ops[
+        g.tensors[t].producer].is_gradient}
+    splits = {t.key: split_backward(g, t, compiled.tasks) for t in compiled.tasks if t.backward}
+    assert all(s is not None for s in splits.values()), splits
+    for key, split in splits.items():
+        w_types = {g.ops[i].type for i in split.w}
+        assert "BiasAddGrad" in w_types, (key, w_types)
+        # Every weight gradient of the task's partition that the step returns is W.
+        mine = [i for i in grads if compiled.plan.partition_of_op[i] == key[0]]
+        assert mine and all(i in split.w or g.ops[i].kind != "op" for i in mine if i in set(split.b) | set(split.w))
+        # B is closed: nothing in B reads a W op.
+        w = set(split.w)
+        for i in split.b:
+            assert not any(g.tensors[t].producer in w for t in g.ops[i].inputs)
+    # The last stage sends a gradient upstream, so its B is not empty.
+    last = max(splits)
+    assert splits[last].b and splits[last].w_flops > 0
