@@ -9,8 +9,10 @@ key                    default        meaning
 partitions             1              pipeline stages (one device each);
                                       alias ``pipeline_parallel_degree``
 microbatches           1              micro-batches each batch is split into
-pipeline               "interleaved"  ``"interleaved"`` (1F1B) or ``"simple"``
-                                      (all forwards, then all backwards)
+pipeline               "interleaved"  ``"interleaved"`` (1F1B), ``"simple"``
+                                      (all forwards, then all backwards) or
+                                      ``"zero_bubble"`` (1F1B with weight
+                                      gradients moved into the bubbles)
 optimize               "speed"        partitioner objective: ``"speed"`` or
                                       ``"memory"``
 auto_partition         True           partition the model automatically
@@ -78,7 +80,7 @@ _PARTITIONS_ALIAS = "pipeline_parallel_degree"
 
 #: Allowed values of the string-valued keys.
 _CHOICES: Dict[str, Tuple[str, ...]] = {
-    "pipeline": ("interleaved", "simple"),
+    "pipeline": ("interleaved", "simple", "zero_bubble"),
     "optimize": ("speed", "memory"),
     "placement_strategy": ("cluster", "spread"),
     "uneven_inputs": ("join", "raise"),
@@ -101,7 +103,8 @@ class Config:
     Attributes:
         partitions: number of pipeline stages; each runs on its own device.
         microbatches: number of micro-batches each batch is split into.
-        pipeline: ``"interleaved"`` or ``"simple"`` pipeline schedule.
+        pipeline: ``"interleaved"``, ``"simple"`` or ``"zero_bubble"``
+            pipeline schedule.
         optimize: ``"speed"`` or ``"memory"``: what the partitioner balances.
         auto_partition: whether the model is partitioned automatically.
         default_partition: partition of ops not placed explicitly. Resolved

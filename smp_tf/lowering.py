@@ -267,7 +267,10 @@ class CompiledStep:
 
         def cut(modes: Sequence[str]) -> None:
             self.recompute = list(modes)
-            self.tasks = build_tasks(g, plan.partition_of_op, outputs, exclude=removed, recompute=self.recompute)
+            self.tasks = build_tasks(
+                g, plan.partition_of_op, outputs, exclude=removed, recompute=self.recompute,
+                split_weight=cfg.pipeline == "zero_bubble",
+            )
             self._task_by_key = {t.key: t for t in self.tasks}
             self._set_schedule(cfg.pipeline)
 

@@ -87,6 +87,8 @@ class Task:
         producer_of_input: tensor id -> (partition, wave) of its producer task.
         backward: the task holds gradient ops.
         fused: the task holds forward and gradient ops.
+        weight: a W task: the part of a backward task that leads only to
+            weight gradients (``build_tasks(split_weight=True)``).
         flops: estimated flops of the members.
         arg_names: step arguments the task's function reads (set when the
             task is lowered).
@@ -109,6 +111,7 @@ class Task:
     producer_of_input: Dict[int, Tuple[int, int]] = field(default_factory=dict)
     backward: bool = False
     fused: bool = False
+    weight: bool = False
     flops: float = 0.0
     arg_names: List[str] = field(default_factory=list)
     transposed_reads: List[int] = field(default_factory=list)
@@ -613,6 +616,7 @@ def build_tasks(
     output_tensors: Sequence[int],
     exclude: Sequence[int] = (),
     recompute: Union[str, Sequence[str]] = "never",
+    split_weight: bool = False,
 ) -> List[Task]:
     """Cuts a partitioned graph into tasks (see the module doc).
 
@@ -630,6 +634,11 @@ def build_tasks(
         exclude: op indices computed outside the tasks (fused gradients);
             nothing left in the tasks may read them.
         recompute: one of `RECOMPUTE_MODES`, or one per partition.
+        split_weight: split every backward task with weight-gradient work
+            into B and a W task (`split_backward`), for the ``zero_bubble``
+            schedule. A W task's wave is above every other wave (nothing but
+            the step's outputs waits for it), so the order below stays
+            topological.
 
     Returns:
         Tasks sorted by (wave, partition), which is a topological order.
@@ -645,6 +654,37 @@ def build_tasks(
         # task copies them in either.
         dup[i] = True
     wave = waves(graph, partition_of_op, dup)
+    modes = _recompute_modes(recompute, partition_of_op)
+    tasks = _assemble(graph, partition_of_op, output_tensors, dup, wave, modes, set())
+    if not split_weight:
+        return tasks
+    top = max(t.wave for t in tasks)
+    weight_ops: Set[int] = set()
+    for task in tasks:
+        split = split_backward(graph, task, tasks)
+        if split is None:
+            continue
+        for i in split.w:
+            if i in task.members:  # recomputed ops follow their readers
+                wave[i] = top + 1 + task.wave
+                weight_ops.add(i)
+    if not weight_ops:
+        return tasks
+    return _assemble(graph, partition_of_op, output_tensors, dup, wave, modes, weight_ops)
+
+
+def _assemble(
+    graph: OpGraph,
+    partition_of_op: Sequence[int],
+    output_tensors: Sequence[int],
+    dup: Sequence[bool],
+    wave: Sequence[Optional[int]],
+    modes: Dict[int, str],
+    weight_ops: Set[int],
+) -> List[Task]:
+    """Tasks from each op's (partition, wave): members, copies, recomputed
+    ops, inputs and outputs (the body of `build_tasks`). Tasks made of
+    `weight_ops` are W tasks."""
     tasks: Dict[Tuple[int, int], Task] = {}
     task_of_op: List[Optional[Task]] = [None] * len(graph.ops)
     for op in graph.ops:
@@ -661,9 +701,10 @@ def build_tasks(
         # forward task without making it a backward one.
         if op.is_gradient and op.type not in _SHAPE_ONLY:
             task.backward = True
+        if op.index in weight_ops:
+            task.weight = task.backward = True
         task_of_op[op.index] = task
 
-    modes = _recompute_modes(recompute, partition_of_op)
     again = {mode: recomputable_ops(graph, mode, dup) for mode in set(modes.values())}
     needed: Dict[int, Set[Tuple[int, int]]] = {}
     for task in tasks.values():
@@ -700,7 +741,9 @@ def build_tasks(
         for t in task.inputs:
             needed.setdefault(t, set()).add(task.key)
             task.producer_of_input[t] = task_of_op[graph.tensors[t].producer].key
-        task.fused = task.backward and any(not graph.ops[i].is_gradient and graph.ops[i].flops > 0 for i in task.members)
+        task.fused = not task.weight and task.backward and any(
+            not graph.ops[i].is_gradient and graph.ops[i].flops > 0 for i in task.members
+        )
     for t in set(needed) | set(output_tensors):
         producer = task_of_op[graph.tensors[t].producer]
         if producer is not None and t not in producer.outputs:
@@ -836,7 +879,8 @@ def task_specs(tasks: Sequence[Task]) -> List[TaskSpec]:
         deps = tuple(sorted(set(t.producer_of_input.values())))
         # Relative cost; a floor keeps near-empty tasks visible in the simulation.
         cost = max(t.flops / total * n, 0.05)
-        specs.append(TaskSpec(t.partition, t.wave, deps, cost=cost, backward=t.backward, fused=t.fused))
+        specs.append(TaskSpec(t.partition, t.wave, deps, cost=cost, backward=t.backward, fused=t.fused,
+                              weight=t.weight))
     return specs
 
 

@@ -69,7 +69,7 @@ __all__ = [
 TaskKey = Tuple[int, int]
 
 #: Schedule kinds. ``"custom"`` is an order written by hand (`custom_schedule`).
-KINDS = ("simple", "interleaved", "custom")
+KINDS = ("simple", "interleaved", "zero_bubble", "custom")
 
 # Tables are for people; past this many queued actions per device a deadlock
 # report only says how many more there are.
@@ -107,6 +107,9 @@ class TaskSpec:
             builder to decide which action becomes ready first.
         backward: the task holds gradient ops (``B`` and fused ``FB`` tasks).
         fused: forward and backward in one task (the last stage of a chain).
+        weight: a W task: the part of a backward that leads only to weight
+            gradients, split from its B task so that it can wait (the
+            ``zero_bubble`` schedule runs it in a bubble).
 
     Raises:
         ValueError: negative or non-integer partition/wave, a negative or
@@ -120,6 +123,7 @@ class TaskSpec:
     cost: float = 1.0
     backward: bool = False
     fused: bool = False
+    weight: bool = False
 
     def __post_init__(self) -> None:
         if not _is_int(self.partition) or self.partition < 0:
@@ -146,6 +150,11 @@ class TaskSpec:
             deps.append((d[0], d[1]))
         if (self.partition, self.wave) in deps:
             raise ValueError(f"TaskSpec ({self.partition}, {self.wave}) depends on itself")
+        if self.weight and (self.fused or not self.backward):
+            raise ValueError(
+                f"TaskSpec ({self.partition}, {self.wave}) is a weight task, so it needs backward=True and "
+                "fused=False"
+            )
         if self.fused and not self.backward:
             raise ValueError(
                 f"TaskSpec ({self.partition}, {self.wave}) is fused but not backward; "
@@ -162,7 +171,10 @@ class TaskSpec:
 
     @property
     def label(self) -> str:
-        """``"F"`` (forward), ``"B"`` (backward) or ``"FB"`` (fused)."""
+        """``"F"`` (forward), ``"B"`` (backward), ``"FB"`` (fused) or ``"W"``
+        (weight gradients)."""
+        if self.weight:
+            return "W"
         if self.fused:
             return "FB"
         return "B" if self.backward else "F"
@@ -795,7 +807,8 @@ def make_schedule(tasks: Sequence[TaskSpec], num_microbatches: int, kind: str) -
     Args:
         tasks: the task set (at least one task; dependencies must be acyclic).
         num_microbatches: number of micro-batches ``M >= 1``.
-        kind: ``"simple"`` (GPipe) or ``"interleaved"`` (1F1B).
+        kind: ``"simple"`` (GPipe), ``"interleaved"`` (1F1B) or
+            ``"zero_bubble"`` (ZB-H1).
 
     ``"simple"``: on each device every forward action sorted by (wave,
     micro-batch), then every backward (and fused) action likewise.
@@ -803,6 +816,12 @@ def make_schedule(tasks: Sequence[TaskSpec], num_microbatches: int, kind: str) -
     classic 1F1B order; for any other task set a list schedule on the task
     costs that runs backward actions as soon as they are ready and lets
     device ``p`` hold at most ``P - p`` micro-batches in flight.
+    ``"zero_bubble"``: the same list schedule, with the weight (``W``)
+    tasks last in priority: a device runs a W action only when no B and no
+    allowed F action is ready, so W actions fill what would be bubbles; a
+    micro-batch stays in flight until its W is done, so a device holds no
+    more micro-batches than under 1F1B (ZB-H1 of Qi et al., ICLR 2024).
+    Without W tasks it is the interleaved list schedule.
 
     Returns:
         The `Schedule`, with an (possibly empty) order for every device
@@ -816,12 +835,14 @@ def make_schedule(tasks: Sequence[TaskSpec], num_microbatches: int, kind: str) -
     """
     if kind == "custom":
         raise ValueError("kind 'custom' needs an explicit order; use custom_schedule()")
-    if kind not in ("simple", "interleaved"):
-        raise ValueError(f"unknown schedule kind {kind!r}; expected 'simple' or 'interleaved'")
+    if kind not in ("simple", "interleaved", "zero_bubble"):
+        raise ValueError(f"unknown schedule kind {kind!r}; expected 'simple', 'interleaved' or 'zero_bubble'")
     num_microbatches = _check_num_microbatches(num_microbatches)
     tasks = _check_tasks(tasks)
     if kind == "simple":
         order = _simple_order(tasks, num_microbatches)
+    elif kind == "zero_bubble":
+        order = _interleaved_order(tasks, num_microbatches, defer_weight=True)
     elif _is_chain(tasks):
         order = _classic_1f1b_order(_num_devices(tasks), num_microbatches)
     else:
@@ -919,7 +940,7 @@ def _classic_1f1b_order(num_stages: int, m: int) -> Dict[int, List[Action]]:
     return dict(sorted(order.items()))
 
 
-def _interleaved_order(tasks: Tuple[TaskSpec, ...], m: int) -> Dict[int, List[Action]]:
+def _interleaved_order(tasks: Tuple[TaskSpec, ...], m: int, defer_weight: bool = False) -> Dict[int, List[Action]]:
     """1F1B by list scheduling on the task costs.
 
     Whenever a device is idle it starts, among its ready actions, a backward
@@ -965,15 +986,20 @@ def _interleaved_order(tasks: Tuple[TaskSpec, ...], m: int) -> Dict[int, List[Ac
 
     def pick(d: int, relax: bool) -> Optional[Action]:
         cands = ready[d]
-        bwd = [a for a in cands if by_key[a.task].backward]
+        deferred = [a for a in cands if defer_weight and by_key[a.task].weight]
+        bwd = [a for a in cands if by_key[a.task].backward and not (defer_weight and by_key[a.task].weight)]
         if bwd:
             return min(bwd, key=lambda a: (a.microbatch, a.wave))
         fwd = [
             a
             for a in cands
-            if relax or a.microbatch in inflight[d] or len(inflight[d]) < limit[d]
+            if not by_key[a.task].backward
+            and (relax or a.microbatch in inflight[d] or len(inflight[d]) < limit[d])
         ]
-        return min(fwd, key=lambda a: (a.microbatch, a.wave)) if fwd else None
+        if fwd:
+            return min(fwd, key=lambda a: (a.microbatch, a.wave))
+        # W actions wait for a gap: nothing on the critical path is ready.
+        return min(deferred, key=lambda a: (a.microbatch, a.wave)) if deferred else None
 
     def begin(d: int, a: Action) -> None:
         nonlocal seq

@@ -59,11 +59,12 @@ def register_post_partition_hook(fn: Callable[[], Any]) -> Callable[[], Any]:
 
 
 def _config_key() -> tuple:
-    """What a compiled step depends on: the config but its schedule kind,
-    and the devices."""
+    """What a compiled step depends on: the config but its schedule kind
+    (only whether its backward tasks are split into B and W, which
+    ``zero_bubble`` needs), and the devices."""
     cfg = state.config()
     fields = tuple((f.name, getattr(cfg, f.name)) for f in dataclasses.fields(cfg) if f.name != "pipeline")
-    return fields + (tuple(state.topology().devices),)
+    return fields + (cfg.pipeline == "zero_bubble", tuple(state.topology().devices))
 
 
 def _memory_budget(cfg: Any) -> Optional[int]:

@@ -18,7 +18,7 @@ from tests import models
 RTOL = 1e-5
 ATOL = 1e-6
 
-SCHEDULES = ("simple", "interleaved")
+SCHEDULES = ("simple", "interleaved", "zero_bubble")
 PARTITIONS = (1, 2, 3, 4)
 MICROBATCHES = (1, 2, 3, 4, 8)
 GRID = list(itertools.product(SCHEDULES, PARTITIONS, MICROBATCHES))
