@@ -473,7 +473,8 @@ def predict_assignment(
     from smp_tf.rewrite import build_tasks, task_specs
     from smp_tf.schedule import make_schedule
 
-    tasks = build_tasks(graph, partition_of_op, sorted(set(output_tensors)), recompute=recompute)
+    tasks = build_tasks(graph, partition_of_op, sorted(set(output_tensors)), recompute=recompute,
+                        split_weight=kind == "zero_bubble")
     simulation = make_schedule(task_specs(tasks), num_microbatches, kind).simulate()
     partition_of_variable: Dict[str, int] = {}
     for op, p in zip(graph.ops, partition_of_op):

@@ -59,6 +59,7 @@ __all__ = [
     "Simulation",
     "ScheduleError",
     "KINDS",
+    "split_chain_tasks",
     "make_schedule",
     "custom_schedule",
     "simulate",
@@ -1089,4 +1090,37 @@ def chain_tasks(
             fused=True,
         )
     )
+    return sorted(tasks, key=lambda t: t.key)
+
+
+def split_chain_tasks(
+    num_stages: int, forward_cost: float = 1.0, input_grad_cost: float = 1.0, weight_grad_cost: float = 1.0
+) -> List[TaskSpec]:
+    """`chain_tasks` with every backward split into B and W (as
+    ``build_tasks(split_weight=True)`` splits them), for the ``zero_bubble``
+    schedule.
+
+    Stage ``p < P-1`` has F at wave ``p``, B at wave ``2P-2-p`` and W at
+    wave ``2P-1+p`` (needing its B); the last stage has the fused FB at wave
+    ``P-1`` (costing F + B) and its W.
+
+    Raises:
+        ValueError: ``num_stages < 1`` or a bad cost.
+    """
+    if not _is_int(num_stages) or num_stages < 1:
+        raise ValueError(f"num_stages must be an int >= 1, got {num_stages!r}")
+    last = num_stages - 1
+    tasks = []
+    for p in range(num_stages):
+        first = ((p - 1, p - 1),) if p else ()
+        if p < last:
+            tasks.append(TaskSpec(p, p, deps=first, cost=forward_cost))
+            nxt = (p + 1, last) if p + 1 == last else (p + 1, 2 * last - p - 1)
+            b = (p, 2 * last - p)
+            tasks.append(TaskSpec(p, b[1], deps=(nxt, (p, p)), cost=input_grad_cost, backward=True))
+        else:
+            b = (p, last)
+            tasks.append(TaskSpec(p, last, deps=first, cost=forward_cost + input_grad_cost, backward=True,
+                                  fused=True))
+        tasks.append(TaskSpec(p, 2 * last + 1 + p, deps=(b,), cost=weight_grad_cost, backward=True, weight=True))
     return sorted(tasks, key=lambda t: t.key)

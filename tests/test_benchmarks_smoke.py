@@ -100,8 +100,9 @@ def test_pipeline_processes_bench_quick_prints_the_table():
 def test_timeline_bench_quick_prints_the_table():
     out = _run(TIMELINE_BENCH, timeout=900)
     assert "smp_tf measured timeline (--quick" in out
-    rows = [line.split() for line in out.splitlines() if line.startswith(("simple ", "interleaved "))]
-    assert {(r[0], r[1]) for r in rows} == {(s, m) for s in ("simple", "interleaved") for m in ("2", "4", "8")}
+    rows = [line.split() for line in out.splitlines() if line.startswith(("simple ", "interleaved ", "zero_bubble "))]
+    assert {(r[0], r[1]) for r in rows} == {(s, m) for s in ("simple", "interleaved", "zero_bubble")
+                                            for m in ("2", "4", "8")}
 
 
 def _bench_module():

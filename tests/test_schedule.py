@@ -445,26 +445,10 @@ def test_large_table_is_compact():
 
 
 # -- zero_bubble (ZB-H1) -------------------------------------------------------
-def _zb_chain(P, f=1.0, b=1.0, w=1.0):
-    """A chain whose backward tasks are split into B and W (as
-    build_tasks(split_weight=True) makes them): stage p has F at wave p, B at
-    wave 2P-2-p (the last stage: fused FB at P-1), and W at wave 2P-1+p."""
-    from smp_tf.schedule import TaskSpec
+def _zb_chain(P):
+    from smp_tf.schedule import split_chain_tasks
 
-    last = P - 1
-    tasks = []
-    for p in range(P):
-        if p < last:
-            tasks.append(TaskSpec(p, p, deps=((p - 1, p - 1),) if p else (), cost=f))
-            nxt = (p + 1, last) if p + 1 == last else (p + 1, 2 * last - p - 1)
-            tasks.append(TaskSpec(p, 2 * last - p, deps=(nxt, (p, p)), cost=b, backward=True))
-            bkey = (p, 2 * last - p)
-        else:
-            tasks.append(TaskSpec(p, last, deps=((p - 1, p - 1),) if p else (), cost=f + b, backward=True,
-                                  fused=True))
-            bkey = (p, last)
-        tasks.append(TaskSpec(p, 2 * last + 1 + p, deps=(bkey,), cost=w, backward=True, weight=True))
-    return tasks
+    return split_chain_tasks(P)
 
 
 @pytest.mark.parametrize("P,M", [(2, 4), (4, 8), (4, 16), (8, 16)])

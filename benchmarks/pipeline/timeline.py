@@ -41,7 +41,7 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 os.environ.pop("TF_DETERMINISTIC_OPS", None)
 
 P = 2
-SCHEDULES = ("simple", "interleaved")
+SCHEDULES = ("simple", "interleaved", "zero_bubble")
 MICROBATCHES = (2, 4, 8)
 PNG_AT_M = 8
 

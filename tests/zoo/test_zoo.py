@@ -23,8 +23,8 @@ import smp_tf as smp
 from tests.zoo import zoo_models
 
 M = 4
-CONFIGS = [(2, "simple"), (2, "interleaved"), (3, "simple"), (3, "interleaved"), (2, "zero_bubble"),
-           (3, "zero_bubble")]
+#: zero_bubble at P=3 is checked on the small models (tests/test_transparency.py).
+CONFIGS = [(2, "simple"), (2, "interleaved"), (3, "simple"), (3, "interleaved"), (2, "zero_bubble")]
 #: Float32 models; bfloat16 matches as closely, because both runs execute the
 #: same kernels on the same values in the same order.
 TOLERANCE = 1e-5
