@@ -636,7 +636,7 @@ def build_tasks(
         recompute: one of `RECOMPUTE_MODES`, or one per partition.
         split_weight: split every backward task with weight-gradient work
             into B and a W task (`split_backward`), for the ``zero_bubble``
-            schedule. A W task's wave is above every other wave (nothing but
+            schedule; fused tasks stay whole (see the comment in the code). A W task's wave is above every other wave (nothing but
             the step's outputs waits for it), so the order below stays
             topological.
 
@@ -661,6 +661,12 @@ def build_tasks(
     top = max(t.wave for t in tasks)
     weight_ops: Set[int] = set()
     for task in tasks:
+        if task.fused:
+            # The last stage's fused task stays whole: split, TensorFlow's
+            # graph optimiser rounds some of its sums differently from the
+            # single-device step (seen on MobileNetV3), and nothing upstream
+            # waits for its weight gradients anyway.
+            continue
         split = split_backward(graph, task, tasks)
         if split is None:
             continue

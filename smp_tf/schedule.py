@@ -1094,15 +1094,20 @@ def chain_tasks(
 
 
 def split_chain_tasks(
-    num_stages: int, forward_cost: float = 1.0, input_grad_cost: float = 1.0, weight_grad_cost: float = 1.0
+    num_stages: int,
+    forward_cost: float = 1.0,
+    input_grad_cost: float = 1.0,
+    weight_grad_cost: float = 1.0,
+    split_last: bool = True,
 ) -> List[TaskSpec]:
-    """`chain_tasks` with every backward split into B and W (as
-    ``build_tasks(split_weight=True)`` splits them), for the ``zero_bubble``
-    schedule.
+    """`chain_tasks` with every backward split into B and W, for the
+    ``zero_bubble`` schedule.
 
     Stage ``p < P-1`` has F at wave ``p``, B at wave ``2P-2-p`` and W at
     wave ``2P-1+p`` (needing its B); the last stage has the fused FB at wave
-    ``P-1`` (costing F + B) and its W.
+    ``P-1`` (costing F + B) and its W, or with ``split_last=False`` one
+    fused task costing F + B + W (what ``build_tasks(split_weight=True)``
+    makes of a chain: it leaves fused tasks whole).
 
     Raises:
         ValueError: ``num_stages < 1`` or a bad cost.
@@ -1120,7 +1125,9 @@ def split_chain_tasks(
             tasks.append(TaskSpec(p, b[1], deps=(nxt, (p, p)), cost=input_grad_cost, backward=True))
         else:
             b = (p, last)
-            tasks.append(TaskSpec(p, last, deps=first, cost=forward_cost + input_grad_cost, backward=True,
-                                  fused=True))
+            whole = forward_cost + input_grad_cost + (0.0 if split_last else weight_grad_cost)
+            tasks.append(TaskSpec(p, last, deps=first, cost=whole, backward=True, fused=True))
+            if not split_last:
+                continue
         tasks.append(TaskSpec(p, 2 * last + 1 + p, deps=(b,), cost=weight_grad_cost, backward=True, weight=True))
     return sorted(tasks, key=lambda t: t.key)

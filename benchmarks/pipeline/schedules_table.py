@@ -13,7 +13,9 @@ M in {8, 16, 32}:
   the schedules reorder work, they do not add transfers).
 
 ``simple`` and ``interleaved`` run B and W as one backward task (what
-smp_tf runs for them); ``zero_bubble`` runs them as separate tasks. No
+smp_tf runs for them); ``zero_bubble`` runs them as separate tasks except
+on the last stage, whose fused task smp_tf leaves whole; ``zb, all split``
+splits the last stage too, for comparison. No
 TensorFlow needed: ``python benchmarks/pipeline/schedules_table.py``.
 """
 
@@ -36,17 +38,22 @@ def rows():
     out = []
     for P in STAGES:
         for M in MICROBATCHES:
-            for kind in ("simple", "interleaved", "zero_bubble"):
-                tasks = split_chain_tasks(P) if kind == "zero_bubble" else chain_tasks(P, 1.0, 2.0)
+            for name, kind, tasks in (
+                ("simple", "simple", chain_tasks(P, 1.0, 2.0)),
+                ("interleaved", "interleaved", chain_tasks(P, 1.0, 2.0)),
+                # What smp_tf runs: the last stage's fused task stays whole.
+                ("zero_bubble", "zero_bubble", split_chain_tasks(P, split_last=False)),
+                ("zb, all split", "zero_bubble", split_chain_tasks(P)),
+            ):
                 sim = make_schedule(tasks, M, kind).simulate()
-                out.append((kind, P, M, sim.bubble, max(sim.peak_live.values()), 2 * (P - 1) * M))
+                out.append((name, P, M, sim.bubble, max(sim.peak_live.values()), 2 * (P - 1) * M))
     return out
 
 
 def main() -> int:
-    print("schedule      P   M  bubble  peak activations  messages")
+    print("schedule        P   M  bubble  peak activations  messages")
     for kind, P, M, bubble, peak, msgs in rows():
-        print(f"{kind:<12} {P:>2} {M:>3}  {bubble:6.1%}  {peak:>16}  {msgs:>8}")
+        print(f"{kind:<14} {P:>2} {M:>3}  {bubble:6.1%}  {peak:>16}  {msgs:>8}")
     print("\nbubble: idle fraction of the simulated step (F = B = W = 1); peak activations: most micro-batches")
     print("a device holds at once; messages: boundary tensors sent per step.")
     return 0

@@ -81,18 +81,9 @@ def _grouped(names):
     return [pytest.param(n, marks=pytest.mark.xdist_group(n)) for n in names]
 
 
-#: Models whose zero_bubble gradients are not yet within TOLERANCE of the
-#: single-device loop: with B and W in separate functions, TensorFlow's graph
-#: optimiser rounds some of their sums differently (up to 7e-5 relative on
-#: three early-layer variables). Strict: the test fails once they match.
-_ZERO_BUBBLE_GAP = {"mobilenet_v3_small", "mobilenet_v3_large"}
-
-
 @pytest.mark.parametrize("partitions,schedule", CONFIGS, ids=[f"P{p}-{s}" for p, s in CONFIGS])
 @pytest.mark.parametrize("name", _grouped(zoo_models.ENTRIES))
-def test_zoo_transparency(name, partitions, schedule, record_property, request):
-    if schedule == "zero_bubble" and name in _ZERO_BUBBLE_GAP:
-        request.applymarker(pytest.mark.xfail(strict=True, reason="zero_bubble rounding gap on this model"))
+def test_zoo_transparency(name, partitions, schedule, record_property):
     case, init, ref_losses, ref_grads, ref_state, step = _reference(name)
     model = case.model
     for v, value in zip(model.variables, init):
