@@ -457,9 +457,7 @@ class CompiledStep:
                     # Starts once the inputs are there and the device's
                     # previous action is done; the call waits for it.
                     starts.append(timeline.emit_probe([x for x in inputs if isinstance(x, tf.Tensor)], device))
-                    with tf.control_dependencies([starts[-1]]):
-                        outs = self._functions[task.key](*inputs)
-                else:
+                with tf.control_dependencies(starts[-1:] if probing else []):
                     outs = self._functions[task.key](*inputs)
                 if probing:
                     ends.append(timeline.emit_probe(list(outs), device))

@@ -45,6 +45,7 @@ and the stuck actions marked, when an order cannot complete.
 
 from __future__ import annotations
 
+import dataclasses
 import heapq
 import math
 import re
@@ -1112,22 +1113,17 @@ def split_chain_tasks(
     Raises:
         ValueError: ``num_stages < 1`` or a bad cost.
     """
-    if not _is_int(num_stages) or num_stages < 1:
-        raise ValueError(f"num_stages must be an int >= 1, got {num_stages!r}")
+    # The chain's tasks, with W added after each backward (B costing
+    # input_grad_cost; the fused task F + B, or F + B + W when kept whole).
+    chain = chain_tasks(num_stages, forward_cost, input_grad_cost)  # validates the arguments
     last = num_stages - 1
     tasks = []
-    for p in range(num_stages):
-        first = ((p - 1, p - 1),) if p else ()
-        if p < last:
-            tasks.append(TaskSpec(p, p, deps=first, cost=forward_cost))
-            nxt = (p + 1, last) if p + 1 == last else (p + 1, 2 * last - p - 1)
-            b = (p, 2 * last - p)
-            tasks.append(TaskSpec(p, b[1], deps=(nxt, (p, p)), cost=input_grad_cost, backward=True))
-        else:
-            b = (p, last)
-            whole = forward_cost + input_grad_cost + (0.0 if split_last else weight_grad_cost)
-            tasks.append(TaskSpec(p, last, deps=first, cost=whole, backward=True, fused=True))
-            if not split_last:
-                continue
-        tasks.append(TaskSpec(p, 2 * last + 1 + p, deps=(b,), cost=weight_grad_cost, backward=True, weight=True))
+    for t in chain:
+        if t.fused and not split_last:
+            tasks.append(dataclasses.replace(t, cost=t.cost + weight_grad_cost))
+            continue
+        tasks.append(t)
+        if t.backward:
+            p = t.partition
+            tasks.append(TaskSpec(p, 2 * last + 1 + p, deps=(t.key,), cost=weight_grad_cost, backward=True, weight=True))
     return sorted(tasks, key=lambda t: t.key)
