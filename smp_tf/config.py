@@ -12,7 +12,13 @@ microbatches           1              micro-batches each batch is split into
 pipeline               "interleaved"  ``"interleaved"`` (1F1B), ``"simple"``
                                       (all forwards, then all backwards) or
                                       ``"zero_bubble"`` (1F1B with weight
-                                      gradients moved into the bubbles)
+                                      gradients moved into the bubbles); any
+                                      name `smp_tf.schedules` registers
+virtual_stages         1              (smp_tf only) model chunks per device:
+                                      the model is cut into partitions x
+                                      virtual_stages chunks, chunk c on
+                                      device c % partitions (Megatron-LM's
+                                      interleaved schedule)
 optimize               "speed"        partitioner objective: ``"speed"`` or
                                       ``"memory"``
 auto_partition         True           partition the model automatically
@@ -80,13 +86,12 @@ _PARTITIONS_ALIAS = "pipeline_parallel_degree"
 
 #: Allowed values of the string-valued keys.
 _CHOICES: Dict[str, Tuple[str, ...]] = {
-    "pipeline": ("interleaved", "simple", "zero_bubble"),
     "optimize": ("speed", "memory"),
     "placement_strategy": ("cluster", "spread"),
     "uneven_inputs": ("join", "raise"),
     "recompute": ("never", "selective", "full", "auto"),
 }
-_INT_KEYS = ("partitions", "microbatches", "default_partition", "pipeline_processes")
+_INT_KEYS = ("partitions", "microbatches", "default_partition", "pipeline_processes", "virtual_stages")
 _BOOL_KEYS = (
     "auto_partition", "contiguous", "horovod", "fuse_weight_gradients", "pretranspose_weights", "shard_inputs",
 )
@@ -103,8 +108,9 @@ class Config:
     Attributes:
         partitions: number of pipeline stages; each runs on its own device.
         microbatches: number of micro-batches each batch is split into.
-        pipeline: ``"interleaved"``, ``"simple"`` or ``"zero_bubble"``
-            pipeline schedule.
+        pipeline: the pipeline schedule: ``"interleaved"``, ``"simple"``,
+            ``"zero_bubble"`` or another kind registered with
+            `smp_tf.schedules.register_schedule`.
         optimize: ``"speed"`` or ``"memory"``: what the partitioner balances.
         auto_partition: whether the model is partitioned automatically.
         default_partition: partition of ops not placed explicitly. Resolved
@@ -157,6 +163,13 @@ class Config:
             of a pipeline traces and drives the step; the others serve their
             devices to it. With n processes there are
             ``n / pipeline_processes`` data-parallel replicas.
+        virtual_stages: model chunks per device (v). The model is cut into
+            ``partitions * v`` chunks (`num_stages`), chunk ``c`` on device
+            ``c % partitions``; ``smp.partition(i)`` and
+            ``default_partition`` name chunks. Under ``interleaved`` a
+            device runs its chunks depth first (Megatron-LM's interleaved
+            1F1B), which divides the bubble by about v for more boundary
+            traffic.
 
     Raises:
         ValueError: a value has the wrong type or is out of range.
@@ -179,6 +192,12 @@ class Config:
     recompute: str = "never"
     memory_budget: Optional[int] = None
     pipeline_processes: int = 1
+    virtual_stages: int = 1
+
+    @property
+    def num_stages(self) -> int:
+        """Model chunks the step is cut into: ``partitions * virtual_stages``."""
+        return self.partitions * self.virtual_stages
 
     def __post_init__(self) -> None:
         for key in _INT_KEYS:
@@ -192,6 +211,10 @@ class Config:
             _check_bool(key, getattr(self, key))
         for key, options in _CHOICES.items():
             _check_choice(key, getattr(self, key), options)
+        # The schedules register themselves; importing them costs no TensorFlow.
+        from smp_tf.schedules import schedule_kinds
+
+        _check_choice("pipeline", self.pipeline, schedule_kinds())
 
         timeout = self.dp_timeout
         if isinstance(timeout, bool) or not isinstance(timeout, numbers.Real) or not (0 < float(timeout) < float("inf")):
@@ -208,7 +231,7 @@ class Config:
                     f"(e.g. 8 * 2**30 for 8 GiB) or None. Received: memory_budget={budget!r}"
                 )
             object.__setattr__(self, "memory_budget", int(budget))
-        for key in ("partitions", "microbatches", "pipeline_processes"):
+        for key in ("partitions", "microbatches", "pipeline_processes", "virtual_stages"):
             if getattr(self, key) < 1:
                 raise ValueError(
                     f"Config parameter '{key}' must be at least 1. "
@@ -236,13 +259,30 @@ class Config:
                 "Config parameter 'default_partition' must be non-negative. "
                 f"Received: default_partition={self.default_partition!r}"
             )
-        elif self.default_partition >= self.partitions:
+        elif self.default_partition >= self.num_stages:
+            what = (f"the number of partitions ({self.partitions})" if self.virtual_stages == 1 else
+                    f"the number of model chunks, partitions x virtual_stages ({self.num_stages})")
             raise ValueError(
                 f"default_partition={self.default_partition!r} must be less than "
-                f"the number of partitions ({self.partitions}). Config parameter "
-                f"'default_partition' is a partition index in "
-                f"[0, {self.partitions})."
+                f"{what}. Config parameter 'default_partition' is a partition index in "
+                f"[0, {self.num_stages})."
             )
+
+        if self.virtual_stages > 1:
+            # What each of these needs of a device that holds several
+            # partitions is not built: say so before anything runs.
+            unsupported = [
+                (self.pipeline_processes > 1, f"pipeline_processes={self.pipeline_processes}"),
+                (self.optimize == "memory", "optimize='memory'"),
+                (self.memory_budget is not None, f"memory_budget={self.memory_budget}"),
+            ]
+            for bad, what in unsupported:
+                if bad:
+                    raise ValueError(
+                        f"virtual_stages={self.virtual_stages} cannot be combined with {what}: the memory model "
+                        "and pipelines across processes count one partition per device. Use virtual_stages=1, "
+                        "or leave that key at its default."
+                    )
 
     def to_dict(self) -> Dict[str, Any]:
         """Returns the config as a plain dict (accepted back by `parse_config`).

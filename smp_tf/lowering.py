@@ -39,7 +39,7 @@ from smp_tf.rewrite import (
     task_graph_def,
     task_specs,
 )
-from smp_tf.schedule import Action, Schedule, make_schedule, validate
+from smp_tf.schedules import Action, Schedule, make_schedule, schedule_builder, validate
 from smp_tf.step_output import FusedOp
 from smp_tf.trace import CapturedVariable, Traced
 
@@ -269,7 +269,7 @@ class CompiledStep:
             self.recompute = list(modes)
             self.tasks = build_tasks(
                 g, plan.partition_of_op, outputs, exclude=removed, recompute=self.recompute,
-                split_weight=cfg.pipeline == "zero_bubble",
+                split_weight=schedule_builder(cfg.pipeline).split_weight,
             )
             self._task_by_key = {t.key: t for t in self.tasks}
             self._set_schedule(cfg.pipeline)
@@ -304,7 +304,8 @@ class CompiledStep:
         self._functions = self._build_functions()
 
     def _set_schedule(self, kind: str) -> None:
-        self.schedule: Schedule = make_schedule(task_specs(self.tasks), self.num_microbatches, kind)
+        specs = task_specs(self.tasks, self.plan.device_index)
+        self.schedule: Schedule = make_schedule(specs, self.num_microbatches, kind)
         validate(self.schedule)
         self.simulation = self.schedule.simulate()
         # Emit in simulated start order: it respects dependencies and every
@@ -436,7 +437,10 @@ class CompiledStep:
             task = self._task_by_key[(action.partition, action.wave)]
             m = action.microbatch
             device = self.devices[task.partition]
-            prev = last.get(task.partition)
+            # A device runs its actions in schedule order, whichever of its
+            # partitions (virtual stages) they belong to.
+            dev_index = self.plan.device_index[task.partition]
+            prev = last.get(dev_index)
             deps = [prev] if prev is not None else []
             scope = f"smp/mb{m}/p{task.partition}w{task.wave}"
             with tf.name_scope(scope), tf.device(device), tf.control_dependencies(deps):
@@ -467,17 +471,22 @@ class CompiledStep:
             done = ends[-1] if probing else outs[-1]
             # Probing, the device's next action also waits for this one's end
             # probe, so that the two never overlap in the record.
-            last[task.partition] = done if tf.executing_eagerly() else done.op
+            last[dev_index] = done if tf.executing_eagerly() else done.op
             with tf.name_scope(scope), tf.device(device):
                 for t, value in zip(task.outputs, outs[:-1]):
                     raw[(m, t)] = value
                     if t in self._sent_tensors:
                         sent[(m, t)] = raw_output(value)
-        # The last action of each device: what runs after the pipeline waits on it.
-        self.last_ops = dict(last)
+        # Partition -> the last action of its device: what runs after the
+        # pipeline waits on it (with virtual stages, partitions of one device
+        # share it).
+        index = self.plan.device_index
+        self.last_ops = {p: last[index[p]] for p in range(len(index)) if index[p] in last}
         if probing:
-            actions = [(a.partition, a.wave, a.microbatch, self.schedule.display(a)) for a in self.emit_order]
-            key = timeline.register(self.schedule, actions, dict(enumerate(self.devices)))
+            index = self.plan.device_index
+            actions = [(index[a.partition], a.partition, a.wave, a.microbatch, self.schedule.display(a))
+                       for a in self.emit_order]
+            key = timeline.register(self.schedule, actions, {index[p]: d for p, d in enumerate(self.devices)})
             timeline.emit_collect(key, starts, ends)
         results = []
         for m in range(M):

@@ -48,7 +48,7 @@ from typing import Callable, Dict, Iterable, List, Mapping, Optional, Sequence, 
 
 from smp_tf.graph_view import OpGraph
 from smp_tf.rewrite import Task
-from smp_tf.schedule import Action, Simulation
+from smp_tf.schedules import Action, Simulation
 
 __all__ = [
     "PartitionMemory",
@@ -190,6 +190,15 @@ class MemoryReport:
         """The largest predicted partition peak."""
         return max((r.total for r in self.partitions), default=0)
 
+    def device_totals(self) -> Dict[str, int]:
+        """Device -> the sum of its partitions' predicted peaks. With
+        ``virtual_stages`` a device holds several partitions; their peaks
+        need not coincide, so the sum is an upper bound of the device's."""
+        out: Dict[str, int] = {}
+        for r in self.partitions:
+            out[r.device] = out.get(r.device, 0) + r.total
+        return out
+
     def table(self) -> str:
         """The report as a table (one row per partition)."""
         head = f"Memory per partition ({self.schedule})" if self.schedule else "Memory per partition"
@@ -204,6 +213,10 @@ class MemoryReport:
             cells = [format_bytes(getattr(r, c)) for c in cols[:-1]]
             cells.append("-" if r.measured is None else format_bytes(r.measured))
             lines.append(f"{r.partition:>4}  {r.device:<16} {r.recompute:<9} " + " ".join(f"{c:>11}" for c in cells))
+        totals = self.device_totals()
+        if len(totals) < len(self.partitions):
+            lines.append("per device, sum of its partitions' peaks (an upper bound): " + ", ".join(
+                f"{d or '-'} {format_bytes(b)}" for d, b in totals.items()))
         line = f"all partitions, one allocator: predicted {format_bytes(self.process_peak)}"
         if self.measured_process_peak is not None:
             ratio = self.measured_process_peak / self.process_peak if self.process_peak else float("nan")
@@ -471,10 +484,10 @@ def predict_assignment(
     of gradient ops among `output_tensors`.
     """
     from smp_tf.rewrite import build_tasks, task_specs
-    from smp_tf.schedule import make_schedule
+    from smp_tf.schedules import make_schedule, schedule_builder
 
     tasks = build_tasks(graph, partition_of_op, sorted(set(output_tensors)), recompute=recompute,
-                        split_weight=kind == "zero_bubble")
+                        split_weight=schedule_builder(kind).split_weight)
     simulation = make_schedule(task_specs(tasks), num_microbatches, kind).simulate()
     partition_of_variable: Dict[str, int] = {}
     for op, p in zip(graph.ops, partition_of_op):

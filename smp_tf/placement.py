@@ -58,6 +58,9 @@ __all__ = [
 
 #: Attribute set on a moved `tf.Variable`: the `state.generation()` it was placed in.
 _PLACED = "_smp_tf_generation"
+# The partition a variable was placed for: with virtual stages a device holds
+# several partitions, so its device alone does not say which.
+_PARTITION = "_smp_tf_partition"
 #: Attribute set on a Keras optimizer slot: a weak reference to its variable.
 _REFERENCE = "_smp_tf_reference"
 
@@ -386,6 +389,7 @@ def place_variables(
             moved[id(old)] = v.handle
             moved_variables[id(v)] = device
         setattr(v, _PLACED, generation)
+        setattr(v, _PARTITION, partition_of_variable[cap.key])
         placed_now.append((v, partition_of_variable[cap.key]))
         where[cap.key] = v.device
     if unmovable:
@@ -435,6 +439,10 @@ def pinned_partitions(captures: Mapping[str, Any], devices: Sequence[str]) -> Di
             continue
         v = _resource_variable(cap.current)
         if v is None or getattr(v, _PLACED, None) != generation:
+            continue
+        p = getattr(v, _PARTITION, None)
+        if p is not None and p < len(devices) and same_device(v.device, devices[p]):
+            out[cap.key] = p
             continue
         for p, d in enumerate(devices):
             if same_device(v.device, d):

@@ -32,7 +32,8 @@ from typing import Callable, Dict, List, Optional, Sequence, Set, Tuple, Union
 
 from smp_tf.graph_view import OpGraph
 from smp_tf.partitioner.groups import free_ops
-from smp_tf.schedule import TaskSpec
+from smp_tf.schedules import TaskKind, TaskSpec
+from smp_tf.schedules.tasks import KindFlags
 
 #: Gradient ops that only read shapes.
 _SHAPE_ONLY = frozenset(["Shape", "ShapeN", "Size", "Rank", "BroadcastGradientArgs"])
@@ -75,7 +76,7 @@ _NOT_RECOMPUTED = frozenset(
 
 
 @dataclass
-class Task:
+class Task(KindFlags):
     """The ops of one partition in one wave, run once per micro-batch.
 
     Attributes:
@@ -85,10 +86,11 @@ class Task:
         inputs: tensor ids read from other tasks.
         outputs: tensor ids other tasks or the step's outputs need.
         producer_of_input: tensor id -> (partition, wave) of its producer task.
-        backward: the task holds gradient ops.
-        fused: the task holds forward and gradient ops.
-        weight: a W task: the part of a backward task that leads only to
-            weight gradients (``build_tasks(split_weight=True)``).
+        kind: a `TaskKind`: ``FORWARD``, ``BACKWARD`` (gradient ops),
+            ``FUSED`` (forward and gradient ops) or ``WEIGHT`` (the part of a
+            backward task that leads only to weight gradients,
+            ``build_tasks(split_weight=True)``); ``backward``, ``fused`` and
+            ``weight`` read it.
         flops: estimated flops of the members.
         arg_names: step arguments the task's function reads (set when the
             task is lowered).
@@ -109,9 +111,7 @@ class Task:
     inputs: List[int] = field(default_factory=list)
     outputs: List[int] = field(default_factory=list)
     producer_of_input: Dict[int, Tuple[int, int]] = field(default_factory=dict)
-    backward: bool = False
-    fused: bool = False
-    weight: bool = False
+    kind: TaskKind = TaskKind.FORWARD
     flops: float = 0.0
     arg_names: List[str] = field(default_factory=list)
     transposed_reads: List[int] = field(default_factory=list)
@@ -705,10 +705,10 @@ def _assemble(
         # Gradient ops that only read shapes (the ShapeN of a convolution's
         # gradient) run as soon as the forward exists; they may sit in a
         # forward task without making it a backward one.
-        if op.is_gradient and op.type not in _SHAPE_ONLY:
-            task.backward = True
         if op.index in weight_ops:
-            task.weight = task.backward = True
+            task.kind = TaskKind.WEIGHT
+        elif op.is_gradient and op.type not in _SHAPE_ONLY and task.kind is not TaskKind.WEIGHT:
+            task.kind = TaskKind.BACKWARD
         task_of_op[op.index] = task
 
     again = {mode: recomputable_ops(graph, mode, dup) for mode in set(modes.values())}
@@ -747,9 +747,10 @@ def _assemble(
         for t in task.inputs:
             needed.setdefault(t, set()).add(task.key)
             task.producer_of_input[t] = task_of_op[graph.tensors[t].producer].key
-        task.fused = not task.weight and task.backward and any(
+        if task.kind is TaskKind.BACKWARD and any(
             not graph.ops[i].is_gradient and graph.ops[i].flops > 0 for i in task.members
-        )
+        ):
+            task.kind = TaskKind.FUSED
     for t in set(needed) | set(output_tensors):
         producer = task_of_op[graph.tensors[t].producer]
         if producer is not None and t not in producer.outputs:
@@ -876,8 +877,14 @@ def pinned_tensors(graph: OpGraph, task: Task) -> List[int]:
     return out
 
 
-def task_specs(tasks: Sequence[Task]) -> List[TaskSpec]:
-    """The scheduling view of `tasks` (dependencies and relative costs)."""
+def task_specs(tasks: Sequence[Task], device_of_partition: Optional[Sequence[int]] = None) -> List[TaskSpec]:
+    """The scheduling view of `tasks` (dependencies and relative costs).
+
+    Args:
+        tasks: the tasks.
+        device_of_partition: the device number of each partition; None: the
+            partition's own number (one partition per device).
+    """
     total = sum(t.flops for t in tasks) or 1.0
     n = len(tasks)
     specs = []
@@ -885,8 +892,8 @@ def task_specs(tasks: Sequence[Task]) -> List[TaskSpec]:
         deps = tuple(sorted(set(t.producer_of_input.values())))
         # Relative cost; a floor keeps near-empty tasks visible in the simulation.
         cost = max(t.flops / total * n, 0.05)
-        specs.append(TaskSpec(t.partition, t.wave, deps, cost=cost, backward=t.backward, fused=t.fused,
-                              weight=t.weight))
+        device = None if device_of_partition is None else device_of_partition[t.partition]
+        specs.append(TaskSpec(t.partition, t.wave, deps, cost=cost, kind=t.kind, device=device))
     return specs
 
 

@@ -37,6 +37,7 @@ from smp_tf.lowering import CompiledStep, FusedValue
 from smp_tf.partitioner.plan import DEFAULT_SLOTS, PartitionPlan, assign_partitions
 from smp_tf.split import check_split_sizes, split_arguments
 from smp_tf.step_output import FusedOp, StepOutput
+from smp_tf.schedules import schedule_builder
 from smp_tf.trace import Traced, trace_microbatch
 
 __all__ = ["step", "StepFunction", "register_post_partition_hook"]
@@ -64,7 +65,13 @@ def _config_key() -> tuple:
     ``zero_bubble`` needs), and the devices."""
     cfg = state.config()
     fields = tuple((f.name, getattr(cfg, f.name)) for f in dataclasses.fields(cfg) if f.name != "pipeline")
-    return fields + (cfg.pipeline == "zero_bubble", tuple(state.topology().devices))
+    return fields + (schedule_builder(cfg.pipeline).split_weight, tuple(state.topology().devices))
+
+
+def stage_devices(cfg: Any, devices: Sequence[str]) -> List[str]:
+    """The device of each partition: with ``virtual_stages`` v, partition
+    (chunk) ``c`` of ``partitions * v`` runs on ``devices[c % partitions]``."""
+    return [devices[c % cfg.partitions] for c in range(cfg.num_stages)]
 
 
 def _memory_budget(cfg: Any) -> Optional[int]:
@@ -233,15 +240,16 @@ class StepFunction:
         )
         _check_no_trainable_writes(traced)
         t1 = time.perf_counter()
-        pinned = placement.pinned_partitions(traced.captures, topo.devices)
+        devices = stage_devices(cfg, topo.devices)
+        pinned = placement.pinned_partitions(traced.captures, devices)
         slots = DEFAULT_SLOTS if self.optimizer is None else optimizer_slots(self.optimizer)
         recompute = "never" if cfg.recompute == "auto" else cfg.recompute
-        multipliers = stage_multipliers(cfg.partitions, cfg.microbatches, cfg.pipeline)
+        multipliers = stage_multipliers(cfg.num_stages, cfg.microbatches, cfg.pipeline)
 
         def assign(overheads: Optional[Sequence[float]] = None) -> List[int]:
             return assign_partitions(
                 traced.op_graph,
-                cfg.partitions,
+                cfg.num_stages,
                 optimize=cfg.optimize,
                 # optimize="memory": a stage's activations count as often as the
                 # schedule keeps micro-batches alive there.
@@ -259,14 +267,14 @@ class StepFunction:
                 stage_overheads=overheads,
             )
 
-        if cfg.optimize == "memory" and cfg.contiguous and cfg.auto_partition and cfg.partitions > 1 and not pinned:
+        if cfg.optimize == "memory" and cfg.contiguous and cfg.auto_partition and cfg.num_stages > 1 and not pinned:
             # Boundary buffers and each stage's largest task are known only
             # once the tasks exist: split again with them as fixed bytes.
             outputs = [t for t in traced.output_tensors() if t is not None]
             assignment = refine_memory_split(
                 assign,
                 lambda parts: predict_assignment(
-                    traced.op_graph, parts, outputs, num_partitions=cfg.partitions, num_microbatches=cfg.microbatches,
+                    traced.op_graph, parts, outputs, num_partitions=cfg.num_stages, num_microbatches=cfg.microbatches,
                     kind=cfg.pipeline, recompute=recompute, slots=slots,
                 ),
             )
@@ -274,7 +282,7 @@ class StepFunction:
             assignment = assign()
         # Partitioning time: the graph view, the groups and the assignment.
         plan = PartitionPlan(
-            traced.graph, traced.op_graph, assignment, cfg.partitions, topo.devices,
+            traced.graph, traced.op_graph, assignment, cfg.num_stages, devices,
             traced.view_seconds + time.perf_counter() - t1,
         )
         plan.trace_seconds = t1 - t0 - traced.view_seconds
@@ -405,7 +413,7 @@ class StepFunction:
             site=site,
             raise_if_uneven=raise_if_uneven,
             plan=plan,
-            after_pipeline=list(entry.last_ops.values()),
+            after_pipeline=list({id(op): op for op in entry.last_ops.values()}.values()),
         )
         for k in members:
             flat[k]._replicas = (reducer, k)

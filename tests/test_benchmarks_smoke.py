@@ -100,9 +100,9 @@ def test_pipeline_processes_bench_quick_prints_the_table():
 def test_timeline_bench_quick_prints_the_table():
     out = _run(TIMELINE_BENCH, timeout=900)
     assert "smp_tf measured timeline (--quick" in out
-    rows = [line.split() for line in out.splitlines() if line.startswith(("simple ", "interleaved ", "zero_bubble "))]
-    assert {(r[0], r[1]) for r in rows} == {(s, m) for s in ("simple", "interleaved", "zero_bubble")
-                                            for m in ("2", "4", "8")}
+    names = ("simple", "interleaved", "zero_bubble", "interleaved/v2", "zero_bubble/v2")
+    rows = [line.split() for line in out.splitlines() if line.split()[:1] and line.split()[0] in names]
+    assert {(r[0], r[1]) for r in rows} == {(s, m) for s in names for m in ("2", "4", "8")}
 
 
 def _bench_module():
@@ -195,3 +195,22 @@ def test_memory_gpu_limited_skips_without_a_gpu():
         "SKIPPED: no GPU visible to TensorFlow (this benchmark needs one physical GPU, split into logical GPUs "
         "with memory limits)"
     ], proc.stdout
+
+
+def test_schedules_table_rows():
+    """The simulator's schedule table (pure Python, in the default run):
+    every schedule at every P and M, virtual stages with less bubble and
+    Megatron-LM's activation figure."""
+    sys.path.insert(0, str(ROOT / "benchmarks" / "pipeline"))
+    try:
+        import schedules_table
+    finally:
+        sys.path.pop(0)
+    rows = {(name, P, M): (bubble, peak, msgs) for name, P, M, bubble, peak, msgs in schedules_table.rows()}
+    for P in (4, 8):
+        for M in (8, 16, 32):
+            one, virtual = rows[("interleaved", P, M)], rows[("interleaved v=2", P, M)]
+            assert virtual[0] == pytest.approx((P - 1) / (2 * M + P - 1))
+            assert virtual[0] < one[0] and rows[("zero_bubble v=2", P, M)][0] < virtual[0]
+            assert virtual[2] == 2 * (2 * P - 1) * M
+    assert rows[("interleaved v=2", 4, 8)][1] == pytest.approx(4 * (1 + 3 / 8))

@@ -62,6 +62,7 @@ def test_defaults():
         "recompute": "never",
         "memory_budget": None,
         "pipeline_processes": 1,
+        "virtual_stages": 1,
     }
     assert parse({}) == cfg
 
@@ -85,12 +86,35 @@ def test_all_keys_set():
         "recompute": "selective",
         "memory_budget": 2**30,
         "pipeline_processes": 2,
+        "virtual_stages": 1,
     }
     cfg = parse(given)
     assert cfg.to_dict() == given
     # to_dict round-trips, and a Config is accepted as the config.
     assert parse(cfg.to_dict()) == cfg
     assert parse(cfg) == cfg
+
+
+def test_virtual_stages():
+    cfg = parse({"partitions": 2, "virtual_stages": 3, "default_partition": 5})
+    assert cfg.num_stages == 6 and cfg.default_partition == 5
+    with pytest.raises(ValueError, match=r"partitions x virtual_stages \(6\)"):
+        parse({"partitions": 2, "virtual_stages": 3, "default_partition": 6})
+    for bad in (0, -1, 1.5, True, "2"):
+        with pytest.raises(ValueError, match="virtual_stages"):
+            parse({"partitions": 2, "virtual_stages": bad})
+    for other in ({"pipeline_processes": 2}, {"optimize": "memory"}, {"memory_budget": 2**30}):
+        with pytest.raises(ValueError, match="virtual_stages=2 cannot be combined with"):
+            parse({"partitions": 2, "virtual_stages": 2, **other})
+
+
+def test_pipeline_names_come_from_the_schedule_registry():
+    from smp_tf.schedules import schedule_kinds
+
+    for kind in schedule_kinds():
+        assert parse({"pipeline": kind}).pipeline == kind
+    with pytest.raises(ValueError, match="zero_bubble"):
+        parse({"pipeline": "zb"})
 
 
 @pytest.mark.parametrize("value", [0, -1, 1.5, True, "2"])

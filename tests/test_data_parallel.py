@@ -109,6 +109,23 @@ def test_custom_loop_matches_one_process_with_the_whole_batch(tmp_path):
         np.testing.assert_allclose(np.array(w), r, rtol=RTOL, atol=ATOL)
 
 
+def test_virtual_stages_under_data_parallelism_match_one_process(tmp_path):
+    """Each replica's 2 devices hold 2 chunks each (virtual_stages, set
+    through the environment override); gradients are averaged per chunk."""
+    codes, outputs, _ = run_replicas("custom_loop", tmp_path,
+                                     extra_env={"SM_HP_MP_PARAMETERS": json.dumps({"virtual_stages": 2})})
+    assert codes == [0, 0], outputs
+    a, b = results(tmp_path)
+    assert a["virtual_stages"] == b["virtual_stages"] == 2
+    assert a["devices"] == [f"/job:worker/replica:0/task:0/device:CPU:{p}" for p in (0, 1)]
+    assert_same_weights(a["weights"], b["weights"])
+    x, y = common.batches(5)
+    losses, weights = reference([(x[s], y[s]) for s in range(5)])
+    np.testing.assert_allclose(np.add(a["losses"], b["losses"]) / 2, losses, rtol=RTOL)
+    for w, r in zip(a["weights"], weights):
+        np.testing.assert_allclose(np.array(w), r, rtol=RTOL, atol=ATOL)
+
+
 def test_fit_with_sharded_global_batches_matches_one_process(tmp_path):
     codes, outputs, _ = run_replicas("fit", tmp_path)
     assert codes == [0, 0], outputs

@@ -12,7 +12,7 @@ def test_pure_modules_import_without_tensorflow():
     # use them without loading TensorFlow.
     code = (
         "import sys\n"
-        "import smp_tf, smp_tf.config, smp_tf.graph_view, smp_tf.schedule, smp_tf.rewrite\n"
+        "import smp_tf, smp_tf.config, smp_tf.graph_view, smp_tf.schedules, smp_tf.rewrite\n"
         "import smp_tf.partitioner.plan, smp_tf.partitioner.balance, smp_tf.partitioner.groups, smp_tf.memory\n"
         "smp_tf.Config(partitions=2, microbatches=4)\n"
         "assert 'tensorflow' not in sys.modules, 'tensorflow was imported'\n"

@@ -113,12 +113,14 @@ def plain_fit(kind):
 # --------------------------------------------------------------------------
 # transparency against plain Keras
 # --------------------------------------------------------------------------
-@pytest.mark.parametrize("schedule", ["simple", "interleaved"])
-@pytest.mark.parametrize("partitions", [2, 3])
+@pytest.mark.parametrize("schedule,partitions,virtual_stages", [
+    ("simple", 2, 1), ("interleaved", 2, 1), ("simple", 3, 1), ("interleaved", 3, 1),
+    ("zero_bubble", 2, 1), ("interleaved", 2, 2), ("zero_bubble", 2, 2),
+])
 @pytest.mark.parametrize("kind", ["functional", "subclassed"])
-def test_fit_matches_plain_keras(kind, partitions, schedule):
+def test_fit_matches_plain_keras(kind, partitions, schedule, virtual_stages):
     expected, reference = plain_fit(kind)
-    smp.init({"partitions": partitions, "microbatches": M, "pipeline": schedule})
+    smp.init({"partitions": partitions, "microbatches": M, "pipeline": schedule, "virtual_stages": virtual_stages})
     model = compile_(build(kind, smp_form=True))
     history = model.fit(X, Y, batch_size=16, epochs=3, validation_data=(XV, YV), shuffle=False, verbose=0)
     assert_history_equal(history.history, expected)

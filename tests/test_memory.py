@@ -30,7 +30,7 @@ from smp_tf.memory import (
     task_workspace,
 )
 from smp_tf.rewrite import build_tasks, recomputable_ops, task_specs
-from smp_tf.schedule import make_schedule
+from smp_tf.schedules import make_schedule
 
 ROOT = Path(__file__).resolve().parents[1]
 

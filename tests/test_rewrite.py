@@ -16,7 +16,7 @@ from smp_tf.rewrite import (
     Task, build_tasks, duplicable_ops, fusable_gradients, pretranspose_graph_def, pretransposable_products,
     task_graph_def, task_specs, waves,
 )
-from smp_tf.schedule import make_schedule, validate
+from smp_tf.schedules import make_schedule, validate
 
 
 def _chain3(skip=False, extra=()):

@@ -1,4 +1,4 @@
-"""Tests for smp_tf.schedule (pure Python, no TensorFlow)."""
+"""Tests for smp_tf.schedules (pure Python, no TensorFlow)."""
 
 from __future__ import annotations
 
@@ -7,10 +7,11 @@ from collections import defaultdict
 
 import pytest
 
-from smp_tf.schedule import (
+from smp_tf.schedules import (
     Action,
     Schedule,
     ScheduleError,
+    TaskKind,
     TaskSpec,
     chain_tasks,
     custom_schedule,
@@ -100,8 +101,7 @@ def _random_tasks(rng: random.Random, num_parts: int):
             k[1],
             deps=tuple(sorted(g["deps"])),
             cost=g["cost"],
-            backward=g["grad"],
-            fused=g["grad"] and g["fwd"],
+            kind=(TaskKind.FUSED if g["fwd"] else TaskKind.BACKWARD) if g["grad"] else TaskKind.FORWARD,
         )
         for k, g in sorted(groups.items())
     ]
@@ -145,8 +145,8 @@ def test_action_str_roundtrip_and_display():
         TaskSpec(0, 0),
         TaskSpec(1, 1, deps=((0, 0),)),
         TaskSpec(0, 2, deps=((1, 1), (0, 0))),
-        TaskSpec(1, 3, deps=((0, 2),), backward=True, fused=True),
-        TaskSpec(0, 4, deps=((1, 3),), backward=True),
+        TaskSpec(1, 3, deps=((0, 2),), kind=TaskKind.FUSED),
+        TaskSpec(0, 4, deps=((1, 3),), kind=TaskKind.BACKWARD),
     ]
     assert Action(0, 2, 7).display(skip) == "F7w2"
     assert Action(0, 4, 7).display(skip) == "B7"
@@ -188,7 +188,7 @@ def test_1f1b_chain_order_ignores_unbalanced_costs():
     for _ in range(30):
         p, m = rng.randint(2, 8), rng.randint(1, 16)
         tasks = [
-            TaskSpec(t.partition, t.wave, t.deps, rng.uniform(0.05, 5), t.backward, t.fused)
+            TaskSpec(t.partition, t.wave, t.deps, rng.uniform(0.05, 5), t.kind)
             for t in chain_tasks(p)
         ]
         s = make_schedule(tasks, m, "interleaved")
@@ -198,12 +198,13 @@ def test_1f1b_chain_order_ignores_unbalanced_costs():
 def test_list_scheduler_matches_classic_1f1b_on_balanced_chains():
     # make_schedule writes chains out directly; the general builder must
     # agree with it when stage costs are balanced.
-    from smp_tf.schedule import _check_tasks, _interleaved_order
+    from smp_tf.schedules.interleaved import list_order
+    from smp_tf.schedules.tasks import _check_tasks
 
     rng = random.Random(11)
     for p, m in PM:
         f, b = rng.uniform(0.1, 3), rng.uniform(0.1, 3)
-        order = _interleaved_order(_check_tasks(chain_tasks(p, f, b)), m)
+        order = list_order(_check_tasks(chain_tasks(p, f, b)), m)
         assert order == make_schedule(chain_tasks(p), m, "interleaved").order
 
 
@@ -388,8 +389,10 @@ def test_bad_tasks():
         TaskSpec(-1, 0)
     with pytest.raises(ValueError, match="nan"):
         TaskSpec(0, 0, cost=float("nan"))
-    with pytest.raises(ValueError, match="fused"):
-        TaskSpec(0, 0, fused=True)
+    with pytest.raises(ValueError, match="kind 'X'"):
+        TaskSpec(0, 0, kind="X")
+    with pytest.raises(ValueError, match="device"):
+        TaskSpec(0, 0, device=-1)
     with pytest.raises(ValueError, match="itself"):
         TaskSpec(0, 0, deps=((0, 0),))
     with pytest.raises(ValueError, match="'x'"):
@@ -446,14 +449,14 @@ def test_large_table_is_compact():
 
 # -- zero_bubble (ZB-H1) -------------------------------------------------------
 def _zb_chain(P):
-    from smp_tf.schedule import split_chain_tasks
+    from smp_tf.schedules import split_chain_tasks
 
     return split_chain_tasks(P)
 
 
 @pytest.mark.parametrize("P,M", [(2, 4), (4, 8), (4, 16), (8, 16)])
 def test_zero_bubble_fills_the_bubble_with_weight_work_and_keeps_1f1b_memory(P, M):
-    from smp_tf.schedule import make_schedule
+    from smp_tf.schedules import make_schedule
 
     tasks = _zb_chain(P)
     zb = make_schedule(tasks, M, "zero_bubble")
@@ -469,19 +472,131 @@ def test_zero_bubble_fills_the_bubble_with_weight_work_and_keeps_1f1b_memory(P, 
 
 
 def test_weight_task_labels_and_validation():
-    from smp_tf.schedule import TaskSpec, make_schedule
+    from smp_tf.schedules import TaskSpec, make_schedule
 
     tasks = _zb_chain(2)
     labels = {t.key: t.label for t in tasks}
     assert labels == {(0, 0): "F", (0, 2): "B", (0, 3): "W", (1, 1): "FB", (1, 4): "W"}
     table = str(make_schedule(tasks, 2, "zero_bubble"))
     assert "W0" in table and "W1" in table
-    with pytest.raises(ValueError, match="weight task"):
-        TaskSpec(0, 3, weight=True)
-    with pytest.raises(ValueError, match="weight task"):
-        TaskSpec(0, 3, backward=True, fused=True, weight=True)
+    # Kinds are one enum; a label names it too.
+    w = TaskSpec(0, 3, kind="W")
+    assert w.kind is TaskKind.WEIGHT and w.weight and w.backward and not w.fused and str(w.kind) == "W"
+    assert TaskSpec(0, 3, kind=TaskKind.FUSED).fused and not TaskSpec(0, 0).backward
     # Without W tasks, zero_bubble is the interleaved list schedule.
-    from smp_tf.schedule import chain_tasks
+    from smp_tf.schedules import chain_tasks
 
     assert make_schedule(chain_tasks(3), 4, "zero_bubble").simulate().makespan == make_schedule(
         chain_tasks(3), 4, "interleaved").simulate().makespan
+
+
+# -- virtual stages (Megatron-LM's interleaved 1F1B) ----------------------------
+@pytest.mark.parametrize("P,v,M", [(2, 2, 4), (4, 2, 8), (4, 2, 16), (4, 4, 8), (8, 2, 16), (3, 3, 6)])
+def test_virtual_stages_divide_the_bubble(P, v, M):
+    from smp_tf.schedules import virtual_chain_tasks
+
+    tasks = virtual_chain_tasks(P, v)
+    assert {t.device for t in tasks} == set(range(P))
+    assert all(t.device == t.partition % P for t in tasks)
+    s = make_schedule(tasks, M, "interleaved")
+    sim = s.simulate()
+    # Megatron-LM's bubble: (P - 1) stage-times of (F + B) / v over M of them.
+    work = M * 3.0
+    assert sim.makespan == pytest.approx(work + (P - 1) * 3.0 / v)
+    one = make_schedule(chain_tasks(P), M, "interleaved").simulate()
+    assert sim.bubble < one.bubble
+    # Device d runs 2 (P - 1 - d) + (v - 1) P warm-up forwards, holding
+    # 1 + (P - 1 - d) * 2 / (P v) ... of the stage's activations at most
+    # (chunks count 1/v each): Megatron's (1 + (P - 1) / (P v)) P on device 0.
+    assert sim.peak_activations[0] == pytest.approx(min(M, P) * (1 + (P - 1) / (P * v)) if M >= P else M)
+    for d in range(P):
+        acts = s.order[d]
+        warm = min(2 * (P - 1 - d) + (v - 1) * P, M * v)
+        assert all(not s.task(a.task).backward for a in acts[:warm])
+        # Groups of P micro-batches go through the device's chunks depth first.
+        firsts = [a for a in acts if s.task(a.task).kind in (TaskKind.FORWARD, TaskKind.FUSED)][: P * v]
+        assert [a.partition for a in firsts] == [j * P + d for j in range(v) for _ in range(P)][: len(firsts)]
+    # The table names each device's chunks by wave.
+    assert "F0w0" in s.table() and f"F0w{P}" in s.table()
+
+
+@pytest.mark.parametrize("kind", ["interleaved", "simple", "zero_bubble"])
+@pytest.mark.parametrize("P,v,M", [(2, 2, 3), (3, 2, 4), (4, 2, 5), (2, 3, 1)])
+def test_virtual_stages_any_microbatch_count_and_kind(kind, P, v, M):
+    """M not a multiple of P falls back to the list schedule; every kind
+    completes and puts every action on its chunk's device."""
+    from smp_tf.schedules import virtual_chain_tasks
+
+    s = make_schedule(virtual_chain_tasks(P, v), M, kind)
+    for d, acts in s.order.items():
+        assert all(a.partition % P == d for a in acts)
+    assert sum(len(a) for a in s.order.values()) == len(s.tasks) * M
+    s.simulate()
+
+
+def test_virtual_chain_shape_ignores_implied_dependencies():
+    """A traced chain's backward also depends on the previous stage's forward
+    (its input); that changes nothing about the order."""
+    import dataclasses
+
+    from smp_tf.schedules import virtual_chain_tasks
+    from smp_tf.schedules.interleaved import is_chain, is_virtual_chain
+
+    def with_input_deps(tasks):
+        out = []
+        for t in tasks:
+            if t.kind is TaskKind.BACKWARD and t.partition > 0:
+                t = dataclasses.replace(t, deps=t.deps + ((t.partition - 1, t.partition - 1),))
+            out.append(t)
+        return tuple(sorted(out, key=lambda t: t.key))
+
+    assert is_chain(with_input_deps(chain_tasks(4)))
+    assert is_virtual_chain(with_input_deps(virtual_chain_tasks(2, 2)))
+    assert not is_virtual_chain(tuple(chain_tasks(4)))
+    a = make_schedule(with_input_deps(virtual_chain_tasks(2, 2)), 4, "interleaved")
+    b = make_schedule(virtual_chain_tasks(2, 2), 4, "interleaved")
+    assert a.order == b.order
+    # A missing dependency makes it another shape.
+    fewer = [dataclasses.replace(t, deps=((0, 0),)) if t.key == (0, 4) else t for t in chain_tasks(3)]
+    assert not is_chain(tuple(fewer))
+
+
+def test_actions_on_the_wrong_device_are_refused():
+    from smp_tf.schedules import virtual_chain_tasks
+
+    tasks = virtual_chain_tasks(2, 2)
+    order = make_schedule(tasks, 1, "interleaved").order
+    moved = {0: order[0] + [order[1][0]], 1: order[1][1:]}
+    with pytest.raises(ValueError, match="belongs to device 1"):
+        custom_schedule(tasks, 1, moved)
+
+
+def test_registry():
+    from smp_tf.schedules import register_schedule, schedule_builder, schedule_kinds
+    from smp_tf.schedules import base
+
+    assert schedule_kinds()[:3] == ("interleaved", "simple", "zero_bubble")
+    assert schedule_builder("zero_bubble").split_weight and not schedule_builder("interleaved").split_weight
+    with pytest.raises(ValueError, match="'custom' needs an explicit order"):
+        schedule_builder("custom")
+    with pytest.raises(ValueError, match="already registered"):
+        register_schedule("simple")
+    with pytest.raises(ValueError, match="identifier"):
+        register_schedule("not a name")
+
+    @register_schedule("reversed_gpipe_test")
+    def build(tasks, m):
+        # GPipe with the micro-batches of each phase in reverse order.
+        order = schedule_builder("simple").build(tasks, m)
+        return {d: sorted(acts, key=lambda a: (s_of[a.task], a.wave, -a.microbatch)) for d, acts in order.items()}
+
+    try:
+        s_of = {t.key: t.backward for t in chain_tasks(3)}
+        s = make_schedule(chain_tasks(3), 3, "reversed_gpipe_test")
+        assert s.kind == "reversed_gpipe_test" and [str(a) for a in s.order[0][:3]] == ["p0w0m2", "p0w0m1", "p0w0m0"]
+        validate(s)
+        from smp_tf.config import parse_config
+
+        assert parse_config({"pipeline": "reversed_gpipe_test"}).pipeline == "reversed_gpipe_test"
+    finally:
+        del base._REGISTRY["reversed_gpipe_test"]

@@ -15,7 +15,7 @@ import tensorflow as tf
 
 import smp_tf as smp
 from smp_tf.profiling.timeline import TaskRecord, Timeline
-from smp_tf.schedule import TaskSpec, make_schedule
+from smp_tf.schedules import TaskSpec, make_schedule
 from tests import models
 
 
@@ -40,8 +40,8 @@ def test_bubbles_step_time_and_costs_of_hand_made_records():
 
 
 def test_simulated_bubble_uses_the_measured_costs():
-    tasks = [TaskSpec(0, 0, cost=1.0), TaskSpec(1, 1, deps=((0, 0),), backward=True, fused=True, cost=1.0),
-             TaskSpec(0, 2, deps=((1, 1),), backward=True, cost=1.0)]
+    tasks = [TaskSpec(0, 0, cost=1.0), TaskSpec(1, 1, deps=((0, 0),), kind="FB", cost=1.0),
+             TaskSpec(0, 2, deps=((1, 1),), kind="B", cost=1.0)]
     schedule = make_schedule(tasks, 1, "simple")
     tl = Timeline(_two_stage_records(), schedule=schedule)
     # Costs 2, 3, 1 in a chain: makespan 6, work 6 over 2 devices.
@@ -98,11 +98,11 @@ def test_profile_refuses_to_open_under_op_determinism():
     config.disable_op_determinism()
 
 
-def _setup(pipeline="interleaved", M=4):
+def _setup(pipeline="interleaved", M=4, virtual_stages=1):
     keras.utils.set_random_seed(5)
     model = models.mlp()
     x, y = models.data("mlp")
-    smp.init({"partitions": 2, "microbatches": M, "pipeline": pipeline})
+    smp.init({"partitions": 2, "microbatches": M, "pipeline": pipeline, "virtual_stages": virtual_stages})
     step = smp.step(models.make_body(model, "mlp"))
     return model, step, x, y
 
@@ -117,9 +117,9 @@ def _train_fn(model, step, opt):
     return train
 
 
-@pytest.mark.parametrize("pipeline", ["interleaved", "simple"])
-def test_every_action_of_every_step_is_recorded_in_schedule_order(tmp_path, pipeline):
-    model, step, x, y = _setup(pipeline)
+@pytest.mark.parametrize("pipeline,virtual_stages", [("interleaved", 1), ("simple", 1), ("interleaved", 2)])
+def test_every_action_of_every_step_is_recorded_in_schedule_order(tmp_path, pipeline, virtual_stages):
+    model, step, x, y = _setup(pipeline, virtual_stages=virtual_stages)
     train = _train_fn(model, step, keras.optimizers.SGD(1e-2))
     with smp.profile(tmp_path) as prof:
         for _ in range(3):
@@ -133,7 +133,9 @@ def test_every_action_of_every_step_is_recorded_in_schedule_order(tmp_path, pipe
         for d, actions in schedule.order.items():
             mine = sorted((r for r in recs if r.device == d), key=lambda r: r.start)
             # One record per action, in the device's schedule order...
-            assert [(r.wave, r.microbatch) for r in mine] == [(a.wave, a.microbatch) for a in actions]
+            # (With virtual stages a device runs the actions of its partitions.)
+            assert [(r.partition, r.wave, r.microbatch) for r in mine] == [
+                (a.partition, a.wave, a.microbatch) for a in actions]
             assert [r.name for r in mine] == [schedule.display(a) for a in actions]
             # ...one after another on the device.
             for a, b in zip(mine, mine[1:]):
@@ -143,6 +145,8 @@ def test_every_action_of_every_step_is_recorded_in_schedule_order(tmp_path, pipe
     trace = json.loads((tmp_path / "timeline.json").read_text())
     events = [e for e in trace["traceEvents"] if e["ph"] == "X"]
     assert len(events) == 3 * sum(len(a) for a in schedule.order.values())
+    assert {e["tid"] for e in events} == {0, 1}  # one track per device, not per partition
+    assert set(tl.task_costs()) == {t.key for t in schedule.tasks}
     assert {e["name"] for e in events} == {schedule.display(a) for acts in schedule.order.values() for a in acts}
     assert str(tmp_path / "timeline.json") in prof.files
     try:

@@ -41,12 +41,12 @@ def _model(kind):
     return model, init
 
 
-def _check(kind, schedule, partitions, microbatches, options=()):
+def _check(kind, schedule, partitions, microbatches, options=(), **config):
     model, init = _model(kind)
     x, y = models.data(kind)
     smp.init({
         "partitions": partitions, "microbatches": microbatches, "pipeline": schedule,
-        **{o: True for o in options},
+        **{o: True for o in options}, **config,
     })
     body = models.make_body(model, kind)
 
@@ -94,6 +94,7 @@ def _check(kind, schedule, partitions, microbatches, options=()):
     # State updated once per micro-batch, in order (BatchNorm, seeds).
     for v, expected in zip(model.variables, ref_state):
         np.testing.assert_allclose(v.numpy(), expected, rtol=RTOL, atol=ATOL, err_msg=f"state of {v.path}")
+    return compiled
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -118,6 +119,32 @@ def test_transparency_with_smp_tf_options(kind, options, schedule, partitions, m
     """Weight gradients computed once over all micro-batches and kernels
     transposed once per step give the reference values too."""
     _check(kind, schedule, partitions, microbatches, options)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("schedule,partitions,virtual_stages,microbatches", [
+    ("interleaved", 2, 2, 4), ("interleaved", 2, 2, 3), ("interleaved", 2, 3, 4), ("interleaved", 3, 2, 6),
+    ("simple", 2, 2, 4), ("zero_bubble", 2, 2, 4),
+])
+def test_transparency_with_virtual_stages(kind, schedule, partitions, virtual_stages, microbatches):
+    """Each device holding several partitions (chunk c on device c % P)
+    computes the reference values too, and every device runs its chunks'
+    actions in one order."""
+    compiled = _check(kind, schedule, partitions, microbatches, virtual_stages=virtual_stages)
+    plan = compiled.plan
+    assert plan.num_partitions == partitions * virtual_stages
+    assert plan.device_index == [c % partitions for c in range(plan.num_partitions)]
+    assert len(set(plan.devices)) == partitions
+    # One order per device, holding the actions of all its partitions.
+    assert sorted(compiled.schedule.order) == list(range(partitions))
+    for d, actions in compiled.schedule.order.items():
+        assert {a.partition % partitions for a in actions} == {d}
+    # The memory report has a row per chunk and sums them per device.
+    report = compiled.memory_report()
+    assert len(report) == plan.num_partitions
+    totals = report.device_totals()
+    assert sorted(totals) == sorted(set(plan.devices)) and sum(totals.values()) == sum(r.total for r in report)
+    assert "per device" in report.table()
 
 
 def test_dropout_reproducible_with_same_seed():

@@ -6,16 +6,21 @@ table, Qi et al., ICLR 2024), prints for each schedule, P in {4, 8} and
 M in {8, 16, 32}:
 
 - bubble: the idle fraction of the devices over the simulated step;
-- peak activations: the most micro-batches any device holds at once (its
-  activations kept for the backward), in units of one micro-batch's
-  activations of one stage;
-- messages: boundary tensors sent per step (2 (P-1) M for every schedule:
-  the schedules reorder work, they do not add transfers).
+- peak activations: the most activations any device holds at once (kept
+  for the backward), in units of one micro-batch's activations of one
+  device's share of the model (with v chunks per device, each chunk's
+  micro-batch counts 1/v);
+- messages: boundary tensors sent per step (2 (P v - 1) M: the schedules
+  reorder work and add no transfers, but v chunks per device make v times
+  as many boundaries).
 
 ``simple`` and ``interleaved`` run B and W as one backward task (what
 smp_tf runs for them); ``zero_bubble`` runs them as separate tasks except
 on the last stage, whose fused task smp_tf leaves whole; ``zb, all split``
-splits the last stage too, for comparison. No
+splits the last stage too, for comparison. ``... v=2`` rows cut the chain
+into 2P chunks, chunk c on device c % P (``virtual_stages: 2``), each chunk
+costing half a stage; ``interleaved v=2`` is Megatron-LM's interleaved 1F1B.
+No
 TensorFlow needed: ``python benchmarks/pipeline/schedules_table.py``.
 """
 
@@ -28,7 +33,15 @@ ROOT = Path(__file__).resolve().parents[2]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from smp_tf.schedule import chain_tasks, make_schedule, split_chain_tasks  # noqa: E402
+import dataclasses  # noqa: E402
+
+from smp_tf.schedules import chain_tasks, make_schedule, split_chain_tasks, virtual_chain_tasks  # noqa: E402
+
+
+def _virtual_split(P, v):
+    """split_chain_tasks of P v chunks (last one whole), chunk c on device c % P, costs / v."""
+    tasks = split_chain_tasks(P * v, 1.0 / v, 1.0 / v, 1.0 / v, split_last=False)
+    return [dataclasses.replace(t, device=t.partition % P) for t in tasks]
 
 STAGES = (4, 8)
 MICROBATCHES = (8, 16, 32)
@@ -44,18 +57,21 @@ def rows():
                 # What smp_tf runs: the last stage's fused task stays whole.
                 ("zero_bubble", "zero_bubble", split_chain_tasks(P, split_last=False)),
                 ("zb, all split", "zero_bubble", split_chain_tasks(P)),
+                ("interleaved v=2", "interleaved", virtual_chain_tasks(P, 2, 1.0, 2.0)),
+                ("zero_bubble v=2", "zero_bubble", _virtual_split(P, 2)),
             ):
                 sim = make_schedule(tasks, M, kind).simulate()
-                out.append((name, P, M, sim.bubble, max(sim.peak_live.values()), 2 * (P - 1) * M))
+                chunks = len({t.partition for t in tasks})
+                out.append((name, P, M, sim.bubble, max(sim.peak_activations.values()), 2 * (chunks - 1) * M))
     return out
 
 
 def main() -> int:
-    print("schedule        P   M  bubble  peak activations  messages")
+    print("schedule          P   M  bubble  peak activations  messages")
     for kind, P, M, bubble, peak, msgs in rows():
-        print(f"{kind:<14} {P:>2} {M:>3}  {bubble:6.1%}  {peak:>16}  {msgs:>8}")
+        print(f"{kind:<16} {P:>2} {M:>3}  {bubble:6.1%}  {peak:>16.3g}  {msgs:>8}")
     print("\nbubble: idle fraction of the simulated step (F = B = W = 1); peak activations: most micro-batches")
-    print("a device holds at once; messages: boundary tensors sent per step.")
+    print("of a device's share of the model it holds at once; messages: boundary tensors sent per step.")
     return 0
 
 

@@ -13,6 +13,11 @@ its steps inside ``smp.profile``:
 - bubble: the measured idle fraction of the devices inside the span, and the
   simulated one from the same costs.
 
+Besides ``simple``, ``interleaved`` and ``zero_bubble`` it runs the two
+with ``virtual_stages: 2`` (``/v2``: 4 chunks, 2 per device), and compares
+each schedule's step with ``interleaved`` at the same M, measured and
+simulated.
+
 With ``--png-dir DIR`` it also writes ``DIR/timeline_<schedule>.png``, the
 Gantt chart of the median step at M=8 (matplotlib needed).
 
@@ -41,7 +46,11 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 os.environ.pop("TF_DETERMINISTIC_OPS", None)
 
 P = 2
-SCHEDULES = ("simple", "interleaved", "zero_bubble")
+#: (row name, pipeline, virtual_stages); "/v2": 2 chunks per device.
+SCHEDULES = (
+    ("simple", "simple", 1), ("interleaved", "interleaved", 1), ("zero_bubble", "zero_bubble", 1),
+    ("interleaved/v2", "interleaved", 2), ("zero_bubble/v2", "zero_bubble", 2),
+)
 MICROBATCHES = (2, 4, 8)
 PNG_AT_M = 8
 
@@ -76,11 +85,11 @@ def run(args) -> list:
     x = tf.random.normal([s["batch"], s["width"]], seed=1)
     y = tf.random.normal([s["batch"], s["width"]], seed=2)
     rows = []
-    for sched in SCHEDULES:
+    for sched, pipeline, virtual in SCHEDULES:
         for M in MICROBATCHES:
-            smp.init({"partitions": P, "microbatches": M, "pipeline": sched})
+            smp.init({"partitions": P, "microbatches": M, "pipeline": pipeline, "virtual_stages": virtual})
             keras.utils.set_random_seed(0)
-            model = build_mlp(keras, smp.DistributedModel, s["layers"], s["width"], f"mlp_{sched}_{M}")
+            model = build_mlp(keras, smp.DistributedModel, s["layers"], s["width"], f"mlp_{sched.replace('/', '_')}_{M}")
             plain, _ = smp_train_step(tf, keras, smp, model)
             for _ in range(args.warmup):
                 plain(x, y).numpy()
@@ -105,7 +114,14 @@ def run(args) -> list:
             })
             if args.png_dir and M == PNG_AT_M:
                 os.makedirs(args.png_dir, exist_ok=True)
-                tl.plot(os.path.join(args.png_dir, f"timeline_{sched}.png"))
+                tl.plot(os.path.join(args.png_dir, f"timeline_{sched.replace('/', '_')}.png"))
+    # Each schedule against interleaved at the same M: measured step times,
+    # and the simulator's spans from each one's measured task costs.
+    base = {r["M"]: r for r in rows if r["schedule"] == "interleaved"}
+    for r in rows:
+        b = base[r["M"]]
+        r["speedup"] = b["step_s"] / r["step_s"]
+        r["sim_speedup"] = b["sim_span_s"] / r["sim_span_s"]
     return rows
 
 
@@ -117,21 +133,23 @@ def table(rows: list, args) -> str:
            args.repeats),
         versions(),
         "",
-        "%-12s %3s %10s %10s %7s %10s %10s %8s %9s %9s" % (
+        "%-15s %3s %10s %10s %7s %10s %10s %8s %9s %9s %8s %8s" % (
             "schedule", "M", "step ms", "probed ms", "probes", "span ms", "sim span", "sim/meas", "bubble",
-            "sim bubble"),
+            "sim bubble", "vs 1F1B", "sim vs"),
     ]
     for r in rows:
-        lines.append("%-12s %3d %10.2f %10.2f %7.3f %10.2f %10.2f %8.3f %9.1f%% %9.1f%%" % (
+        lines.append("%-15s %3d %10.2f %10.2f %7.3f %10.2f %10.2f %8.3f %9.1f%% %9.1f%% %8.3f %8.3f" % (
             r["schedule"], r["M"], r["step_s"] * 1e3, r["probed_step_s"] * 1e3, r["probed_step_s"] / r["step_s"],
             r["span_s"] * 1e3, r["sim_span_s"] * 1e3, r["sim_span_s"] / r["span_s"], 100 * r["bubble"],
-            100 * r["sim_bubble"]))
+            100 * r["sim_bubble"], r["speedup"], r["sim_speedup"]))
     lines += [
         "",
         "step: a training step without probes; probed: the same step traced inside smp.profile (probes: their",
         "ratio). span: first action's start to last action's end, measured; sim span: the simulator's makespan",
         "for the same schedule from the measured task costs (transfers free, every action of a task the same",
-        "cost). bubble: idle fraction of the devices inside the span, measured and simulated.",
+        "cost). bubble: idle fraction of the devices inside the span, measured and simulated. vs 1F1B: the",
+        "interleaved step time over this one's at the same M (above 1: faster); sim vs: the same from the",
+        "simulated spans. /v2: virtual_stages 2 (4 chunks, 2 per device).",
     ]
     return "\n".join(lines)
 

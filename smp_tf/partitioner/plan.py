@@ -487,7 +487,11 @@ class PartitionPlan:
         graph: the traced `tf.Graph` (forward, loss and backward of one micro-batch).
         op_graph: the `OpGraph` view of `graph`.
         assignment: op name -> partition index, for every op of `graph`.
-        devices: device of each partition.
+        devices: device of each partition (with ``virtual_stages`` v,
+            each device is the device of v partitions).
+        device_index: for each partition, the index of its device among
+            the distinct devices, in order of first appearance (the device
+            numbers of the schedule).
         seconds: time spent partitioning (graph view + groups + assignment).
         trace_seconds: time spent tracing the step (set by `smp.step`).
         view_seconds: the part of `seconds` spent building the graph view.
@@ -508,6 +512,8 @@ class PartitionPlan:
         self.partition_of_op: List[int] = list(partition_of_op)
         self.num_partitions = num_partitions
         self.devices = list(devices)
+        distinct = list(dict.fromkeys(self.devices))
+        self.device_index: List[int] = [distinct.index(d) for d in self.devices]
         self.seconds = seconds
         self.trace_seconds = 0.0
         self.view_seconds = 0.0

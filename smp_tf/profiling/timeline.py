@@ -41,12 +41,14 @@ class TaskRecord:
 
     Attributes:
         step: index of the step within the profile (0 is the first).
-        device: the device (== partition) that ran it.
+        device: the device that ran it (its number in the schedule).
         wave: the task's wave.
         microbatch: the micro-batch.
         name: its name in the schedule table (``F3``, ``B3``, ``FB3``...).
         start: start time in seconds (``tf.timestamp()``'s clock).
         end: end time in seconds.
+        partition: the partition whose task it ran; None: the device's
+            number (one partition per device).
     """
 
     step: int
@@ -56,6 +58,11 @@ class TaskRecord:
     name: str
     start: float
     end: float
+    partition: Optional[int] = None
+
+    def __post_init__(self) -> None:
+        if self.partition is None:
+            object.__setattr__(self, "partition", self.device)
 
     @property
     def duration(self) -> float:
@@ -129,7 +136,7 @@ class Timeline:
         """``(partition, wave)`` -> median duration of its actions (seconds)."""
         by_task: Dict[Tuple[int, int], List[float]] = {}
         for r in self.records:
-            by_task.setdefault((r.device, r.wave), []).append(r.duration)
+            by_task.setdefault((r.partition, r.wave), []).append(r.duration)
         return {k: statistics.median(v) for k, v in by_task.items()}
 
     def simulated(self):
@@ -180,7 +187,7 @@ class Timeline:
             events.append({
                 "name": r.name, "cat": r.name.rstrip("0123456789w") or "task", "ph": "X", "pid": 0, "tid": r.device,
                 "ts": (r.start - t0) * 1e6, "dur": max(r.duration, 0.0) * 1e6,
-                "args": {"step": r.step, "microbatch": r.microbatch, "partition": r.device, "wave": r.wave},
+                "args": {"step": r.step, "microbatch": r.microbatch, "partition": r.partition, "wave": r.wave},
             })
         return {"traceEvents": events, "displayTimeUnit": "ms"}
 
@@ -256,8 +263,17 @@ def recording() -> bool:
     return _ACTIVE is not None
 
 
-def register(schedule: Any, actions: Sequence[Tuple[int, int, int, str]], device_names: Mapping[int, str]) -> int:
-    """Registers the probes of one emitted step; returns its id."""
+def register(
+    schedule: Any, actions: Sequence[Tuple[int, int, int, int, str]], device_names: Mapping[int, str]
+) -> int:
+    """Registers the probes of one emitted step; returns its id.
+
+    Args:
+        schedule: the step's `Schedule`.
+        actions: ``(device, partition, wave, microbatch, name)`` of every
+            probed action, in emission order.
+        device_names: device number -> device name.
+    """
     with _LOCK:
         key = len(_STEPS)
         _STEPS[key] = (schedule, list(actions), dict(device_names))
@@ -274,8 +290,8 @@ def collect(key: int, stamps: Any) -> None:
     with _LOCK:
         step = prof._steps
         prof._steps += 1
-        for (device, wave, m, name), (start, end) in zip(actions, values):
-            prof.timeline.records.append(TaskRecord(step, device, wave, m, name, float(start), float(end)))
+        for (device, partition, wave, m, name), (start, end) in zip(actions, values):
+            prof.timeline.records.append(TaskRecord(step, device, wave, m, name, float(start), float(end), partition))
         prof.timeline.schedule = schedule
         prof.timeline.device_names.update(names)
 

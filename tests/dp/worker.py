@@ -46,6 +46,7 @@ def train_function(optimizer):
 def finish():
     result["weights"] = [v.numpy().tolist() for v in model.trainable_variables]
     result["devices"] = sorted({v.value.device for v in model.variables})
+    result["virtual_stages"] = smp.current_config().virtual_stages
     with open(os.path.join(OUT, f"rank{RANK}.json"), "w") as f:
         json.dump(result, f)
 

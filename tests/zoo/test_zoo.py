@@ -1,6 +1,7 @@
 """Transparency on the models users bring: the zoo (`zoo_models.py`).
 
-For every entry, partitions 2 and 3, both schedules, 4 micro-batches: the
+For every entry, partitions 2 and 3, every schedule, and 2 devices holding
+two chunks each (``virtual_stages``), 4 micro-batches: the
 loss and every gradient of every micro-batch, and the model's state after
 the step (BatchNorm statistics, seed states), equal the reference: the same
 training step run on one device, micro-batch by micro-batch, in a loop.
@@ -25,6 +26,8 @@ from tests.zoo import zoo_models
 M = 4
 #: zero_bubble at P=3 is checked on the small models (tests/test_transparency.py).
 CONFIGS = [(2, "simple"), (2, "interleaved"), (3, "simple"), (3, "interleaved"), (2, "zero_bubble")]
+#: Virtual stages: 2 devices holding 2 chunks each (Megatron-LM's interleaved order).
+VIRTUAL_CONFIGS = [(2, "interleaved", 2)]
 #: Float32 models; bfloat16 matches as closely, because both runs execute the
 #: same kernels on the same values in the same order.
 TOLERANCE = 1e-5
@@ -81,14 +84,20 @@ def _grouped(names):
     return [pytest.param(n, marks=pytest.mark.xdist_group(n)) for n in names]
 
 
-@pytest.mark.parametrize("partitions,schedule", CONFIGS, ids=[f"P{p}-{s}" for p, s in CONFIGS])
+_ALL_CONFIGS = [(p, s, 1) for p, s in CONFIGS] + VIRTUAL_CONFIGS
+
+
+@pytest.mark.parametrize(
+    "partitions,schedule,virtual_stages", _ALL_CONFIGS,
+    ids=[f"P{p}-{s}" if v == 1 else f"P{p}x{v}-{s}" for p, s, v in _ALL_CONFIGS],
+)
 @pytest.mark.parametrize("name", _grouped(zoo_models.ENTRIES))
-def test_zoo_transparency(name, partitions, schedule, record_property):
+def test_zoo_transparency(name, partitions, schedule, virtual_stages, record_property):
     case, init, ref_losses, ref_grads, ref_state, step = _reference(name)
     model = case.model
     for v, value in zip(model.variables, init):
         v.assign(value)
-    smp.init({"partitions": partitions, "microbatches": M, "pipeline": schedule})
+    smp.init({"partitions": partitions, "microbatches": M, "pipeline": schedule, "virtual_stages": virtual_stages})
     loss, grads = step(case.x, case.y)
     assert step.schedule.kind == schedule
 
@@ -104,11 +113,11 @@ def test_zoo_transparency(name, partitions, schedule, record_property):
 
     # Every partition got work, and the variables live where their ops run.
     plan = step.last_plan
-    assert len({p for p in plan.partition_of_op}) == partitions
+    assert len({p for p in plan.partition_of_op}) == partitions * virtual_stages
     for v in model.variables:
         key = v.path
         if key in plan.partition_of_variable():
-            assert v.value.device.endswith(f"CPU:{plan.partition_of_variable()[key]}"), key
+            assert v.value.device.endswith(f"CPU:{plan.partition_of_variable()[key] % partitions}"), key
 
     for m in range(M):
         assert loss_errors[m] <= TOLERANCE, f"loss of micro-batch {m}: {loss.outputs[m]} vs {ref_losses[m]}"
