@@ -509,9 +509,10 @@ def predict_assignment(
 
 
 def refine_memory_split(
-    assign: Callable[[Optional[Sequence[float]]], List[int]],
+    assign: Callable[..., List[int]],
     predict: Callable[[Sequence[int]], MemoryReport],
     rounds: int = 3,
+    moves: int = 0,
 ) -> List[int]:
     """A contiguous memory split that also balances what it cannot model per unit.
 
@@ -522,27 +523,60 @@ def refine_memory_split(
     largest task (on the last stage: the logits and their gradient) are
     only known once the tasks exist, so each round predicts the split's
     peaks (`predict`), hands their ``buffers + transient`` back to the
-    split as that stage's fixed bytes, and splits again. Returns the
-    assignment with the lowest largest predicted peak seen (the first on
-    ties), stopping early when a round changes nothing.
+    split as that stage's fixed bytes, and splits again, stopping early
+    when a round changes nothing.
+
+    Then, with `moves`, up to that many boundary moves on the predicted
+    peaks themselves: the partition with the largest peak gives its first
+    unit to the previous partition or its last unit to the next
+    (``assign(overheads, shifts)``, shifts of the interior boundaries in
+    units), whichever lowers the largest peak more, until neither does.
+    The per-unit model is an estimate; this settles what it gets wrong by
+    less than one unit.
+
+    Returns the assignment with the lowest largest predicted peak seen (the
+    first on ties).
 
     Args:
-        assign: stage overheads (None: none) -> partition of each op.
+        assign: ``(overheads, shifts=None)`` -> partition of each op;
+            overheads None: none.
         predict: partition of each op -> its `MemoryReport`.
         rounds: how many times at most to split again.
+        moves: how many boundary moves at most (0: none).
     """
     current = assign(None)
     report = predict(current)
-    best, best_peak = current, max((r.total for r in report.partitions), default=0)
+    best, best_peak, best_report, best_overheads = current, report.peak, report, None
     for _ in range(rounds):
-        nxt = assign([r.buffers + r.transient for r in report.partitions])
+        overheads = [r.buffers + r.transient for r in report.partitions]
+        nxt = assign(overheads)
         if nxt == current:
             break
         current = nxt
         report = predict(current)
-        peak = max((r.total for r in report.partitions), default=0)
-        if peak < best_peak:
-            best, best_peak = current, peak
+        if report.peak < best_peak:
+            best, best_peak, best_report, best_overheads = current, report.peak, report, overheads
+    shifts = [0] * max(0, len(best_report.partitions) - 1)
+    for _ in range(moves):
+        totals = [r.total for r in best_report.partitions]
+        p = totals.index(max(totals))
+        tried = []
+        if p > 0:
+            tried.append(shifts[:p - 1] + [shifts[p - 1] + 1] + shifts[p:])
+        if p + 1 < len(totals):
+            tried.append(shifts[:p] + [shifts[p] - 1] + shifts[p + 1:])
+        found = None
+        for cand in tried:
+            nxt = assign(best_overheads, cand)
+            if nxt == best:
+                continue
+            rep = predict(nxt)
+            if rep.peak < best_peak and (found is None or rep.peak < found[2].peak):
+                found = (cand, nxt, rep)
+        if found is None:
+            break
+        shifts, best, best_report = found
+        best_peak = best_report.peak
     return best
 
 

@@ -68,6 +68,12 @@ def _config_key() -> tuple:
     return fields + (schedule_builder(cfg.pipeline).split_weight, tuple(state.topology().devices))
 
 
+#: Boundary moves at most when ``optimize="memory"`` settles its split on the
+#: predicted peaks (`smp_tf.memory.refine_memory_split`); each costs one
+#: prediction of the tasks and schedule.
+MEMORY_SPLIT_MOVES = 8
+
+
 def stage_devices(cfg: Any, devices: Sequence[str]) -> List[str]:
     """The device of each partition: with ``virtual_stages`` v, partition
     (chunk) ``c`` of ``partitions * v`` runs on ``devices[c % partitions]``."""
@@ -246,7 +252,7 @@ class StepFunction:
         recompute = "never" if cfg.recompute == "auto" else cfg.recompute
         multipliers = stage_multipliers(cfg.num_stages, cfg.microbatches, cfg.pipeline)
 
-        def assign(overheads: Optional[Sequence[float]] = None) -> List[int]:
+        def assign(overheads: Optional[Sequence[float]] = None, shifts: Optional[Sequence[int]] = None) -> List[int]:
             return assign_partitions(
                 traced.op_graph,
                 cfg.num_stages,
@@ -265,6 +271,7 @@ class StepFunction:
                 # ops go where they live.
                 pinned=pinned,
                 stage_overheads=overheads,
+                bound_shifts=shifts,
             )
 
         if cfg.optimize == "memory" and cfg.contiguous and cfg.auto_partition and cfg.num_stages > 1 and not pinned:
@@ -277,6 +284,7 @@ class StepFunction:
                     traced.op_graph, parts, outputs, num_partitions=cfg.num_stages, num_microbatches=cfg.microbatches,
                     kind=cfg.pipeline, recompute=recompute, slots=slots,
                 ),
+                moves=MEMORY_SPLIT_MOVES,
             )
         else:
             assignment = assign()

@@ -98,6 +98,40 @@ def test_refine_memory_split_hands_the_overheads_back_and_keeps_the_best():
     assert calls == [None, [5, 40]]
 
 
+def test_refine_memory_split_moves_boundaries_on_the_predicted_peaks():
+    # Assignments are named by their shifts; the split itself never changes.
+    predictions = {
+        (0, 0): _totals_report([100, 100, 130], [0, 0, 0]),
+        (0, 1): _totals_report([100, 118, 112], [0, 0, 0]),  # first unit of 2 -> 1: 118 < 130
+        (1, 1): _totals_report([110, 108, 112], [0, 0, 0]),  # first unit of 1 -> 0: 112 < 118
+        (1, 2): _totals_report([111, 125, 95], [0, 0, 0]),  # first unit of 2 -> 1 again: 125, worse
+    }
+    asked = []
+
+    def assign(overheads, shifts=None):
+        asked.append(None if shifts is None else tuple(shifts))
+        return list(shifts) if shifts is not None else [0, 0]
+
+    best = refine_memory_split(assign, lambda a: predictions[tuple(a)], rounds=2, moves=5)
+    # The largest peak (partition 2, 130) gives its first unit to partition
+    # 1 (118 now the largest), which gives its first unit to partition 0;
+    # partition 2 (112) is then the largest and giving another unit to
+    # partition 1 would raise the peak: stop.
+    assert best == [1, 1]
+    assert [a for a in asked if a is not None] == [(0, 1), (1, 1), (0, 0), (1, 2)]
+    assert refine_memory_split(assign, lambda a: predictions[tuple(a)], rounds=2, moves=0) == [0, 0]
+
+
+def test_shifted_bounds_keep_every_partition_non_empty():
+    from smp_tf.partitioner.plan import _shift_bounds
+
+    assert _shift_bounds([0, 3, 6, 9], [1, -1]) == [0, 4, 5, 9]
+    assert _shift_bounds([0, 3, 6, 9], [5, 0]) == [0, 7, 8, 9]  # pushes the next boundary along
+    assert _shift_bounds([0, 3, 6, 9], [0, -9]) == [0, 3, 4, 9]
+    with pytest.raises(ValueError, match="2 entries"):
+        _shift_bounds([0, 3, 6, 9], [1])
+
+
 def test_stage_multipliers_follow_the_schedule():
     # 1F1B: stage p keeps P - p micro-batches (capped by M); GPipe: all M.
     # The last stage runs forward and backward in one task: one.

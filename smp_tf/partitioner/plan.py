@@ -317,6 +317,7 @@ def assign_partitions(
     stage_multipliers: Optional[Sequence[float]] = None,
     recompute: str = "never",
     stage_overheads: Optional[Sequence[float]] = None,
+    bound_shifts: Optional[Sequence[int]] = None,
 ) -> List[int]:
     """Assigns every op of `graph` to a partition.
 
@@ -347,6 +348,11 @@ def assign_partitions(
             whatever units it gets (its boundary buffers and the transient
             workspace of its largest task, as a previous prediction found
             them; `smp_tf.memory.refine_memory_split`).
+        bound_shifts: with `stage_multipliers`, moves each interior
+            boundary of the split by this many units (positive: later),
+            each partition keeping at least one unit
+            (`smp_tf.memory.refine_memory_split` settles the split on the
+            predicted peaks this way).
 
     Returns:
         The partition of each op, indexed like ``graph.ops``.
@@ -410,6 +416,8 @@ def assign_partitions(
                     list(stage_multipliers), cuts, tolerance=tolerance,
                     fixed_costs=None if stage_overheads is None else [float(x) for x in stage_overheads],
                 )
+                if bound_shifts is not None:
+                    bounds = _shift_bounds(bounds, bound_shifts)
                 costs = [static[g] + stage_multipliers[0] * kept[g] for g in unit_groups]
             else:
                 bounds = balance.contiguous_split(costs, cuts, num_partitions, tolerance=tolerance, **limit_kw)
@@ -430,6 +438,26 @@ def assign_partitions(
     assignment = complete_assignment(graph, groups, part_of_group, default_partition)
     check_assignment(graph, assignment, num_partitions)
     return assignment
+
+
+def _shift_bounds(bounds: Sequence[int], shifts: Sequence[int]) -> List[int]:
+    """`bounds` (``P + 1`` unit offsets) with interior bound ``p`` moved by
+    ``shifts[p - 1]``, each segment keeping at least one unit."""
+    if len(shifts) != len(bounds) - 2:
+        raise ValueError(f"bound_shifts needs {len(bounds) - 2} entries (one per interior boundary). Received: "
+                         f"{list(shifts)}")
+    out = list(bounds)
+    for p in range(1, len(out) - 1):
+        out[p] = bounds[p] + int(shifts[p - 1])
+    n = len(out) - 1
+    # Keep segments non-empty where the original ones were.
+    for p in range(1, n):
+        lo = out[p - 1] + (1 if bounds[p] > bounds[p - 1] else 0)
+        out[p] = max(out[p], lo)
+    for p in range(n - 1, 0, -1):
+        hi = out[p + 1] - (1 if bounds[p + 1] > bounds[p] else 0)
+        out[p] = min(out[p], hi)
+    return out
 
 
 def complete_assignment(
