@@ -90,7 +90,7 @@ def run(args) -> list:
             smp.init({"partitions": P, "microbatches": M, "pipeline": pipeline, "virtual_stages": virtual})
             keras.utils.set_random_seed(0)
             model = build_mlp(keras, smp.DistributedModel, s["layers"], s["width"], f"mlp_{sched.replace('/', '_')}_{M}")
-            plain, _ = smp_train_step(tf, keras, smp, model)
+            plain, body = smp_train_step(tf, keras, smp, model)
             for _ in range(args.warmup):
                 plain(x, y).numpy()
             with smp.profile(None) as prof:
@@ -106,11 +106,18 @@ def run(args) -> list:
             tl = prof.timeline
             spans = [tl.step_time(k) for k in range(tl.num_steps)]
             sim = tl.simulated()
+            # The memory model's activations at the schedule's peak, summed
+            # over each device's partitions: the largest device.
+            report = body.memory_report()
+            act: dict = {}
+            for r in report:
+                act[r.device] = act.get(r.device, 0) + r.activations
             rows.append({
                 "schedule": sched, "M": M,
                 "step_s": statistics.median(t_plain), "probed_step_s": statistics.median(t_probed),
                 "span_s": statistics.median(spans), "sim_span_s": sim.makespan,
                 "bubble": tl.measured_bubble(), "sim_bubble": sim.bubble,
+                "activations": max(act.values()),
             })
             if args.png_dir and M == PNG_AT_M:
                 os.makedirs(args.png_dir, exist_ok=True)
@@ -133,15 +140,15 @@ def table(rows: list, args) -> str:
            args.repeats),
         versions(),
         "",
-        "%-15s %3s %10s %10s %7s %10s %10s %8s %9s %9s %8s %8s" % (
+        "%-15s %3s %10s %10s %7s %10s %10s %8s %9s %9s %8s %8s %8s" % (
             "schedule", "M", "step ms", "probed ms", "probes", "span ms", "sim span", "sim/meas", "bubble",
-            "sim bubble", "vs 1F1B", "sim vs"),
+            "sim bubble", "vs 1F1B", "sim vs", "act MiB"),
     ]
     for r in rows:
-        lines.append("%-15s %3d %10.2f %10.2f %7.3f %10.2f %10.2f %8.3f %9.1f%% %9.1f%% %8.3f %8.3f" % (
+        lines.append("%-15s %3d %10.2f %10.2f %7.3f %10.2f %10.2f %8.3f %9.1f%% %9.1f%% %8.3f %8.3f %8.2f" % (
             r["schedule"], r["M"], r["step_s"] * 1e3, r["probed_step_s"] * 1e3, r["probed_step_s"] / r["step_s"],
             r["span_s"] * 1e3, r["sim_span_s"] * 1e3, r["sim_span_s"] / r["span_s"], 100 * r["bubble"],
-            100 * r["sim_bubble"], r["speedup"], r["sim_speedup"]))
+            100 * r["sim_bubble"], r["speedup"], r["sim_speedup"], r["activations"] / 2**20))
     lines += [
         "",
         "step: a training step without probes; probed: the same step traced inside smp.profile (probes: their",
@@ -149,7 +156,8 @@ def table(rows: list, args) -> str:
         "for the same schedule from the measured task costs (transfers free, every action of a task the same",
         "cost). bubble: idle fraction of the devices inside the span, measured and simulated. vs 1F1B: the",
         "interleaved step time over this one's at the same M (above 1: faster); sim vs: the same from the",
-        "simulated spans. /v2: virtual_stages 2 (4 chunks, 2 per device).",
+        "simulated spans. act MiB: the memory model's activations kept at the schedule's peak on the device",
+        "that keeps the most (its partitions summed). /v2: virtual_stages 2 (4 chunks, 2 per device).",
     ]
     return "\n".join(lines)
 
