@@ -589,6 +589,7 @@ def from_tf_graph(
     captured_ops: Optional[Iterable[str]] = None,
     layer_of: Optional[Callable[[Any], Optional[str]]] = None,
     manual_partition_of: Optional[Callable[[Any], Optional[int]]] = None,
+    graph_def: Any = None,
 ) -> OpGraph:
     """Reads a `tf.Graph` (or `FuncGraph`) into an `OpGraph`.
 
@@ -607,8 +608,14 @@ def from_tf_graph(
             that is not a step argument.
         layer_of: op -> key of the Keras layer that created it.
         manual_partition_of: op -> partition of its `smp.partition` block.
+        graph_def: ``graph.as_graph_def()``, if the caller has it.
     """
     arg_ops = set(arg_ops)
+    # Colocation attributes, read from the NodeDefs: asking every op for an
+    # attribute it mostly lacks costs an exception each.
+    if graph_def is None:
+        graph_def = graph.as_graph_def()
+    colocation = {n.name: list(n.attr["_class"].list.s) for n in graph_def.node if "_class" in n.attr}
     captured_variables = dict(captured_variables or {})
     captured_ops = None if captured_ops is None else set(captured_ops)
     created_ops = graph.get_operations()
@@ -626,7 +633,10 @@ def from_tf_graph(
     ties: List[Tuple[int, int]] = []
 
     for i, op in enumerate(tf_ops):
-        static = static_shape_value(op.type, [_shape_of(t) for t in op.inputs], [t.dtype.name for t in op.inputs])
+        static = (
+            static_shape_value(op.type, [_shape_of(t) for t in op.inputs], [t.dtype.name for t in op.inputs])
+            if op.type in _SHAPE_OPS else None
+        )
         # A shape known when tracing is a constant: the op reads no tensor.
         in_ids = [] if static is not None else [tensor_id[t.name] for t in op.inputs]
         out_ids = []
@@ -704,12 +714,9 @@ def from_tf_graph(
             stateful = bool(op.op_def.is_stateful)
         except Exception:  # function call ops may have no registered op_def
             stateful = True
-        try:
-            coloc = tuple(
-                c.decode()[len("loc:@"):] for c in op.get_attr("_class") if c.decode().startswith("loc:@")
-            )
-        except ValueError:
-            coloc = ()
+        coloc = tuple(
+            c.decode()[len("loc:@"):] for c in colocation.get(op.name, ()) if c.decode().startswith("loc:@")
+        )
         coloc = tuple(c for c in coloc if c in op_index and c != op.name)
         ops.append(
             OpNode(

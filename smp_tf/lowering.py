@@ -41,7 +41,7 @@ from smp_tf.rewrite import (
 )
 from smp_tf.schedules import Action, Schedule, make_schedule, schedule_builder, validate
 from smp_tf.step_output import FusedOp
-from smp_tf.trace import CapturedVariable, Traced
+from smp_tf.trace import CapturedVariable, Traced, gc_paused
 
 logger = logging.getLogger("smp_tf")
 
@@ -347,7 +347,7 @@ class CompiledStep:
     # -- task functions ------------------------------------------------------
     def _build_functions(self) -> Dict[Tuple[int, int], Any]:
         g = self.plan.op_graph
-        graph_def = self.traced.graph.as_graph_def()
+        graph_def = self.traced.graph_def
         nodes = {n.name: n for n in graph_def.node}
         functions = {}
         for task in self.tasks:
@@ -386,7 +386,8 @@ class CompiledStep:
             # call waits for its control dependencies before any op of its
             # body runs.
             fn = tf.function(body, autograph=False, experimental_attributes={"_noinline": True})
-            with tf.device(device):
+            # Tracing and importing a task allocates many objects (see gc_paused).
+            with tf.device(device), gc_paused():
                 functions[task.key] = fn.get_concrete_function(*in_specs)
             task.arg_names = args
         return functions

@@ -290,7 +290,7 @@ class StepFunction:
             assignment = assign()
         # Partitioning time: the graph view, the groups and the assignment.
         plan = PartitionPlan(
-            traced.graph, traced.op_graph, assignment, cfg.num_stages, devices,
+            lambda: traced.graph, traced.op_graph, assignment, cfg.num_stages, devices,
             traced.view_seconds + time.perf_counter() - t1,
         )
         plan.trace_seconds = t1 - t0 - traced.view_seconds

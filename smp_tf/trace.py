@@ -17,6 +17,7 @@ from __future__ import annotations
 import smp_tf._autograph  # noqa: F401  (keeps AutoGraph out of smp_tf)
 
 import contextlib
+import gc
 import inspect
 import threading
 import time
@@ -31,6 +32,27 @@ from smp_tf.graph_view import OpGraph, from_tf_graph
 __all__ = ["partition", "TraceRecord", "recording", "CapturedVariable", "Traced", "trace_microbatch"]
 
 _local = threading.local()
+
+
+@contextlib.contextmanager
+def gc_paused() -> Iterator[None]:
+    """Pauses Python's cyclic garbage collector inside the block.
+
+    Tracing a large model and importing its tasks allocate millions of
+    objects that all stay alive (ops, tensors); the allocations set off full
+    collections that walk every object of the process, again and again
+    (about 0.5 s of ResNet50's first call). Paused, one collection after the
+    block does that work once. Nothing is leaked: the collector runs as
+    usual after the block.
+    """
+    if not gc.isenabled():
+        yield
+        return
+    gc.disable()
+    try:
+        yield
+    finally:
+        gc.enable()
 
 
 def _current_record() -> Optional["TraceRecord"]:
@@ -229,7 +251,9 @@ class Traced:
 
     Attributes:
         graph: a plain `tf.Graph` copy of the traced graph (it holds no
-            reference to the captured variables, so moved variables are freed).
+            reference to the captured variables, so moved variables are
+            freed), imported from `graph_def` on first use.
+        graph_def: the traced graph's `GraphDef`.
         op_graph: the `OpGraph` view.
         arg_names: placeholder names of the flat tensor arguments, in order.
         output_names: names of the flat output tensors (None for None outputs).
@@ -240,7 +264,7 @@ class Traced:
         view_seconds: time spent building `op_graph`.
     """
 
-    graph: tf.Graph
+    graph_def: Any
     op_graph: OpGraph
     arg_names: List[str]
     output_names: List[Optional[str]]
@@ -248,6 +272,19 @@ class Traced:
     captures: Dict[str, Any]
     layers: List[Any] = field(default_factory=list)
     view_seconds: float = 0.0
+    _graph: Optional[tf.Graph] = field(default=None, init=False, repr=False, compare=False)
+
+    @property
+    def graph(self) -> tf.Graph:
+        """A plain `tf.Graph` imported from `graph_def` on first use: the
+        step itself needs only the `GraphDef`, and importing a large graph
+        costs about as much as tracing its forward pass."""
+        if self._graph is None:
+            graph = tf.Graph()
+            with graph.as_default():
+                tf.graph_util.import_graph_def(self.graph_def, name="")
+            self._graph = graph
+        return self._graph
 
     def output_tensors(self) -> List[Optional[int]]:
         """`op_graph` tensor id of each flat output (None for None outputs)."""
@@ -341,6 +378,11 @@ def trace_microbatch(
     with the given `shapes` (default: the leaves' own shapes); everything
     else is baked into the trace, as `tf.function` does.
     """
+    with gc_paused():
+        return _trace_microbatch(fn, mb_args, mb_kwargs, shapes, extra_variables, tf_function_kwargs)
+
+
+def _trace_microbatch(fn, mb_args, mb_kwargs, shapes, extra_variables, tf_function_kwargs) -> Traced:
     structure = (mb_args, mb_kwargs)
     leaves = tf.nest.flatten(structure)
     positions = [i for i, x in enumerate(leaves) if isinstance(x, tf.Tensor)]
@@ -392,6 +434,7 @@ def trace_microbatch(
         nbytes = int(np.prod(var.shape.as_list() or [1])) * var.dtype.size if var.shape.is_fully_defined() else 0
         captured_vars[name] = (key, nbytes, bool(var.trainable))
 
+    graph_def = fg.as_graph_def()
     t_view = time.perf_counter()
     op_graph = from_tf_graph(
         fg,
@@ -400,13 +443,11 @@ def trace_microbatch(
         captured_ops=captures,
         layer_of=record.layer_name_of if record is not None else None,
         manual_partition_of=record.partition_of if record is not None else None,
+        graph_def=graph_def,
     )
     view_seconds = time.perf_counter() - t_view
     outputs = tf.nest.flatten(fg.structured_outputs, expand_composites=True)
     output_names = [None if t is None else t.name for t in outputs]
 
-    # A capture-free copy of the graph for inspection (see Traced.graph).
-    graph = tf.Graph()
-    with graph.as_default():
-        tf.graph_util.import_graph_def(fg.as_graph_def(), name="")
-    return Traced(graph, op_graph, arg_names, output_names, fg.structured_outputs, captures, layers, view_seconds)
+    # The capture-free GraphDef (see Traced.graph).
+    return Traced(graph_def, op_graph, arg_names, output_names, fg.structured_outputs, captures, layers, view_seconds)

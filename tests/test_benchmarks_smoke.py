@@ -214,3 +214,37 @@ def test_schedules_table_rows():
             assert virtual[0] < one[0] and rows[("zero_bubble v=2", P, M)][0] < virtual[0]
             assert virtual[2] == 2 * (2 * P - 1) * M
     assert rows[("interleaved v=2", 4, 8)][1] == pytest.approx(4 * (1 + 3 / 8))
+
+
+FIRST_CALL_BENCH = ROOT / "benchmarks" / "pipeline" / "first_call.py"
+
+
+@pytest.mark.benchmark
+def test_first_call_bench_quick_prints_the_table():
+    out = _run(FIRST_CALL_BENCH, timeout=300)
+    assert "smp_tf first-call benchmark" in out
+    header = next(line for line in out.splitlines() if line.startswith("model "))
+    for column in ("plain s", "smp s", "ratio", "trace", "partition", "functions", "execute", "target", "result"):
+        assert column in header, column
+    rows = [line.split() for line in out.splitlines() if line.startswith(("lstm ", "noise_dropout "))]
+    assert len(rows) == 2 and all(r[-1] in ("PASS", "FAIL") for r in rows), out
+    assert "overall:" in out
+
+
+def test_first_call_bench_table_gives_each_model_a_verdict():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("smp_first_call_bench", FIRST_CALL_BENCH)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    smp = dict(total=3.0, trace=2.0, execute=1.0, step_trace=1.0, partition=0.2, tasks=0.1, functions=0.4,
+               emit=0.3, ops=100, tasks_n=3)
+    rows = {"fast": ([dict(total=2.0, trace=1.0, execute=1.0)], [smp]),
+            "slow": ([dict(total=1.0, trace=0.5, execute=0.5)], [smp]),
+            "broken": ([{"error": "exit code 1"}], [smp])}
+    table = bench.build_table(rows, type("Args", (), {"rounds": 1}))
+    lines = {line.split()[0]: line.split() for line in table.splitlines() if line.split()[:1] in (["fast"], ["slow"])}
+    assert lines["fast"][4] == "1.50" and lines["fast"][-1] == "PASS"
+    assert lines["slow"][4] == "3.00" and lines["slow"][-1] == "FAIL"
+    assert "broken FAILED:" in table
+    assert "overall: FAIL (1 of 3 models within 2.0x)" in table

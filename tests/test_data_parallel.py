@@ -109,14 +109,18 @@ def test_custom_loop_matches_one_process_with_the_whole_batch(tmp_path):
         np.testing.assert_allclose(np.array(w), r, rtol=RTOL, atol=ATOL)
 
 
-def test_virtual_stages_under_data_parallelism_match_one_process(tmp_path):
-    """Each replica's 2 devices hold 2 chunks each (virtual_stages, set
-    through the environment override); gradients are averaged per chunk."""
+@pytest.mark.parametrize("override", [{"virtual_stages": 2}, {"pipeline": "zero_bubble"}],
+                         ids=["virtual_stages", "zero_bubble"])
+def test_other_schedules_under_data_parallelism_match_one_process(tmp_path, override):
+    """Each replica's 2 devices hold 2 chunks each (virtual_stages), or run
+    the zero_bubble schedule (set through the environment override);
+    gradients are averaged per partition."""
     codes, outputs, _ = run_replicas("custom_loop", tmp_path,
-                                     extra_env={"SM_HP_MP_PARAMETERS": json.dumps({"virtual_stages": 2})})
+                                     extra_env={"SM_HP_MP_PARAMETERS": json.dumps(override)})
     assert codes == [0, 0], outputs
     a, b = results(tmp_path)
-    assert a["virtual_stages"] == b["virtual_stages"] == 2
+    expected = override.get("virtual_stages", 1), override.get("pipeline", "interleaved")
+    assert (a["virtual_stages"], a["pipeline"]) == (b["virtual_stages"], b["pipeline"]) == expected
     assert a["devices"] == [f"/job:worker/replica:0/task:0/device:CPU:{p}" for p in (0, 1)]
     assert_same_weights(a["weights"], b["weights"])
     x, y = common.batches(5)

@@ -512,7 +512,8 @@ class PartitionPlan:
 
     Attributes:
         num_partitions: number of partitions.
-        graph: the traced `tf.Graph` (forward, loss and backward of one micro-batch).
+        graph: the traced `tf.Graph` (forward, loss and backward of one micro-batch);
+            the constructor also takes a callable that builds it when first read.
         op_graph: the `OpGraph` view of `graph`.
         assignment: op name -> partition index, for every op of `graph`.
         devices: device of each partition (with ``virtual_stages`` v,
@@ -535,7 +536,9 @@ class PartitionPlan:
         seconds: float = 0.0,
     ) -> None:
         check_assignment(op_graph, partition_of_op, num_partitions)
-        self.graph = graph
+        # The graph, or a callable that builds it when first read (importing
+        # a large graph costs about as much as tracing it).
+        self._graph = graph
         self.op_graph = op_graph
         self.partition_of_op: List[int] = list(partition_of_op)
         self.num_partitions = num_partitions
@@ -548,6 +551,13 @@ class PartitionPlan:
         self.assignment: Dict[str, int] = {
             op.name: p for op, p in zip(op_graph.ops, self.partition_of_op)
         }
+
+    @property
+    def graph(self) -> Any:
+        """The traced `tf.Graph` (forward, loss and backward of one micro-batch)."""
+        if callable(self._graph):
+            self._graph = self._graph()
+        return self._graph
 
     def partition_of_variable(self) -> Dict[str, int]:
         """Variable key -> partition of the ops that use it."""

@@ -47,6 +47,7 @@ def finish():
     result["weights"] = [v.numpy().tolist() for v in model.trainable_variables]
     result["devices"] = sorted({v.value.device for v in model.variables})
     result["virtual_stages"] = smp.current_config().virtual_stages
+    result["pipeline"] = smp.current_config().pipeline
     with open(os.path.join(OUT, f"rank{RANK}.json"), "w") as f:
         json.dump(result, f)
 
