@@ -49,7 +49,8 @@ def run_replicas(scenario: str, out, timeout: float = 180.0, wait_for: Optional[
     procs = []
     for r in range(2):
         env = dict(os.environ, SMP_TF_RANK=str(r), SMP_TF_SIZE="2", SMP_TF_LOCAL_RANK=str(r),
-                   SMP_TF_LOCAL_SIZE="2", SMP_TF_ADDRESSES=addresses, PYTHONPATH=ROOT, **(extra_env or {}))
+                   SMP_TF_LOCAL_SIZE="2", SMP_TF_ADDRESSES=addresses, PYTHONPATH=ROOT,
+                   PYTHONFAULTHANDLER="1", **(extra_env or {}))  # a crash prints every thread's stack
         procs.append(subprocess.Popen([sys.executable, WORKER, scenario, str(out)], env=env, cwd=ROOT,
                                       stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
     start = time.monotonic()

@@ -43,7 +43,9 @@ def run_pipeline(args: List[str], out, timeout: float = 240.0, then=None, proces
     procs = []
     for r in range(processes):
         env = dict(os.environ, SMP_TF_RANK=str(r), SMP_TF_SIZE=str(processes), SMP_TF_LOCAL_RANK=str(r),
-                   SMP_TF_LOCAL_SIZE=str(processes), SMP_TF_ADDRESSES=addresses, PYTHONPATH=ROOT)
+                   SMP_TF_LOCAL_SIZE=str(processes), SMP_TF_ADDRESSES=addresses, PYTHONPATH=ROOT,
+                   # A crash inside TensorFlow prints every thread's Python stack into the output.
+                   PYTHONFAULTHANDLER="1")
         procs.append(subprocess.Popen([sys.executable, WORKER, *args[:1], str(out), *args[1:]], env=env, cwd=ROOT,
                                       stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
     start = time.monotonic()
