@@ -31,7 +31,6 @@ from smp_tf.profiling import timeline
 from smp_tf.rewrite import (
     FusedGradient,
     PreTransposed,
-    Task,
     build_tasks,
     fusable_gradients,
     pretranspose_graph_def,

@@ -43,7 +43,7 @@ micro-batch's forward earlier than the simulated costs say).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from typing import Callable, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
 
 from smp_tf.graph_view import OpGraph

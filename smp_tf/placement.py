@@ -35,7 +35,7 @@ from __future__ import annotations
 import gc
 import logging
 import weakref
-from typing import Any, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import tensorflow as tf
 

@@ -26,7 +26,6 @@ protobuf; it creates no TensorFlow ops.
 
 from __future__ import annotations
 
-import copy
 from dataclasses import dataclass, field
 from typing import Callable, Dict, List, Optional, Sequence, Set, Tuple, Union
 

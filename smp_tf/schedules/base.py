@@ -7,7 +7,6 @@ from functools import cached_property
 from typing import Callable, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
 from smp_tf.schedules.simulation import (
-    ScheduleError,
     Simulation,
     _normalize_order,
     _render,

@@ -126,7 +126,7 @@ def in_flight_limits(tasks: Tuple[TaskSpec, ...]) -> Dict[int, int]:
     device's activations.
     """
     num_dev = _num_devices(tasks)
-    per_device = max(sum(1 for t in {x.partition: x for x in tasks if x.device == d}) for d in range(num_dev))
+    per_device = max(len({t.partition for t in tasks if t.device == d}) for d in range(num_dev))
     if per_device <= 1:
         return {d: num_dev - d for d in range(num_dev)}
     return {d: 2 * (num_dev - 1 - d) + (per_device - 1) * num_dev + 1 for d in range(num_dev)}
