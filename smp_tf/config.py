@@ -199,6 +199,12 @@ class Config:
         """Model chunks the step is cut into: ``partitions * virtual_stages``."""
         return self.partitions * self.virtual_stages
 
+    def _stages_phrase(self) -> str:
+        """How errors name `num_stages`: the partitions, or the model chunks."""
+        if self.virtual_stages == 1:
+            return f"partitions ({self.partitions})"
+        return f"model chunks, partitions x virtual_stages ({self.num_stages})"
+
     def __post_init__(self) -> None:
         for key in _INT_KEYS:
             value = getattr(self, key)
@@ -260,11 +266,9 @@ class Config:
                 f"Received: default_partition={self.default_partition!r}"
             )
         elif self.default_partition >= self.num_stages:
-            what = (f"the number of partitions ({self.partitions})" if self.virtual_stages == 1 else
-                    f"the number of model chunks, partitions x virtual_stages ({self.num_stages})")
             raise ValueError(
                 f"default_partition={self.default_partition!r} must be less than "
-                f"{what}. Config parameter 'default_partition' is a partition index in "
+                f"the number of {self._stages_phrase()}. Config parameter 'default_partition' is a partition index in "
                 f"[0, {self.num_stages})."
             )
 

@@ -38,7 +38,7 @@ from smp_tf.rewrite import (
     task_graph_def,
     task_specs,
 )
-from smp_tf.schedules import Action, Schedule, make_schedule, schedule_builder, validate
+from smp_tf.schedules import Action, Schedule, make_schedule, schedule_builder
 from smp_tf.step_output import FusedOp
 from smp_tf.trace import CapturedVariable, Traced, gc_paused
 
@@ -304,8 +304,8 @@ class CompiledStep:
 
     def _set_schedule(self, kind: str) -> None:
         specs = task_specs(self.tasks, self.plan.device_index)
+        # make_schedule validates the order (one simulation); this one is kept.
         self.schedule: Schedule = make_schedule(specs, self.num_microbatches, kind)
-        validate(self.schedule)
         self.simulation = self.schedule.simulate()
         # Emit in simulated start order: it respects dependencies and every
         # device's order, so each control dependency points at an op that
@@ -349,47 +349,53 @@ class CompiledStep:
         graph_def = self.traced.graph_def
         nodes = {n.name: n for n in graph_def.node}
         functions = {}
-        for task in self.tasks:
-            device = self.devices[task.partition]
-            sub = task_graph_def(graph_def, g, task, device, nodes)
-            in_specs = []
-            for t in task.inputs:
-                info = g.tensors[t]
-                in_specs.append(tf.TensorSpec(info.shape, tf.as_dtype(info.dtype)))
-            args = [g.ops[i].name for i in task.copies if g.ops[i].kind == "arg"]
-            for name in args:
-                info = g.tensors[g.ops[g.op_index[name]].outputs[0]]
-                in_specs.append(tf.TensorSpec(info.shape, tf.as_dtype(info.dtype)))
-            captured = [g.ops[i].name for i in task.copies if g.ops[i].kind == "capture"]
-            outputs = [g.tensor_name(t) for t in task.outputs]
-            input_names = [g.tensor_name(t) for t in task.inputs] + [f"{a}:0" for a in args]
-            task.transposed_reads = sorted({self.pretransposed[i].read for i in task.members if i in self.pretransposed})
-            if task.transposed_reads:
-                products = {
-                    g.ops[i].name: _transposed_name(g.ops[self.pretransposed[i].read].name)
-                    for i in task.members if i in self.pretransposed
-                }
-                placeholders = {}
-                for r in task.transposed_reads:
-                    info = g.tensors[g.ops[r].outputs[0]]
-                    shape = list(reversed(info.shape))
-                    dtype = tf.as_dtype(info.dtype)
-                    placeholders[_transposed_name(g.ops[r].name)] = (dtype.as_datatype_enum, shape)
-                    in_specs.append(tf.TensorSpec(shape, dtype))
-                    input_names.append(f"{_transposed_name(g.ops[r].name)}:0")
-                pretranspose_graph_def(sub, products, placeholders)
-            pins = [g.tensor_name(t) for t in task.pinned]
-            body = _task_body(sub, input_names, captured, outputs, self.traced.captures, pins)
-            # Task functions stay calls (not inlined): the graph optimiser
-            # then works on each task once instead of on M copies, and a
-            # call waits for its control dependencies before any op of its
-            # body runs.
-            fn = tf.function(body, autograph=False, experimental_attributes={"_noinline": True})
-            # Tracing and importing a task allocates many objects (see gc_paused).
-            with tf.device(device), gc_paused():
-                functions[task.key] = fn.get_concrete_function(*in_specs)
-            task.arg_names = args
+        # Tracing and importing the tasks allocates many objects (see gc_paused).
+        with gc_paused():
+            for task in self.tasks:
+                functions[task.key] = self._build_function(task, g, graph_def, nodes)
         return functions
+
+    def _build_function(self, task, g, graph_def, nodes) -> Any:
+        """The concrete function of one task, on its partition's device."""
+        device = self.devices[task.partition]
+        sub = task_graph_def(graph_def, g, task, device, nodes)
+        in_specs = []
+        for t in task.inputs:
+            info = g.tensors[t]
+            in_specs.append(tf.TensorSpec(info.shape, tf.as_dtype(info.dtype)))
+        args = [g.ops[i].name for i in task.copies if g.ops[i].kind == "arg"]
+        for name in args:
+            info = g.tensors[g.ops[g.op_index[name]].outputs[0]]
+            in_specs.append(tf.TensorSpec(info.shape, tf.as_dtype(info.dtype)))
+        captured = [g.ops[i].name for i in task.copies if g.ops[i].kind == "capture"]
+        outputs = [g.tensor_name(t) for t in task.outputs]
+        input_names = [g.tensor_name(t) for t in task.inputs] + [f"{a}:0" for a in args]
+        task.transposed_reads = sorted({self.pretransposed[i].read for i in task.members if i in self.pretransposed})
+        if task.transposed_reads:
+            products = {
+                g.ops[i].name: _transposed_name(g.ops[self.pretransposed[i].read].name)
+                for i in task.members if i in self.pretransposed
+            }
+            placeholders = {}
+            for r in task.transposed_reads:
+                info = g.tensors[g.ops[r].outputs[0]]
+                shape = list(reversed(info.shape))
+                dtype = tf.as_dtype(info.dtype)
+                placeholders[_transposed_name(g.ops[r].name)] = (dtype.as_datatype_enum, shape)
+                in_specs.append(tf.TensorSpec(shape, dtype))
+                input_names.append(f"{_transposed_name(g.ops[r].name)}:0")
+            pretranspose_graph_def(sub, products, placeholders)
+        pins = [g.tensor_name(t) for t in task.pinned]
+        body = _task_body(sub, input_names, captured, outputs, self.traced.captures, pins)
+        # Task functions stay calls (not inlined): the graph optimiser
+        # then works on each task once instead of on M copies, and a
+        # call waits for its control dependencies before any op of its
+        # body runs.
+        fn = tf.function(body, autograph=False, experimental_attributes={"_noinline": True})
+        with tf.device(device):
+            concrete = fn.get_concrete_function(*in_specs)
+        task.arg_names = args
+        return concrete
 
     # -- emission ------------------------------------------------------------
     def emit(self, flat_microbatches: Sequence[Sequence[Any]]) -> List[Any]:
@@ -477,11 +483,8 @@ class CompiledStep:
                     raw[(m, t)] = value
                     if t in self._sent_tensors:
                         sent[(m, t)] = raw_output(value)
-        # Partition -> the last action of its device: what runs after the
-        # pipeline waits on it (with virtual stages, partitions of one device
-        # share it).
-        index = self.plan.device_index
-        self.last_ops = {p: last[index[p]] for p in range(len(index)) if index[p] in last}
+        # Device -> its last action: what runs after the pipeline waits on it.
+        self.device_last_ops = dict(last)
         if probing:
             index = self.plan.device_index
             actions = [(index[a.partition], a.partition, a.wave, a.microbatch, self.schedule.display(a))
@@ -507,6 +510,13 @@ class CompiledStep:
                     flat.append(None if t is None else self._output_value(raw, arg_values[m], m, t))
             results.append(tf.nest.pack_sequence_as(self.traced.output_structure, flat, expand_composites=True))
         return results
+
+    @property
+    def last_ops(self) -> Dict[int, Any]:
+        """Partition -> the last action of its device in the last emission
+        (with virtual stages, the partitions of a device share it)."""
+        index = self.plan.device_index
+        return {p: self.device_last_ops[d] for p, d in enumerate(index) if d in self.device_last_ops}
 
     def memory_report(
         self,

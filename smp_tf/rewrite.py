@@ -701,12 +701,12 @@ def _assemble(
             task = tasks[key] = Task(*key)
         task.members.append(op.index)
         task.flops += op.flops
+        if op.index in weight_ops:  # a W task holds weight ops only (its own wave)
+            task.kind = TaskKind.WEIGHT
         # Gradient ops that only read shapes (the ShapeN of a convolution's
         # gradient) run as soon as the forward exists; they may sit in a
         # forward task without making it a backward one.
-        if op.index in weight_ops:
-            task.kind = TaskKind.WEIGHT
-        elif op.is_gradient and op.type not in _SHAPE_ONLY and task.kind is not TaskKind.WEIGHT:
+        elif op.is_gradient and op.type not in _SHAPE_ONLY:
             task.kind = TaskKind.BACKWARD
         task_of_op[op.index] = task
 

@@ -421,7 +421,7 @@ class StepFunction:
             site=site,
             raise_if_uneven=raise_if_uneven,
             plan=plan,
-            after_pipeline=list({id(op): op for op in entry.last_ops.values()}.values()),
+            after_pipeline=list(entry.device_last_ops.values()),
         )
         for k in members:
             flat[k]._replicas = (reducer, k)

@@ -203,10 +203,10 @@ class partition(contextlib.ContextDecorator):
                 f"smp.partition index must be >= 0. Received: index={index}"
             )
         if state.is_initialized() and index >= state.config().num_stages:
-            cfg = state.config()
-            what = (f"partitions ({cfg.partitions})" if cfg.virtual_stages == 1 else
-                    f"model chunks, partitions x virtual_stages ({cfg.num_stages})")
-            raise ValueError(f"smp.partition index {index} must be less than the number of {what}.")
+            raise ValueError(
+                f"smp.partition index {index} must be less than the number of "
+                f"{state.config()._stages_phrase()}."
+            )
         self.index = index
         self._cm = None
 

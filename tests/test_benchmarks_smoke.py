@@ -20,6 +20,7 @@ DATA_PARALLEL_BENCH = ROOT / "benchmarks" / "data_parallel" / "bench.py"
 KERAS_FIT_BENCH = ROOT / "benchmarks" / "keras_fit" / "bench.py"
 PIPELINE_PROCESSES_BENCH = ROOT / "benchmarks" / "pipeline_processes" / "bench.py"
 TIMELINE_BENCH = ROOT / "benchmarks" / "pipeline" / "timeline.py"
+FIRST_CALL_BENCH = ROOT / "benchmarks" / "pipeline" / "first_call.py"
 
 
 def _run(script: Path, timeout: int) -> str:
@@ -105,10 +106,11 @@ def test_timeline_bench_quick_prints_the_table():
     assert {(r[0], r[1]) for r in rows} == {(s, m) for s in names for m in ("2", "4", "8")}
 
 
-def _bench_module():
+def _bench_module(path: Path = PIPELINE_BENCH):
+    """A benchmark script loaded as a module (its ``main`` does not run)."""
     import importlib.util
 
-    spec = importlib.util.spec_from_file_location("smp_pipeline_bench", PIPELINE_BENCH)
+    spec = importlib.util.spec_from_file_location(f"smp_bench_{path.stem}", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
@@ -201,11 +203,7 @@ def test_schedules_table_rows():
     """The simulator's schedule table (pure Python, in the default run):
     every schedule at every P and M, virtual stages with less bubble and
     Megatron-LM's activation figure."""
-    sys.path.insert(0, str(ROOT / "benchmarks" / "pipeline"))
-    try:
-        import schedules_table
-    finally:
-        sys.path.pop(0)
+    schedules_table = _bench_module(ROOT / "benchmarks" / "pipeline" / "schedules_table.py")
     rows = {(name, P, M): (bubble, peak, msgs) for name, P, M, bubble, peak, msgs in schedules_table.rows()}
     for P in (4, 8):
         for M in (8, 16, 32):
@@ -214,9 +212,6 @@ def test_schedules_table_rows():
             assert virtual[0] < one[0] and rows[("zero_bubble v=2", P, M)][0] < virtual[0]
             assert virtual[2] == 2 * (2 * P - 1) * M
     assert rows[("interleaved v=2", 4, 8)][1] == pytest.approx(4 * (1 + 3 / 8))
-
-
-FIRST_CALL_BENCH = ROOT / "benchmarks" / "pipeline" / "first_call.py"
 
 
 @pytest.mark.benchmark
@@ -232,11 +227,7 @@ def test_first_call_bench_quick_prints_the_table():
 
 
 def test_first_call_bench_table_gives_each_model_a_verdict():
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("smp_first_call_bench", FIRST_CALL_BENCH)
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    bench = _bench_module(FIRST_CALL_BENCH)
     smp = dict(total=3.0, trace=2.0, execute=1.0, step_trace=1.0, partition=0.2, tasks=0.1, functions=0.4,
                emit=0.3, ops=100, tasks_n=3)
     rows = {"fast": ([dict(total=2.0, trace=1.0, execute=1.0)], [smp]),

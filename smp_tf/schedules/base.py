@@ -39,21 +39,17 @@ class ScheduleBuilder:
             tasks are checked and sorted by ``(partition, wave)``.
         split_weight: the schedule wants every backward split into B and W
             tasks (``build_tasks(split_weight=True)``).
-        description: one line for error messages and docs.
     """
 
     name: str
     build: Builder
     split_weight: bool = False
-    description: str = ""
 
 
 _REGISTRY: Dict[str, ScheduleBuilder] = {}
 
 
-def register_schedule(
-    name: str, *, split_weight: bool = False, description: str = ""
-) -> Callable[[Builder], Builder]:
+def register_schedule(name: str, *, split_weight: bool = False) -> Callable[[Builder], Builder]:
     """Registers a schedule builder under `name` (a decorator).
 
     The config's ``pipeline`` key accepts every registered name, and
@@ -63,7 +59,6 @@ def register_schedule(
     Args:
         name: the kind; not ``"custom"`` and not already registered.
         split_weight: the builder schedules W tasks (see `ScheduleBuilder`).
-        description: one line shown in errors and docs.
 
     Raises:
         ValueError: a bad or taken name.
@@ -74,7 +69,7 @@ def register_schedule(
         raise ValueError(f"schedule {name!r} is already registered")
 
     def decorator(build: Builder) -> Builder:
-        _REGISTRY[name] = ScheduleBuilder(name, build, split_weight, description)
+        _REGISTRY[name] = ScheduleBuilder(name, build, split_weight)
         return build
 
     return decorator

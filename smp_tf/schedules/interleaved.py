@@ -248,7 +248,7 @@ def list_order(tasks: Tuple[TaskSpec, ...], m: int, defer_weight: bool = False) 
     return order
 
 
-@register_schedule("interleaved", description="1F1B: backward as early as possible, bounded activations")
+@register_schedule("interleaved")
 def interleaved_order(tasks: Tuple[TaskSpec, ...], m: int) -> Dict[int, List[Action]]:
     """1F1B: the classic order for a plain chain, Megatron-LM's interleaved
     order for a chain cut into virtual stages (when ``M`` is a multiple of

@@ -13,7 +13,7 @@ from smp_tf.schedules.base import register_schedule
 from smp_tf.schedules.tasks import Action, TaskSpec, _num_devices
 
 
-@register_schedule("simple", description="GPipe: every forward, then every backward")
+@register_schedule("simple")
 def simple_order(tasks: Tuple[TaskSpec, ...], m: int) -> Dict[int, List[Action]]:
     """GPipe: all forward actions by (wave, micro-batch), then all backward ones.
 

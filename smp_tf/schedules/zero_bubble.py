@@ -20,9 +20,7 @@ from smp_tf.schedules.interleaved import list_order
 from smp_tf.schedules.tasks import Action, TaskSpec
 
 
-@register_schedule(
-    "zero_bubble", split_weight=True, description="1F1B with weight gradients moved into the bubbles (ZB-H1)"
-)
+@register_schedule("zero_bubble", split_weight=True)
 def zero_bubble_order(tasks: Tuple[TaskSpec, ...], m: int) -> Dict[int, List[Action]]:
     """`list_order` with W actions deferred into the bubbles."""
     return list_order(tasks, m, defer_weight=True)
