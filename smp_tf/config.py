@@ -148,7 +148,8 @@ class Config:
             that may not run twice, such as the seed a dropout read); its
             backward recomputes the rest of its forward. ``"selective"``:
             it also keeps the outputs of expensive ops (products,
-            convolutions) and recomputes the cheap ones. ``"auto"``: each
+            convolutions) and dropout keep masks, and recomputes the cheap
+            ops. ``"auto"``: each
             partition uses the cheapest of these that fits
             `memory_budget` (``"never"`` where there is no budget).
         memory_budget: bytes each partition's device may hold at its peak.

@@ -290,7 +290,8 @@ class OpGraph:
                 tied=tuple(index[n] for n in s.get("tied", ())),
             )
             ops.append(op)
-            tensors.append(TensorInfo(id=i, producer=i, index=0, bytes=int(s.get("bytes", 4))))
+            tensors.append(TensorInfo(id=i, producer=i, index=0, bytes=int(s.get("bytes", 4)),
+                                      dtype=str(s.get("dtype", "float32"))))
             for t in op.inputs:
                 tensors[t].consumers.append(i)
             index[name] = i

@@ -66,6 +66,20 @@ RECOMPUTE_MODES = ("never", "selective", "full")
 #: dropout), which hold most of the bytes for few of the flops.
 SELECTIVE_MIN_FLOPS_PER_ELEMENT = 8.0
 
+#: Random number generators. Under ``recompute="selective"`` a boolean
+#: computed straight from one of their draws (a dropout's keep mask) is kept:
+#: one byte per element spares drawing the numbers again, which on a CPU
+#: costs as much as the products the mode keeps.
+RANDOM_OP_PREFIXES = ("StatelessRandom", "RandomUniform", "RandomStandardNormal", "TruncatedNormal",
+                      "StatelessTruncatedNormal", "StatelessParameterizedTruncatedNormal", "RandomGamma",
+                      "RandomPoisson", "StatelessMultinomial", "Multinomial")
+
+
+def is_random_op(op_type: str) -> bool:
+    """Whether ops of `op_type` draw random numbers (seeded or not)."""
+    return op_type.startswith(RANDOM_OP_PREFIXES)
+
+
 #: Ops never recomputed: control flow and function calls (their outputs are
 #: kept instead; a loop's accumulators are its gradient's inputs).
 _NOT_RECOMPUTED = frozenset(
@@ -560,7 +574,9 @@ def recomputable_ops(graph: OpGraph, mode: str, dup: Optional[Sequence[bool]] = 
     dropout replays the seed the forward read and draws the same mask, and
     no state is updated twice. With ``mode="selective"`` the ops that cost
     at least `SELECTIVE_MIN_FLOPS_PER_ELEMENT` flops per output element
-    (products, convolutions) do not qualify either: their outputs are kept.
+    (products, convolutions) do not qualify either: their outputs are kept;
+    nor do booleans computed from a random draw (a dropout's keep mask,
+    one byte per element), so the draw is not repeated.
 
     Args:
         graph: the traced graph.
@@ -592,8 +608,29 @@ def recomputable_ops(graph: OpGraph, mode: str, dup: Optional[Sequence[bool]] = 
             elements = sum(graph.tensors[t].elements for t in op.outputs)
             if op.flops >= SELECTIVE_MIN_FLOPS_PER_ELEMENT * max(elements, 1):
                 continue
+            if _random_mask(graph, op):
+                continue
         out[op.index] = True
     return out
+
+
+#: Ops through which a tensor still counts as a random draw (a uniform
+#: draw is scaled and shifted into its range before it is compared).
+_DRAW_PASSTHROUGH = frozenset(["Mul", "AddV2", "Add", "Sub", "Cast", "Identity", "Reshape"])
+
+
+def _drawn(graph: OpGraph, tensor: int, depth: int = 4) -> bool:
+    """Whether `tensor` is a random draw, possibly scaled or shifted."""
+    op = graph.ops[graph.tensors[tensor].producer]
+    if is_random_op(op.type):
+        return True
+    return depth > 0 and op.type in _DRAW_PASSTHROUGH and any(_drawn(graph, t, depth - 1) for t in op.inputs)
+
+
+def _random_mask(graph: OpGraph, op: Any) -> bool:
+    """Whether `op` makes booleans from a random draw (a dropout's keep mask)."""
+    return bool(op.outputs) and all(graph.tensors[t].dtype == "bool" for t in op.outputs) and any(
+        _drawn(graph, t) for t in op.inputs)
 
 
 def _recompute_modes(recompute: Union[str, Sequence[str]], partition_of_op: Sequence[int]) -> Dict[int, str]:

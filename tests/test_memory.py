@@ -193,6 +193,31 @@ def test_recomputable_ops_keep_state_reads_and_stateful_draws():
     assert not again[g.op_index["read_seed"]] and not again[g.op_index["draw"]] and not again[g.op_index["bump"]]
 
 
+def test_selective_recomputation_keeps_a_dropout_mask_instead_of_drawing_again():
+    # A dropout as TensorFlow builds it: a uniform draw from the kept seed
+    # value, shifted into its range, compared with the rate (the keep mask),
+    # then applied. Selective keeps the mask (one byte per element) so the
+    # draw never runs again; full recomputes all of it from the seed.
+    spec = [
+        {"name": "x", "type": "Placeholder", "kind": "arg", "bytes": 400, "flops": 0},
+        {"name": "read_seed", "type": "ReadVariableOp", "variables": ["seed"], "stateful": True, "bytes": 8},
+        {"name": "bump", "type": "AssignAddVariableOp", "inputs": ["read_seed"], "writes": ["seed"]},
+        {"name": "draw", "type": "StatelessRandomUniformV2", "inputs": ["read_seed"], "bytes": 400, "flops": 1},
+        {"name": "shifted", "type": "AddV2", "inputs": ["draw"], "bytes": 400, "flops": 1},
+        {"name": "keep", "type": "GreaterEqual", "inputs": ["shifted"], "bytes": 100, "dtype": "bool", "flops": 1},
+        {"name": "scaled", "type": "Mul", "inputs": ["x"], "bytes": 400, "flops": 1},
+        {"name": "dropped", "type": "SelectV2", "inputs": ["keep", "scaled"], "bytes": 400, "flops": 1},
+        # A boolean that no draw feeds stays recomputable.
+        {"name": "positive", "type": "Greater", "inputs": ["dropped"], "bytes": 100, "dtype": "bool", "flops": 1},
+    ]
+    g = OpGraph.from_spec(spec, variable_bytes={"seed": 8})
+    idx = g.op_index
+    selective, full = recomputable_ops(g, "selective"), recomputable_ops(g, "full")
+    assert not selective[idx["keep"]] and full[idx["keep"]]
+    assert selective[idx["draw"]] and selective[idx["shifted"]] and selective[idx["dropped"]]
+    assert selective[idx["positive"]]
+
+
 def test_pinned_tensors_keep_the_readers_of_the_single_device_graph():
     # a feeds b in the forward and g_b (its gradient reads a) in the
     # backward: two readers in the single-device graph. With recomputation
