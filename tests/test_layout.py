@@ -77,3 +77,16 @@ def test_out_of_range_queries_name_the_value():
         layout.driver(1)
     with pytest.raises(ValueError, match="partition must be in"):
         layout.stage_ranks(5)
+
+
+def test_intra_op_threads_share_the_host_among_its_stage_processes():
+    from smp_tf.distributed.remote import intra_op_threads
+
+    # Several logical devices in one process: one core each.
+    assert intra_op_threads(num_devices=2, local_size=2, cpus=16, cpus_on_host=16) == 1
+    # One device per process: the host's cores shared among its processes.
+    assert intra_op_threads(num_devices=1, local_size=2, cpus=16, cpus_on_host=16) == 8
+    assert intra_op_threads(num_devices=1, local_size=4, cpus=2, cpus_on_host=2) == 1
+    # A process bound to fewer cores keeps them; alone on its host, all of them.
+    assert intra_op_threads(num_devices=1, local_size=2, cpus=1, cpus_on_host=2) is None
+    assert intra_op_threads(num_devices=1, local_size=1, cpus=16, cpus_on_host=16) is None

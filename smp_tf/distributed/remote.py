@@ -46,7 +46,7 @@ from smp_tf.distributed.runtime import (
 
 logger = logging.getLogger("smp_tf")
 
-__all__ = ["CLIENT", "PipelineGroup", "PipelineProcess", "start"]
+__all__ = ["CLIENT", "PipelineGroup", "PipelineProcess", "intra_op_threads", "start"]
 
 #: Job of the drivers' client contexts (every process's server is a task of
 #: `runtime.JOB`, as with data parallelism).
@@ -219,14 +219,42 @@ class PipelineGroup:
         logger.error(message)
 
 
-def _session_config(kind: str, num_devices: int, logical_cpu: bool):
+def intra_op_threads(num_devices: int, local_size: int, cpus: int, cpus_on_host: int) -> Optional[int]:
+    """Intra-op threads of a process whose devices are CPU devices, or None
+    for TensorFlow's default (every core it may use).
+
+    Several logical devices in one process get one core each, as with one
+    process per pipeline. One device per process, with several processes on
+    the host, shares the host's cores among them; a process restricted to
+    fewer cores than the host has (``taskset``, a batch system's binding)
+    keeps those.
+
+    Args:
+        num_devices: the process's devices.
+        local_size: processes of the job on this host.
+        cpus: cores this process may run on.
+        cpus_on_host: cores of the host.
+    """
+    if num_devices > 1:
+        return 1
+    if local_size > 1 and cpus >= cpus_on_host:
+        return max(1, cpus // local_size)
+    return None
+
+
+def _session_config(kind: str, num_devices: int, logical_cpu: bool, local_size: int = 1):
     import tensorflow as tf
 
     config = tf.compat.v1.ConfigProto(device_count={kind: num_devices})
     config.experimental.collective_group_leader = task_name(0)
-    if logical_cpu and num_devices > 1:
-        # As in one process: one core per logical device, all at once.
-        config.intra_op_parallelism_threads = 1
+    if logical_cpu:
+        cpus_on_host = os.cpu_count() or 1
+        cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else cpus_on_host
+        threads = intra_op_threads(num_devices, local_size, cpus, cpus_on_host)
+        if threads is not None:
+            # Otherwise every process of the host runs each op on all its
+            # cores at once, and their compute threads take turns.
+            config.intra_op_parallelism_threads = threads
     # The transfers to other processes run as small ops (`_Send`, and the
     # completions of `RecvTensor` calls) on the inter-op pool, which runs
     # the newest work first: with one thread per device they wait behind
@@ -389,10 +417,12 @@ def start(info: ClusterInfo, layout: PipelineLayout, kind: str, logical_cpu: boo
     addresses = server_addresses(info, timeout)
     require_runtime_not_started("start this process's server")
     cluster_spec = tf.train.ClusterSpec({JOB: list(addresses)})
-    config = _session_config(kind, layout.partitions_per_process, logical_cpu)
-    # The same pool size for this process's own context (a driver's client
+    config = _session_config(kind, layout.partitions_per_process, logical_cpu, info.local_size)
+    # The same pool sizes for this process's own context (a driver's client
     # runs its share of each step there).
     tf.config.threading.set_inter_op_parallelism_threads(config.inter_op_parallelism_threads)
+    if config.intra_op_parallelism_threads:
+        tf.config.threading.set_intra_op_parallelism_threads(config.intra_op_parallelism_threads)
     try:
         _SERVER = tf.distribute.Server(cluster_spec, job_name=JOB, task_index=info.rank, start=True, config=config)
     except tf.errors.UnknownError as e:
