@@ -91,7 +91,8 @@ def test_keras_fit_bench_quick_prints_the_table():
 def test_pipeline_processes_bench_quick_prints_the_table():
     out = _run(PIPELINE_PROCESSES_BENCH, timeout=900)
     assert "smp_tf pipeline across processes benchmark (--quick" in out
-    for row in ("(a) step, P=2 in one process", "(a) step, P=2 across 2 processes", "(b) bytes sent on loopback",
+    for row in ("(a) step, P=2 in one process", "(a) step, P=2 across 2 processes", "sharing both CPUs",
+                "(b) bytes sent on loopback",
                 "(c) TensorFlow bandwidth", "(c) plain TCP bandwidth", "(c) call of a function"):
         assert row in out, row
     assert "Where the difference goes" in out

@@ -382,11 +382,9 @@ def build_table(args, one: List[float], two: List[float], drivers: List[dict], t
         % (2 * M, transfer * 1e3, 2 * M * transfer * 1e3),
         "driver dispatches each step's share to both servers over gRPC before any compute starts (a"
         " call",
-        "with one op in each process takes %.2f ms). The rest, %.2f ms, is waiting at the hops beyond"
+        "with one op in each process takes %.2f ms). The rest, %.2f ms, is not the transport's idle"
         % (call * 1e3, (t2 - t1 - 2 * M * transfer - call) * 1e3),
-        "their idle cost: in a step, a boundary tensor reaches the next stage 2 to 4 ms after its"
-        " producer",
-        "finished (smp.profile), while each core is busy only about two thirds of the step.",
+        "cost: a profile of the step (smp.profile, README.md) shows where it goes.",
     ]
     return "\n".join(lines)
 
