@@ -29,7 +29,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Callable, Dict, List, Optional, Sequence, Set, Tuple, Union
 
-from smp_tf.graph_view import OpGraph
+from smp_tf.graph_view import OpGraph, OpNode
 from smp_tf.partitioner.groups import free_ops
 from smp_tf.schedules import TaskKind, TaskSpec
 from smp_tf.schedules.tasks import KindFlags
@@ -627,7 +627,7 @@ def _drawn(graph: OpGraph, tensor: int, depth: int = 4) -> bool:
     return depth > 0 and op.type in _DRAW_PASSTHROUGH and any(_drawn(graph, t, depth - 1) for t in op.inputs)
 
 
-def _random_mask(graph: OpGraph, op: Any) -> bool:
+def _random_mask(graph: OpGraph, op: OpNode) -> bool:
     """Whether `op` makes booleans from a random draw (a dropout's keep mask)."""
     return bool(op.outputs) and all(graph.tensors[t].dtype == "bool" for t in op.outputs) and any(
         _drawn(graph, t) for t in op.inputs)
