@@ -672,7 +672,8 @@ def build_tasks(
         recompute: one of `RECOMPUTE_MODES`, or one per partition.
         split_weight: split every backward task with weight-gradient work
             into B and a W task (`split_backward`), for the ``zero_bubble``
-            schedule; fused tasks stay whole (see the comment in the code). A W task's wave is above every other wave (nothing but
+            schedule; a fused task gives W only its weight-gradient kernels
+            (see the comment in the code). A W task's wave is above every other wave (nothing but
             the step's outputs waits for it), so the order below stays
             topological.
 
@@ -697,22 +698,59 @@ def build_tasks(
     top = max(t.wave for t in tasks)
     weight_ops: Set[int] = set()
     for task in tasks:
-        if task.fused:
-            # The last stage's fused task stays whole: split, TensorFlow's
-            # graph optimiser rounds some of its sums differently from the
-            # single-device step (seen on MobileNetV3), and nothing upstream
-            # waits for its weight gradients anyway.
-            continue
         split = split_backward(graph, task, tasks)
         if split is None:
             continue
-        for i in split.w:
+        w_ops: Sequence[int] = split.w
+        if task.fused:
+            # The last stage's fused task gives W only its weight-gradient
+            # kernels and what carries their results on. With all of W
+            # moved out (the element-wise parts of normalisation gradients
+            # too), TensorFlow's graph optimiser rewrote the rest of the
+            # task's arithmetic differently from the single-device step, and
+            # the input gradients it sends back rounded differently (seen
+            # on MobileNetV3).
+            w_ops = _weight_kernel_leaves(graph, split.w)
+        for i in w_ops:
             if i in task.members:  # recomputed ops follow their readers
                 wave[i] = top + 1 + task.wave
                 weight_ops.add(i)
     if not weight_ops:
         return tasks
     return _assemble(graph, partition_of_op, output_tensors, dup, wave, modes, weight_ops)
+
+
+#: Kernels that compute a weight gradient from an activation and an output gradient.
+WEIGHT_GRADIENT_KERNELS = frozenset([
+    "Conv2DBackpropFilter", "Conv2DBackpropFilterV2", "Conv3DBackpropFilterV2",
+    "DepthwiseConv2dNativeBackpropFilter", "BiasAddGrad", "MatMul", "BatchMatMulV2", "BatchMatMulV3",
+])
+
+
+def _weight_kernel_leaves(graph: OpGraph, w: Sequence[int]) -> Set[int]:
+    """The weight-gradient kernels of `w`, with the ops of `w` that only
+    carry their results on (reshapes, identities, sums of their outputs)."""
+    members = set(w)
+    out = {i for i in members if graph.ops[i].type in WEIGHT_GRADIENT_KERNELS}
+    grew = True
+    while grew:
+        grew = False
+        for i in sorted(members - out):
+            producers = {graph.tensors[t].producer for t in graph.ops[i].inputs} & members
+            if producers and producers <= out:
+                out.add(i)
+                grew = True
+    # What stays behind must not read W: drop every op that an op staying
+    # behind reads, until none does.
+    shrank = True
+    while shrank:
+        shrank = False
+        for i in sorted(out):
+            readers = {c for t in graph.ops[i].outputs for c in graph.tensors[t].consumers}
+            if readers & (members - out):
+                out.discard(i)
+                shrank = True
+    return out
 
 
 def _assemble(

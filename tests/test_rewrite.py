@@ -696,6 +696,56 @@ def test_split_of_the_last_stage_keeps_the_input_gradient_on_the_critical_path()
     assert (split.b_flops, split.w_flops) == (22.0, 10.0)
 
 
+def test_the_fused_task_gives_w_only_its_weight_gradient_kernels():
+    """Split for zero_bubble, the last stage's fused task moves its weight
+    products and what only carries them on (a Reshape of gw1) to W, and
+    keeps the element-wise gradient work (a Mul feeding a weight product
+    and also the W side of a sum) in its FB task; nothing left in FB reads
+    W, so the tasks stay acyclic."""
+    from smp_tf.rewrite import WEIGHT_GRADIENT_KERNELS, _weight_kernel_leaves
+
+    spec = [
+        {"name": "x", "type": "Placeholder", "kind": "arg", "flops": 0, "p": 0},
+        {"name": "y", "type": "Placeholder", "kind": "arg", "flops": 0, "p": 1},
+        {"name": "r0", "type": "ReadVariableOp", "variables": ["w0"], "flops": 0, "p": 0},
+        {"name": "f0", "type": "MatMul", "inputs": ["x", "r0"], "flops": 10, "p": 0},
+        {"name": "r1", "type": "ReadVariableOp", "variables": ["w1"], "flops": 0, "p": 1},
+        {"name": "f1", "type": "MatMul", "inputs": ["f0", "r1"], "flops": 10, "p": 1},
+        {"name": "loss", "inputs": ["f1", "y"], "flops": 1, "p": 1},
+        {"name": "dl", "inputs": ["loss", "f1"], "forward": "loss", "flops": 1, "p": 1},
+        {"name": "gx1", "type": "MatMul", "inputs": ["dl", "r1"], "forward": "f1", "flops": 10, "p": 1},
+        # Element-wise work that only weight gradients need.
+        {"name": "scaled", "type": "Mul", "inputs": ["dl"], "forward": "f1", "flops": 1, "p": 1},
+        {"name": "gw1", "type": "MatMul", "inputs": ["f0", "scaled"], "forward": "f1", "flops": 10, "p": 1},
+        {"name": "gw1r", "type": "Reshape", "inputs": ["gw1"], "forward": "f1", "flops": 0, "p": 1},
+        # A weight product that element-wise work outside W reads: stays in FB.
+        {"name": "gv1", "type": "MatMul", "inputs": ["f0", "dl"], "forward": "f1", "flops": 10, "p": 1},
+        {"name": "gv1s", "type": "Mul", "inputs": ["gv1", "scaled"], "forward": "f1", "flops": 1, "p": 1},
+        {"name": "gx0", "type": "MatMul", "inputs": ["gx1", "r0"], "forward": "f0", "flops": 10, "p": 0},
+        {"name": "gw0", "type": "MatMul", "inputs": ["x", "gx1"], "forward": "f0", "flops": 10, "p": 0},
+    ]
+    parts = [s.pop("p") for s in spec]
+    g = OpGraph.from_spec(spec)
+    outputs = [_tensor(g, n) for n in ("loss", "gw0", "gw1r", "gv1s")]
+    whole = _by_key(build_tasks(g, parts, outputs))[(1, 1)]
+    assert whole.fused
+    from smp_tf.rewrite import split_backward
+
+    split = split_backward(g, whole, build_tasks(g, parts, outputs))
+    assert set(_names(g, split.w)) == {"scaled", "gw1", "gw1r", "gv1", "gv1s"}
+    assert "MatMul" in WEIGHT_GRADIENT_KERNELS
+    assert set(_names(g, _weight_kernel_leaves(g, split.w))) == {"gw1", "gw1r"}
+
+    tasks = _by_key(build_tasks(g, parts, outputs, split_weight=True))
+    weights = [t for t in tasks.values() if t.weight and t.partition == 1]
+    assert len(weights) == 1
+    assert set(_names(g, weights[0].members)) == {"gw1", "gw1r"}
+    fb = tasks[(1, 1)]
+    assert {"scaled", "gv1", "gv1s", "gx1"} <= set(_names(g, fb.members))
+    # FB reads nothing from W: W's inputs come from FB and stage 0.
+    assert weights[0].key not in set(fb.producer_of_input.values())
+
+
 def test_split_of_the_first_stage_defers_everything_nobody_waits_for():
     # Nothing is sent upstream of stage 0: its whole backward can wait.
     g, parts, outputs = _two_stage_matmuls()
