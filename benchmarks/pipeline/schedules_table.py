@@ -15,9 +15,8 @@ M in {8, 16, 32}:
   as many boundaries).
 
 ``simple`` and ``interleaved`` run B and W as one backward task (what
-smp_tf runs for them); ``zero_bubble`` runs them as separate tasks except
-on the last stage, whose fused task smp_tf leaves whole; ``zb, all split``
-splits the last stage too, for comparison. ``... v=2`` rows cut the chain
+smp_tf runs for them); ``zero_bubble`` runs them as separate tasks, the
+last stage's fused FB task included. ``... v=2`` rows cut the chain
 into 2P chunks, chunk c on device c % P (``virtual_stages: 2``), each chunk
 costing half a stage; ``interleaved v=2`` is Megatron-LM's interleaved 1F1B.
 No
@@ -39,8 +38,8 @@ from smp_tf.schedules import chain_tasks, make_schedule, split_chain_tasks, virt
 
 
 def _virtual_split(P, v):
-    """split_chain_tasks of P v chunks (last one whole), chunk c on device c % P, costs / v."""
-    tasks = split_chain_tasks(P * v, 1.0 / v, 1.0 / v, 1.0 / v, split_last=False)
+    """split_chain_tasks of P v chunks, chunk c on device c % P, costs / v."""
+    tasks = split_chain_tasks(P * v, 1.0 / v, 1.0 / v, 1.0 / v)
     return [dataclasses.replace(t, device=t.partition % P) for t in tasks]
 
 STAGES = (4, 8)
@@ -54,9 +53,7 @@ def rows():
             for name, kind, tasks in (
                 ("simple", "simple", chain_tasks(P, 1.0, 2.0)),
                 ("interleaved", "interleaved", chain_tasks(P, 1.0, 2.0)),
-                # What smp_tf runs: the last stage's fused task stays whole.
-                ("zero_bubble", "zero_bubble", split_chain_tasks(P, split_last=False)),
-                ("zb, all split", "zero_bubble", split_chain_tasks(P)),
+                ("zero_bubble", "zero_bubble", split_chain_tasks(P)),
                 ("interleaved v=2", "interleaved", virtual_chain_tasks(P, 2, 1.0, 2.0)),
                 ("zero_bubble v=2", "zero_bubble", _virtual_split(P, 2)),
             ):
