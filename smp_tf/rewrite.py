@@ -672,10 +672,10 @@ def build_tasks(
         recompute: one of `RECOMPUTE_MODES`, or one per partition.
         split_weight: split every backward task with weight-gradient work
             into B and a W task (`split_backward`), for the ``zero_bubble``
-            schedule; a fused task gives W only its weight-gradient kernels
-            (see the comment in the code). A W task's wave is above every other wave (nothing but
-            the step's outputs waits for it), so the order below stays
-            topological.
+            schedule; a fused task gives W only its weight-gradient
+            kernels (see the comment in the code). A W task's wave is above
+            every other wave (nothing but the step's outputs waits for it),
+            so the order below stays topological.
 
     Returns:
         Tasks sorted by (wave, partition), which is a topological order.
