@@ -54,6 +54,9 @@ __all__ = [
     "StateOrderError",
     "RECOMPUTE_MODES",
     "recomputable_ops",
+    "RANDOM_OP_PREFIXES",
+    "is_random_op",
+    "WEIGHT_GRADIENT_KERNELS",
 ]
 
 #: Values of the ``recompute`` setting that `build_tasks` takes, per partition.
