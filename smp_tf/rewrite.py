@@ -701,6 +701,13 @@ def build_tasks(
     top = max(t.wave for t in tasks)
     weight_ops: Set[int] = set()
     for task in tasks:
+        if task.fused and modes[task.partition] != "never":
+            # A W task reads what it needs from the task before it, and
+            # with recomputation it would run the last stage's forward
+            # again (that stage keeps nothing between tasks otherwise): more
+            # work, and the recomputed values round differently (seen on
+            # BERT). The fused task stays whole there.
+            continue
         split = split_backward(graph, task, tasks)
         if split is None:
             continue

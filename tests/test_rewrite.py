@@ -746,6 +746,20 @@ def test_the_fused_task_gives_w_only_its_weight_gradient_kernels():
     assert weights[0].key not in set(fb.producer_of_input.values())
 
 
+def test_the_fused_task_stays_whole_under_recomputation():
+    # Its W would recompute the last stage's forward: the split is skipped
+    # on a partition that recomputes, and kept on the others.
+    g, parts, outputs = _two_stage_matmuls()
+    split = build_tasks(g, parts, outputs, split_weight=True)
+    assert [t.key for t in split if t.weight and t.partition == 1]
+    for mode in ("full", "selective"):
+        whole = build_tasks(g, parts, outputs, split_weight=True, recompute=mode)
+        assert not [t for t in whole if t.weight and t.partition == 1], mode
+        assert [t for t in whole if t.weight and t.partition == 0], mode
+    mixed = build_tasks(g, parts, outputs, split_weight=True, recompute=["full", "never"])
+    assert [t for t in mixed if t.weight and t.partition == 1]
+
+
 def test_split_of_the_first_stage_defers_everything_nobody_waits_for():
     # Nothing is sent upstream of stage 0: its whole backward can wait.
     g, parts, outputs = _two_stage_matmuls()
