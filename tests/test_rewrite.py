@@ -607,7 +607,7 @@ def test_task_graph_def_writes_known_shapes_as_constants():
         y = tf.compat.v1.placeholder(tf.float32, [2, 3], name="y")
         s = tf.raw_ops.Shape(input=x, name="s")
         sn = tf.raw_ops.ShapeN(input=[x, y], out_type=tf.int64, name="sn")
-        v = tf.multiply(x, 2.0, name="v")
+        tf.multiply(x, 2.0, name="v")
         w = tf.reshape(tf.identity(y, name="b"), s, name="w")
         tf.add(tf.cast(sn[1], tf.float32, name="c"), tf.reduce_sum(w), name="d")
     og = from_tf_graph(g, arg_ops=["x", "y"])
