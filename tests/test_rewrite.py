@@ -635,14 +635,11 @@ def test_task_graph_def_writes_known_shapes_as_constants():
 
 
 # -- backward split: B (input gradients) and W (weight gradients) -------------
-def _two_stage_matmuls(relu_grad=False, state_in_weight_path=False):
-    """Two stages of y = x @ w, with TensorFlow's two gradient products each:
-    gx = dy @ w^T (what the previous stage waits for) and gw = x^T @ dy (a
-    weight gradient, a step output). Stage 1 holds the loss (fused task).
-    With `relu_grad`, stage 0's incoming gradient first goes through a
-    ReluGrad that both products read. With `state_in_weight_path`, a
-    stateful op (a write of variable "s") sits on stage 0's weight path."""
-    spec = [
+def _two_stage_forward_and_input_gradient():
+    """Two stages of y = x @ w, the loss on stage 1 (its fused task), and
+    gx1 = dl @ w1^T, the gradient stage 1 sends back (spec entries with
+    their partition under "p")."""
+    return [
         {"name": "x", "type": "Placeholder", "kind": "arg", "flops": 0, "p": 0},
         {"name": "y", "type": "Placeholder", "kind": "arg", "flops": 0, "p": 1},
         {"name": "r0", "type": "ReadVariableOp", "variables": ["w0"], "flops": 0, "p": 0},
@@ -652,6 +649,17 @@ def _two_stage_matmuls(relu_grad=False, state_in_weight_path=False):
         {"name": "loss", "inputs": ["f1", "y"], "flops": 1, "p": 1},
         {"name": "dl", "inputs": ["loss", "f1"], "forward": "loss", "flops": 1, "p": 1},
         {"name": "gx1", "type": "MatMul", "inputs": ["dl", "r1"], "forward": "f1", "flops": 10, "p": 1},
+    ]
+
+
+def _two_stage_matmuls(relu_grad=False, state_in_weight_path=False):
+    """Two stages of y = x @ w, with TensorFlow's two gradient products each:
+    gx = dy @ w^T (what the previous stage waits for) and gw = x^T @ dy (a
+    weight gradient, a step output). Stage 1 holds the loss (fused task).
+    With `relu_grad`, stage 0's incoming gradient first goes through a
+    ReluGrad that both products read. With `state_in_weight_path`, a
+    stateful op (a write of variable "s") sits on stage 0's weight path."""
+    spec = _two_stage_forward_and_input_gradient() + [
         {"name": "gw1", "type": "MatMul", "inputs": ["f0", "dl"], "forward": "f1", "flops": 10, "p": 1},
     ]
     d = "gx1"
@@ -704,16 +712,7 @@ def test_the_fused_task_gives_w_only_its_weight_gradient_kernels():
     W, so the tasks stay acyclic."""
     from smp_tf.rewrite import WEIGHT_GRADIENT_KERNELS, _weight_kernel_leaves
 
-    spec = [
-        {"name": "x", "type": "Placeholder", "kind": "arg", "flops": 0, "p": 0},
-        {"name": "y", "type": "Placeholder", "kind": "arg", "flops": 0, "p": 1},
-        {"name": "r0", "type": "ReadVariableOp", "variables": ["w0"], "flops": 0, "p": 0},
-        {"name": "f0", "type": "MatMul", "inputs": ["x", "r0"], "flops": 10, "p": 0},
-        {"name": "r1", "type": "ReadVariableOp", "variables": ["w1"], "flops": 0, "p": 1},
-        {"name": "f1", "type": "MatMul", "inputs": ["f0", "r1"], "flops": 10, "p": 1},
-        {"name": "loss", "inputs": ["f1", "y"], "flops": 1, "p": 1},
-        {"name": "dl", "inputs": ["loss", "f1"], "forward": "loss", "flops": 1, "p": 1},
-        {"name": "gx1", "type": "MatMul", "inputs": ["dl", "r1"], "forward": "f1", "flops": 10, "p": 1},
+    spec = _two_stage_forward_and_input_gradient() + [
         # Element-wise work that only weight gradients need.
         {"name": "scaled", "type": "Mul", "inputs": ["dl"], "forward": "f1", "flops": 1, "p": 1},
         {"name": "gw1", "type": "MatMul", "inputs": ["f0", "scaled"], "forward": "f1", "flops": 10, "p": 1},
@@ -727,11 +726,8 @@ def test_the_fused_task_gives_w_only_its_weight_gradient_kernels():
     parts = [s.pop("p") for s in spec]
     g = OpGraph.from_spec(spec)
     outputs = [_tensor(g, n) for n in ("loss", "gw0", "gw1r", "gv1s")]
-    whole = _by_key(build_tasks(g, parts, outputs))[(1, 1)]
+    whole, split = _split_of(g, parts, outputs, (1, 1))
     assert whole.fused
-    from smp_tf.rewrite import split_backward
-
-    split = split_backward(g, whole, build_tasks(g, parts, outputs))
     assert set(_names(g, split.w)) == {"scaled", "gw1", "gw1r", "gv1", "gv1s"}
     assert "MatMul" in WEIGHT_GRADIENT_KERNELS
     assert set(_names(g, _weight_kernel_leaves(g, split.w))) == {"gw1", "gw1r"}
