@@ -93,7 +93,6 @@ def estimate_flops(
     out = output_shapes[0] if output_shapes else None
     if op_type in ("MatMul", "BatchMatMul", "BatchMatMulV2", "BatchMatMulV3"):
         a = input_shapes[0] if input_shapes else None
-        b = input_shapes[1] if len(input_shapes) > 1 else None
         k = 1.0
         # a's matrix is M x K or K x M (transposed) and M = out[-2], so
         # K = a[-2] * a[-1] / out[-2], whatever the transposes and however
@@ -251,7 +250,8 @@ class OpGraph:
 
         Each entry is a dict with ``name`` and optional ``type`` (default
         ``"Op"``), ``inputs`` (op names; each op has one output tensor),
-        ``bytes`` (size of its output, default 4), ``flops`` (default 1),
+        ``bytes`` (size of its output, default 4), ``shape`` and ``dtype``
+        of its output (default unknown, ``"float32"``), ``flops`` (default 1),
         ``variables``, ``writes`` (variables it writes; they are added to
         ``variables``), ``layer``, ``forward`` (name of the forward op, marks
         a gradient op), ``colocate_with``, ``manual_partition``, ``kind``,
@@ -290,8 +290,9 @@ class OpGraph:
                 tied=tuple(index[n] for n in s.get("tied", ())),
             )
             ops.append(op)
+            shape = tuple(s["shape"]) if s.get("shape") is not None else None
             tensors.append(TensorInfo(id=i, producer=i, index=0, bytes=int(s.get("bytes", 4)),
-                                      dtype=str(s.get("dtype", "float32"))))
+                                      dtype=str(s.get("dtype", "float32")), shape=shape))
             for t in op.inputs:
                 tensors[t].consumers.append(i)
             index[name] = i

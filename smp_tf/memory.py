@@ -46,7 +46,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Callable, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
 
-from smp_tf.graph_view import OpGraph
+from smp_tf.graph_view import OpGraph, OpNode
 from smp_tf.rewrite import Task
 from smp_tf.schedules import Action, Simulation
 
@@ -60,6 +60,7 @@ __all__ = [
     "refine_memory_split",
     "storage_bytes",
     "task_workspace",
+    "kernel_scratch",
     "optimizer_slots",
     "format_bytes",
     "stage_multipliers",
@@ -83,6 +84,51 @@ IN_PLACE = frozenset(
 #: Ops whose outputs live outside the step's dynamic memory (constants,
 #: arguments, captured handles).
 _NOT_ALLOCATED = frozenset(["Const", "Placeholder", "VarHandleOp", "_Arg"])
+
+#: TensorFlow's CPU convolution gradients lower to matrix products over an
+#: im2col buffer that they allocate while they run
+#: (``Conv2DCustomBackpropFilterOp``/``...InputOp``): the filter gradient
+#: takes as many images as fit a 30 MiB working set (its "L3 cache" target),
+#: the input gradient one image at a time.
+CONV_WORKING_SET = 30 << 20
+_CONV_GRADIENTS = ("Conv2DBackpropFilter", "Conv2DBackpropInput")
+
+
+def kernel_scratch(graph: OpGraph, op: OpNode) -> int:
+    """Bytes an op allocates for itself while it runs and frees before it
+    returns: the im2col buffer of a 2-D convolution's gradients (channels
+    last, as Keras lays them out on CPUs); 0 for every other op.
+
+    The formulas are those of TensorFlow's CPU kernels; on GPUs cuDNN picks
+    its own workspace, which this does not see.
+    """
+    if op.type not in _CONV_GRADIENTS or len(op.inputs) < 3 or not op.outputs:
+        return 0
+    grad = graph.tensors[op.inputs[2]]
+    if op.type == "Conv2DBackpropFilter":
+        filt = graph.tensors[op.outputs[0]].shape
+    else:
+        filt = graph.tensors[op.inputs[1]].shape
+    shapes = (grad.shape, filt)
+    if any(s is None or len(s) != 4 or any(d is None for d in s) for s in shapes):
+        return 0
+    itemsize = grad.bytes // max(1, _elements(grad.shape))
+    out_image = grad.shape[1] * grad.shape[2]
+    filter_total = filt[0] * filt[1] * filt[2]
+    col_image = out_image * filter_total  # one image's im2col rows
+    if op.type == "Conv2DBackpropInput":
+        return _granules(col_image * itemsize)
+    work_unit = col_image + out_image * filt[3] + filter_total * filt[3]
+    shard = -(-(CONV_WORKING_SET // itemsize) // work_unit)
+    return _granules(shard * col_image * itemsize)
+
+
+def _elements(shape) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
 
 _FIELDS = ("variables", "optimizer", "gradients", "activations", "buffers", "transient")
 
@@ -233,15 +279,25 @@ class MemoryReport:
         return self.table()
 
 
+#: TensorFlow's BFC allocator hands out multiples of 256 bytes
+#: (``kMinAllocationSize``): many small tensors take more than their sizes.
+ALLOCATION_GRANULE = 256
+
+
+def _granules(nbytes: int) -> int:
+    return -(-nbytes // ALLOCATION_GRANULE) * ALLOCATION_GRANULE
+
+
 def storage_bytes(graph: OpGraph) -> List[int]:
     """Bytes of new memory each tensor takes.
 
     0 for tensors that alias a variable (a ``ReadVariableOp`` and views of
     it), constants, step arguments and captures; the tensor's bytes
     otherwise (a view of an activation keeps that activation alive, so it
-    counts its size).
+    counts its size), rounded up to `ALLOCATION_GRANULE` as TensorFlow's
+    BFC allocator (GPUs, and CPUs with ``TF_CPU_ALLOCATOR_USE_BFC``) does.
     """
-    out = [t.bytes for t in graph.tensors]
+    out = [_granules(t.bytes) for t in graph.tensors]
     for op in graph.ops:  # topological order: a view's source is done first
         if op.kind != "op" or op.type in _NOT_ALLOCATED or op.type == "ReadVariableOp":
             for t in op.outputs:
@@ -259,7 +315,8 @@ def task_workspace(graph: OpGraph, task: Task, storage: Optional[Sequence[int]] 
     tensor is freed after its last reader in the task, unless the task
     returns it; a view allocates nothing and keeps its source alive; an
     element-wise op writes into an input of the same size that it reads
-    last (`IN_PLACE`). Inputs from other tasks are not counted (they are
+    last (`IN_PLACE`); an op's own scratch (`kernel_scratch`) adds to the
+    peak while it runs. Inputs from other tasks are not counted (they are
     held by their producer).
     """
     storage = storage_bytes(graph) if storage is None else storage
@@ -279,6 +336,14 @@ def task_workspace(graph: OpGraph, task: Task, storage: Optional[Sequence[int]] 
                 x = op.inputs[k] if op.type == "IdentityN" and k < len(op.inputs) else op.inputs[0]
                 buffer[t] = buffer.get(x, x)
     pinned = {buffer.get(t, t) for t in outputs}
+    # A convolution's input and filter gradients read the same incoming
+    # gradient and nothing of each other: the runtime's inter-op threads run
+    # them side by side, so their scratch buffers add.
+    scratch: Dict[int, int] = {}
+    for i in ops:
+        s = kernel_scratch(graph, graph.ops[i])
+        if s:
+            scratch[graph.ops[i].inputs[2]] = scratch.get(graph.ops[i].inputs[2], 0) + s
     live = 0
     peak = 0
     size: Dict[int, int] = {}
@@ -305,7 +370,10 @@ def task_workspace(graph: OpGraph, task: Task, storage: Optional[Sequence[int]] 
             size[t] = storage[t]
             produced += storage[t]
         live += produced
-        peak = max(peak, live)
+        if op.type in _CONV_GRADIENTS and len(op.inputs) > 2:
+            peak = max(peak, live + scratch.get(op.inputs[2], 0))
+        else:
+            peak = max(peak, live)
         for t in set(op.inputs):
             b = buffer.get(t, t)
             if last_use.get(b) == i and b in size and b not in pinned:

@@ -25,7 +25,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import logging
-from typing import Any, Callable, List, Optional, Sequence, Tuple
+from typing import Any, Callable, List, Optional, Sequence
 
 import tensorflow as tf
 

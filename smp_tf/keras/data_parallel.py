@@ -26,7 +26,7 @@ What changes from one pipeline:
 
 from __future__ import annotations
 
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Tuple
 
 import tensorflow as tf
 

@@ -9,7 +9,8 @@
   taken: the process-wide peak of the step (compared with the predicted
   peak of all partitions together, `MemoryReport.process_peak`), and each
   task's own peak, measured by running its function alone on inputs of its
-  shapes. The ``measured`` column is then the partition's peak computed
+  shapes (the median of `TASK_RUNS` runs, as the order in which the
+  runtime's threads run independent ops moves the peak a little). The ``measured`` column is then the partition's peak computed
   from the measured task peaks instead of the predicted ones (the kept
   tensors have their static sizes, which are exact; a task that reads a
   loop's accumulators keeps its predicted peak, as its inputs cannot be
@@ -23,13 +24,16 @@ output, `StepOutput.accumulate`, as a `tf.function`.
 from __future__ import annotations
 
 import os
-from typing import Any, Dict, Optional
+from typing import Any, Dict
 
 import tensorflow as tf
 
 from smp_tf.memory import MemoryReport, with_measurements
 
 __all__ = ["measure_step_memory", "cpu_allocator_counts_bytes"]
+
+#: How many times each task runs alone; its measured peak is the median.
+TASK_RUNS = 3
 
 #: The environment variable that makes TensorFlow's CPU allocator count bytes.
 BFC_ENV = "TF_CPU_ALLOCATOR_USE_BFC"
@@ -114,7 +118,10 @@ def measure_step_memory(step_fn: Any, args: tuple, kwargs: dict, optimizer: Any 
         inputs = [_zeros(s) for s in specs]
         with tf.device(entry.devices[task.partition]):
             fn(*inputs)  # warm: the first call builds the kernels
-            workspace[task.key] = _peak_of(lambda: fn(*inputs))
+            # The inter-op threads order independent ops differently from
+            # run to run, and with them the peak: the median of a few runs.
+            peaks = sorted(_peak_of(lambda: fn(*inputs)) for _ in range(TASK_RUNS))
+            workspace[task.key] = peaks[len(peaks) // 2]
     for v, value in zip(state_vars, saved):
         v.assign(value)
     composed = entry.memory_report(optimizer, budget=budget, workspace=workspace)
