@@ -296,3 +296,17 @@ def test_batch_is_split_on_the_first_stage_device_when_a_pipeline_spans_processe
     step = smp.step(models.make_body(model, "mlp"))
     graph = _outer_graph(model, keras.optimizers.SGD(1e-3), step, x, y)
     assert all(not op.device for op in graph.get_operations() if op.type in ("Reshape", "Unpack"))
+
+
+def test_live_objects_finds_instances_of_subclasses():
+    from smp_tf.placement import _live_objects
+
+    class MyAdam(keras.optimizers.Adam):
+        pass
+
+    opt = MyAdam()
+    f = tf.function(lambda x: x + 1).get_concrete_function(tf.TensorSpec([], tf.float32))
+    live = _live_objects()
+    assert any(o is opt for o in live["optimizers"])
+    assert any(o is f for o in live["functions"])
+    assert any(o is f.graph for o in live["graphs"])
