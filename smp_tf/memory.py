@@ -100,7 +100,8 @@ def kernel_scratch(graph: OpGraph, op: OpNode) -> int:
     last, as Keras lays them out on CPUs); 0 for every other op.
 
     The formulas are those of TensorFlow's CPU kernels; on GPUs cuDNN picks
-    its own workspace, which this does not see.
+    its own workspace, which this does not see (`predict_memory` leaves the
+    figure out for partitions on GPUs).
     """
     if op.type not in _CONV_GRADIENTS or len(op.inputs) < 3 or not op.outputs:
         return 0
@@ -308,16 +309,19 @@ def storage_bytes(graph: OpGraph) -> List[int]:
     return out
 
 
-def task_workspace(graph: OpGraph, task: Task, storage: Optional[Sequence[int]] = None) -> int:
+def task_workspace(
+    graph: OpGraph, task: Task, storage: Optional[Sequence[int]] = None, cpu_scratch: bool = True
+) -> int:
     """Peak bytes a task allocates while it runs (its outputs included).
 
     The ops (members, copies and recomputed ops) run in graph order; a
     tensor is freed after its last reader in the task, unless the task
     returns it; a view allocates nothing and keeps its source alive; an
     element-wise op writes into an input of the same size that it reads
-    last (`IN_PLACE`); an op's own scratch (`kernel_scratch`) adds to the
-    peak while it runs. Inputs from other tasks are not counted (they are
-    held by their producer).
+    last (`IN_PLACE`); an op's own scratch (`kernel_scratch`, the figures
+    of TensorFlow's CPU kernels; ``cpu_scratch=False`` leaves it out, as for
+    a GPU) adds to the peak while it runs. Inputs from other tasks are not
+    counted (they are held by their producer).
     """
     storage = storage_bytes(graph) if storage is None else storage
     ops = sorted(set(task.members) | set(task.copies) | set(task.recomputed))
@@ -340,7 +344,7 @@ def task_workspace(graph: OpGraph, task: Task, storage: Optional[Sequence[int]] 
     # gradient and nothing of each other: the runtime's inter-op threads run
     # them side by side, so their scratch buffers add.
     scratch: Dict[int, int] = {}
-    for i in ops:
+    for i in ops if cpu_scratch else ():
         s = kernel_scratch(graph, graph.ops[i])
         if s:
             scratch[graph.ops[i].inputs[2]] = scratch.get(graph.ops[i].inputs[2], 0) + s
@@ -451,7 +455,8 @@ def predict_memory(
             (`optimizer_slots`), used where `optimizer_bytes` is None.
         optimizer_bytes: partition -> bytes of optimizer state that exists.
         recompute: each partition's recompute mode (for the report).
-        devices: device of each partition (for the report).
+        devices: device of each partition (for the report; a GPU's tasks
+            leave out the CPU kernels' scratch, see `task_workspace`).
         budget: the memory budget (for the report).
         workspace: (partition, wave) -> a task's peak to use instead of
             `task_workspace` (e.g. measured).
@@ -488,7 +493,11 @@ def predict_memory(
             readers.setdefault(x, []).append(t)
     per_device: Dict[int, List[_Interval]] = {p: [] for p in range(num_partitions)}
     process: List[_Interval] = []
-    workspace = {t.key: (workspace[t.key] if workspace and t.key in workspace else task_workspace(graph, t, storage))
+    # The kernel scratch `kernel_scratch` predicts is that of TensorFlow's
+    # CPU kernels: not counted on GPUs, whose kernels choose their own.
+    on_gpu = {p for p, d in enumerate(devices) if "GPU" in str(d).upper()}
+    workspace = {t.key: (workspace[t.key] if workspace and t.key in workspace
+                         else task_workspace(graph, t, storage, cpu_scratch=t.partition not in on_gpu))
                  for t in tasks}
     start, end = simulation.start, simulation.end
     for action in start:

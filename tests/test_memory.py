@@ -363,6 +363,8 @@ def test_task_workspace_adds_the_scratch_of_both_convolution_gradients():
     # They read the same incoming gradient and run side by side: while the
     # second runs, the first's output and both buffers are live.
     assert task_workspace(g, task) == 2304 + 2048 + scratch  # the sizes are a constant
+    # On a GPU the CPU kernels' buffers are not counted.
+    assert task_workspace(g, task, cpu_scratch=False) == 2304 + 2048
 
 
 def test_choose_recompute_escalates_only_where_needed():
@@ -538,3 +540,18 @@ def test_prediction_within_15_percent_of_measurement_on_zoo_models():
         assert abs(total - measured) <= 0.15 * measured, f"{name} {sched} partition {p}: predicted {total}, measured {measured}"
     process = [line.split() for line in out.stdout.splitlines() if line.startswith("PROCESS")]
     assert all(int(m) > 0 for *_, m in process)
+
+
+def test_predicted_transient_counts_cpu_kernel_scratch_on_cpus_only():
+    g = _conv_gradients()
+    parts = [0] * len(g.ops)
+    outputs = [g.ops[g.op_index[n]].outputs[0] for n in ("dw", "dx")]
+    tasks = build_tasks(g, parts, outputs)
+    sim = make_schedule(task_specs(tasks), 2, "interleaved").simulate()
+
+    def transient(device):
+        return predict_memory(g, parts, tasks, sim, num_partitions=1, partition_of_variable={},
+                              gradient_bytes={}, devices=[device])[0].transient
+
+    scratch = sum(kernel_scratch(g, g.ops[g.op_index[n]]) for n in ("dw", "dx"))
+    assert transient("/device:CPU:0") - transient("/job:worker/replica:0/task:0/device:GPU:0") == scratch
