@@ -61,6 +61,7 @@ __all__ = [
     "storage_bytes",
     "task_workspace",
     "kernel_scratch",
+    "ALLOCATION_GRANULE",
     "optimizer_slots",
     "format_bytes",
     "stage_multipliers",
