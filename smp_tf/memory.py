@@ -114,7 +114,7 @@ def kernel_scratch(graph: OpGraph, op: OpNode) -> int:
     shapes = (grad.shape, filt)
     if any(s is None or len(s) != 4 or any(d is None for d in s) for s in shapes):
         return 0
-    itemsize = grad.bytes // max(1, _elements(grad.shape))
+    itemsize = grad.bytes // max(1, grad.elements)
     out_image = grad.shape[1] * grad.shape[2]
     filter_total = filt[0] * filt[1] * filt[2]
     col_image = out_image * filter_total  # one image's im2col rows
@@ -123,13 +123,6 @@ def kernel_scratch(graph: OpGraph, op: OpNode) -> int:
     work_unit = col_image + out_image * filt[3] + filter_total * filt[3]
     shard = -(-(CONV_WORKING_SET // itemsize) // work_unit)
     return _granules(shard * col_image * itemsize)
-
-
-def _elements(shape) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n
 
 
 _FIELDS = ("variables", "optimizer", "gradients", "activations", "buffers", "transient")
@@ -344,11 +337,14 @@ def task_workspace(
     # A convolution's input and filter gradients read the same incoming
     # gradient and nothing of each other: the runtime's inter-op threads run
     # them side by side, so their scratch buffers add.
-    scratch: Dict[int, int] = {}
+    # `scratch`: op -> the scratch live while it runs.
+    by_gradient: Dict[int, List[int]] = {}
+    own: Dict[int, int] = {}
     for i in ops if cpu_scratch else ():
-        s = kernel_scratch(graph, graph.ops[i])
-        if s:
-            scratch[graph.ops[i].inputs[2]] = scratch.get(graph.ops[i].inputs[2], 0) + s
+        own[i] = kernel_scratch(graph, graph.ops[i])
+        if own[i]:
+            by_gradient.setdefault(graph.ops[i].inputs[2], []).append(i)
+    scratch = {i: sum(own[j] for j in group) for group in by_gradient.values() for i in group}
     live = 0
     peak = 0
     size: Dict[int, int] = {}
@@ -375,10 +371,7 @@ def task_workspace(
             size[t] = storage[t]
             produced += storage[t]
         live += produced
-        if op.type in _CONV_GRADIENTS and len(op.inputs) > 2:
-            peak = max(peak, live + scratch.get(op.inputs[2], 0))
-        else:
-            peak = max(peak, live)
+        peak = max(peak, live + scratch.get(i, 0))
         for t in set(op.inputs):
             b = buffer.get(t, t)
             if last_use.get(b) == i and b in size and b not in pinned:
@@ -496,7 +489,7 @@ def predict_memory(
     process: List[_Interval] = []
     # The kernel scratch `kernel_scratch` predicts is that of TensorFlow's
     # CPU kernels: not counted on GPUs, whose kernels choose their own.
-    on_gpu = {p for p, d in enumerate(devices) if "GPU" in str(d).upper()}
+    on_gpu = {p for p, d in enumerate(devices) if str(d).rsplit("device:", 1)[-1].upper().startswith("GPU")}
     workspace = {t.key: (workspace[t.key] if workspace and t.key in workspace
                          else task_workspace(graph, t, storage, cpu_scratch=t.partition not in on_gpu))
                  for t in tasks}

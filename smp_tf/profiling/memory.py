@@ -10,7 +10,8 @@
   peak of all partitions together, `MemoryReport.process_peak`), and each
   task's own peak, measured by running its function alone on inputs of its
   shapes (the median of `TASK_RUNS` runs, as the order in which the
-  runtime's threads run independent ops moves the peak a little). The ``measured`` column is then the partition's peak computed
+  runtime's threads run independent ops moves the peak a little). The
+  ``measured`` column is then the partition's peak computed
   from the measured task peaks instead of the predicted ones (the kept
   tensors have their static sizes, which are exact; a task that reads a
   loop's accumulators keeps its predicted peak, as its inputs cannot be
