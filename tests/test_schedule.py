@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import random
 from collections import defaultdict
 
@@ -464,11 +465,69 @@ def test_zero_bubble_fills_the_bubble_with_weight_work_and_keeps_1f1b_memory(P, 
     zs, os_ = zb.simulate(), one.simulate()
     # Deadlock-free (simulate raises otherwise), every action once.
     assert sorted(a for acts in zb.order.values() for a in acts) == sorted(a for acts in one.order.values() for a in acts)
-    # W waits for gaps: less idle time than 1F1B with the same W tasks...
+    # ZB-H1's bubble: (P - 1)(F + B - W) stage-times against 1F1B's
+    # (P - 1)(F + B + W), with F = B = W = 1 and 3 M of work per device.
+    assert zs.makespan == pytest.approx(3 * M + (P - 1))
     assert zs.bubble < os_.bubble
-    # ...and no device holds more micro-batches than under 1F1B.
-    for d in range(P):
-        assert zs.peak_live[d] <= min(P - d, M) + 1, (d, zs.peak_live)
+    assert zs.bubble == pytest.approx((P - 1) / (3 * M + P - 1))
+    # No device holds more micro-batches than 1F1B's first stage does.
+    assert max(zs.peak_live.values()) == max(os_.peak_live.values()) == min(P, M)
+
+
+def test_zero_bubble_writes_the_papers_order_for_a_chain():
+    from smp_tf.schedules import make_schedule
+
+    s = make_schedule(_zb_chain(4), 8, "zero_bubble")
+    rows = {d: [s.display(a) for a in acts] for d, acts in s.order.items()}
+    # Stage p: 1F1B's P-1-p warm-up forwards, then F/B pairs with W following
+    # each B once p W actions are held back; the held-back ones run last.
+    assert rows[0][:7] == ["F0", "F1", "F2", "F3", "B0", "W0", "F4"]
+    assert rows[2][:9] == ["F0", "F1", "B0", "F2", "B1", "F3", "B2", "W0", "F4"]
+    assert rows[3][:6] == ["FB0", "FB1", "FB2", "FB3", "W0", "FB4"]
+    assert rows[3][-4:] == ["W4", "W5", "W6", "W7"]
+
+
+@pytest.mark.parametrize("P", [1, 2, 3, 5, 8])
+@pytest.mark.parametrize("M", [1, 2, 3, 7, 16])
+def test_zero_bubble_chain_without_first_stage_b_is_deadlock_free(P, M):
+    """A traced chain's first stage sends nothing upstream: its whole
+    backward is W. The written order skips the missing B."""
+    from smp_tf.schedules import TaskSpec, make_schedule
+    from smp_tf.schedules.zero_bubble import split_chain_stages
+
+    tasks = []
+    for t in _zb_chain(P):
+        if P > 1 and t.partition == 0 and t.kind is TaskKind.BACKWARD:
+            b = t
+            continue
+        tasks.append(t)
+    if P > 1:
+        tasks = [dataclasses.replace(t, deps=b.deps) if t.partition == 0 and t.weight else t for t in tasks]
+    assert split_chain_stages(tuple(sorted(tasks, key=lambda t: t.key))) is not None
+    s = make_schedule(tasks, M, "zero_bubble")
+    sim = s.simulate()
+    assert max(sim.peak_live.values()) <= min(P, M)
+    # Skip connections are not a chain: the list schedule takes them.
+    skip = tasks + [TaskSpec(P, 0, kind="F", device=0)] if P > 1 else tasks
+    assert split_chain_stages(tuple(sorted(skip, key=lambda t: t.key))) is None or P == 1
+
+
+def test_split_chain_stages_rejects_what_the_chain_order_cannot_run():
+    from smp_tf.schedules import TaskSpec
+    from smp_tf.schedules.zero_bubble import split_chain_stages
+
+    tasks = _zb_chain(3)
+    assert split_chain_stages(tuple(tasks)) is not None
+    # A forward that waits for a backward is no chain.
+    bad = [dataclasses.replace(t, deps=t.deps + ((0, 4),)) if t.key == (1, 1) else t for t in tasks]
+    assert split_chain_stages(tuple(bad)) is None
+    # Two W tasks on one stage are not either.
+    extra = tasks + [TaskSpec(0, 9, deps=((0, 4),), kind="W")]
+    assert split_chain_stages(tuple(extra)) is None
+    # Without W tasks there is nothing to place: the list schedule runs.
+    from smp_tf.schedules import chain_tasks
+
+    assert split_chain_stages(tuple(chain_tasks(3))) is None
 
 
 def test_weight_task_labels_and_validation():
