@@ -658,11 +658,18 @@ def stage_multipliers(num_partitions: int, num_microbatches: int, kind: str) -> 
     (fewer when there are fewer micro-batches); under ``simple`` (GPipe)
     every stage before the last keeps all ``M``. The last stage runs forward
     and backward in one task, so it keeps one micro-batch's, while that
-    task runs.
+    task runs. Under ``zero_bubble`` (ZB-H1) a micro-batch stays until its
+    W has run and stage ``p`` holds back ``p`` W actions, so every stage
+    keeps up to ``min(P, M)``, the last one included (its W actions read
+    what its fused task computed); a micro-batch waiting for its W keeps
+    only what W reads, so this errs high, and `refine_memory_split` settles
+    the split on the predicted peaks.
     """
     P, M = num_partitions, num_microbatches
     if kind == "simple":
         keep = [float(M)] * P
+    elif kind == "zero_bubble":
+        return [float(min(P, M))] * P
     else:
         keep = [float(min(P - p, M)) for p in range(P)]
     if P:

@@ -141,6 +141,9 @@ def test_stage_multipliers_follow_the_schedule():
     assert stage_multipliers(4, 2, "interleaved") == [2, 2, 2, 1]
     assert stage_multipliers(4, 8, "simple") == [8, 8, 8, 1]
     assert stage_multipliers(1, 8, "simple") == [1]
+    # ZB-H1: stage p also holds p micro-batches waiting for their W.
+    assert stage_multipliers(4, 8, "zero_bubble") == [4, 4, 4, 4]
+    assert stage_multipliers(4, 2, "zero_bubble") == [2, 2, 2, 2]
 
 
 def test_optimizer_slots():

@@ -147,6 +147,16 @@ def test_transparency_with_virtual_stages(kind, schedule, partitions, virtual_st
     assert "per device" in report.table()
 
 
+@pytest.mark.parametrize("kind", ["mlp", "tied_transformer"])
+@pytest.mark.parametrize("schedule", SCHEDULES)
+def test_transparency_with_memory_aware_partitioning(kind, schedule):
+    """``optimize="memory"`` moves the boundaries by the schedule's predicted
+    peaks (ZB-H1 keeps more micro-batches on later stages than 1F1B); the
+    values stay the reference's."""
+    compiled = _check(kind, schedule, 3, 4, optimize="memory")
+    assert len(compiled.memory_report()) == 3
+
+
 def test_dropout_reproducible_with_same_seed():
     """Two runs from the same seed state give identical results."""
     model, init = _model("dropout")
