@@ -279,14 +279,13 @@ class Config:
             unsupported = [
                 (self.pipeline_processes > 1, f"pipeline_processes={self.pipeline_processes}"),
                 (self.optimize == "memory", "optimize='memory'"),
-                (self.memory_budget is not None, f"memory_budget={self.memory_budget}"),
             ]
             for bad, what in unsupported:
                 if bad:
                     raise ValueError(
-                        f"virtual_stages={self.virtual_stages} cannot be combined with {what}: the memory model "
-                        "and pipelines across processes count one partition per device. Use virtual_stages=1, "
-                        "or leave that key at its default."
+                        f"virtual_stages={self.virtual_stages} cannot be combined with {what}: the memory-aware "
+                        "split and pipelines across processes place one partition per device. Use "
+                        "virtual_stages=1, or leave that key at its default."
                     )
 
     def to_dict(self) -> Dict[str, Any]:

@@ -681,6 +681,20 @@ def stage_multipliers(num_partitions: int, num_microbatches: int, kind: str) -> 
 _ESCALATION = ("never", "selective", "full")
 
 
+def _device_of(r: "PartitionMemory") -> str:
+    """The device a row counts against: its device, or the partition itself
+    where no device is known (one partition per device)."""
+    return r.device or f"partition {r.partition}"
+
+
+def _device_loads(report: MemoryReport) -> Dict[str, int]:
+    """Device -> the sum of its partitions' predicted peaks (`_device_of`)."""
+    loads: Dict[str, int] = {}
+    for r in report:
+        loads[_device_of(r)] = loads.get(_device_of(r), 0) + r.total
+    return loads
+
+
 def choose_recompute(
     predict: Callable[[Sequence[str]], MemoryReport],
     num_partitions: int,
@@ -689,11 +703,17 @@ def choose_recompute(
 ) -> Tuple[List[str], MemoryReport]:
     """Each partition's recompute mode, and the report it gives.
 
-    With ``requested="auto"`` every partition starts at ``"never"``, and a
-    partition whose predicted peak is over `budget` moves to
-    ``"selective"``, then ``"full"``, until every partition fits; a partition
-    whose peak a step up does not lower (the last stage) stays where it is.
-    Any other mode is used everywhere. With a budget, the result must fit.
+    A device fits when the sum of its partitions' predicted peaks is within
+    `budget`: with one partition per device that is the partition's peak;
+    with ``virtual_stages`` the sum is an upper bound of the device's peak
+    (its partitions' peaks need not coincide), so the check errs safe.
+
+    With ``requested="auto"`` every partition starts at ``"never"``, and the
+    partitions of a device over `budget` move to ``"selective"``, then
+    ``"full"``, until every device fits; where ``"selective"`` does not
+    lower a partition's peak it tries ``"full"``, and a partition whose
+    peak neither lowers (the last stage) stays where it is. Any other mode
+    is used everywhere. With a budget, the result must fit.
 
     Args:
         predict: recompute mode per partition -> the predicted report.
@@ -705,8 +725,9 @@ def choose_recompute(
         (modes, report).
 
     Raises:
-        MemoryBudgetError: some partition does not fit `budget`; the message
-            names every partition's predicted peak and what would help.
+        MemoryBudgetError: some device does not fit `budget`; the message
+            names every partition's predicted peak (and each device's sum,
+            where a device holds several) and what would help.
     """
     if requested == "auto":
         modes = ["never"] * num_partitions
@@ -715,24 +736,41 @@ def choose_recompute(
     report = predict(modes)
     if budget is None:
         return modes, report
-    # A partition whose peak a step up does not lower (the last stage, whose
-    # forward and backward run in one task, keeps nothing between tasks)
-    # stays where it was: recomputing there would only cost time.
+    # A partition whose peak a step up does not lower tries the step after
+    # it (selective keeps every product's output: on a model of products
+    # only it keeps what never keeps, and only full helps); one whose peak
+    # full does not lower either (the last stage, whose forward and
+    # backward run in one task, keeps nothing between tasks) stays where it
+    # was: recomputing there would only cost time.
     stuck: set = set()
+    skip: Dict[int, int] = {}  # partition -> index in _ESCALATION of the mode to try next
+
+    def next_mode(p: int) -> Optional[int]:
+        i = skip.get(p, _ESCALATION.index(modes[p]) + 1)
+        return i if i < len(_ESCALATION) else None
+
     while requested == "auto":
+        loads = _device_loads(report)
         over = [
             r.partition for r in report
-            if r.total > budget and modes[r.partition] != "full" and r.partition not in stuck
+            if loads[_device_of(r)] > budget and r.partition not in stuck and next_mode(r.partition) is not None
         ]
         if not over:
             break
         before = {r.partition: r.total for r in report}
         tried = list(modes)
         for p in over:
-            tried[p] = _ESCALATION[_ESCALATION.index(modes[p]) + 1]
+            tried[p] = _ESCALATION[next_mode(p)]
         attempt = predict(tried)
         useless = [p for p in over if attempt[p].total >= before[p]]
-        stuck.update(useless)
+        for p in over:
+            skip.pop(p, None)
+        for p in useless:
+            step_up = _ESCALATION.index(tried[p]) + 1
+            if step_up < len(_ESCALATION):
+                skip[p] = step_up
+            else:
+                stuck.add(p)
         if len(useless) == len(over):
             report = predict(modes)  # predict() may keep state: leave it at `modes`
             continue
@@ -740,29 +778,41 @@ def choose_recompute(
             tried[p] = modes[p]
         modes = tried
         report = predict(modes) if useless else attempt
-    over = [r for r in report if r.total > budget]
-    if over:
+    if any(load > budget for load in _device_loads(report).values()):
         raise MemoryBudgetError(_budget_message(report, budget, requested, predict, modes))
     return modes, report
 
 
 def _budget_message(report: MemoryReport, budget: int, requested: str, predict, modes: Sequence[str]) -> str:
+    loads = _device_loads(report)
+    shared = len(loads) < len(report.partitions)
     rows = ", ".join(
         f"partition {r.partition} {format_bytes(r.total)} (activations {format_bytes(r.activations)}, "
-        f"recompute={r.recompute!r})" + (" OVER" if r.total > budget else "")
+        f"recompute={r.recompute!r})" + (" OVER" if loads[_device_of(r)] > budget and not shared else "")
         for r in report
     )
+    if shared:
+        # Several partitions per device (virtual stages): the budget holds
+        # for their sum.
+        rows += ". Per device, the sum of its partitions: " + ", ".join(
+            f"{d} {format_bytes(n)}" + (" OVER" if n > budget else "") for d, n in loads.items()
+        )
     hints = []
     if any(m != "full" for m in modes):
         full = predict(["full"] * len(modes))
-        verdict = "fits" if full.peak <= budget else "still does not fit"
-        hints.append(f"recompute='full' (predicted largest peak {format_bytes(full.peak)}: {verdict})")
+        full_peak = max(_device_loads(full).values(), default=0)
+        verdict = "fits" if full_peak <= budget else "still does not fit"
+        what = "largest device sum" if shared else "largest peak"
+        hints.append(f"recompute='full' (predicted {what} {format_bytes(full_peak)}: {verdict})")
         if requested != "auto":
             hints.append("recompute='auto' (recompute only where needed)")
     hints.append("more partitions (fewer variables and activations per device)")
+    if shared:
+        hints.append("fewer virtual_stages (each chunk on a device keeps its own micro-batches in flight)")
     if report.schedule.startswith("simple"):
         hints.append("pipeline='interleaved' (stage p keeps at most P - p micro-batches, not all)")
-    hints.append("optimize='memory' (balance the predicted peak)")
+    if not shared:
+        hints.append("optimize='memory' (balance the predicted peak)")
     return (
         f"The step does not fit memory_budget={budget} ({format_bytes(budget)} per device) under "
         f"{report.schedule or 'this schedule'}. Predicted peaks: {rows}. The smallest changes that "

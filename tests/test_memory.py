@@ -414,26 +414,71 @@ def test_choose_recompute_leaves_a_partition_recomputing_does_not_help():
     assert choose_recompute(predict, 2, "auto", 260)[0] == ["selective", "never"]
 
 
+def test_choose_recompute_tries_full_where_selective_does_not_help():
+    # Partition 0 is all products: selective keeps what never keeps.
+    need = {"never": 300, "selective": 300, "full": 100}
+
+    def predict(modes):
+        return MemoryReport([
+            PartitionMemory(0, total=need[modes[0]], recompute=modes[0]),
+            PartitionMemory(1, total=100, recompute=modes[1]),
+        ])
+
+    assert choose_recompute(predict, 2, "auto", 200)[0] == ["full", "never"]
+
+
+def test_choose_recompute_counts_the_sum_of_a_devices_partitions():
+    # Virtual stages: partitions 0 and 2 on device a, 1 and 3 on device b.
+    # Each partition fits a budget of 200 alone; device a's pair does not.
+    need = {"never": 150, "selective": 90, "full": 60}
+
+    def predict(modes):
+        return MemoryReport([
+            PartitionMemory(p, device="ab"[p % 2], total=need[m] if p % 2 == 0 else 80, recompute=m)
+            for p, m in enumerate(modes)
+        ])
+
+    modes, report = choose_recompute(predict, 4, "auto", 200)
+    # Device a's chunks move up together (90 + 90 fits); device b's stay.
+    assert modes == ["selective", "never", "selective", "never"]
+    assert max(report.device_totals().values()) <= 200
+    with pytest.raises(MemoryBudgetError) as e:
+        choose_recompute(predict, 4, "never", 200)
+    msg = str(e.value)
+    # Names each chunk, each device's sum, and fewer chunks per device.
+    assert "Per device, the sum of its partitions: a 300 B OVER, b 160 B" in msg
+    assert "fewer virtual_stages" in msg and "recompute='full' (predicted largest device sum 160 B: fits)" in msg
+    with pytest.raises(MemoryBudgetError, match="a 120 B OVER"):
+        choose_recompute(predict, 4, "auto", 110)
+
+
 # -- a real step ----------------------------------------------------------------
+
+
+def _mlp_step(model):
+    """An `smp.step` of `model` (an MLP): mean squared error and its gradients."""
+    import tensorflow as tf
+
+    import smp_tf as smp
+
+    @smp.step
+    def step(x, y):
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_mean((y - model(x, training=True)) ** 2)
+        return loss, tape.gradient(loss, model.trainable_variables)
+
+    return step
 
 
 def test_memory_report_of_a_step_and_the_budget_error():
     import numpy as np
-    import tensorflow as tf
 
     import smp_tf as smp
     from tests.models import BATCH, mlp
 
     smp.init({"partitions": 2, "microbatches": 4})
     model = mlp()
-    loss_fn = lambda y, p: tf.reduce_mean((y - p) ** 2)  # noqa: E731
-
-    @smp.step
-    def step(x, y):
-        with tf.GradientTape() as tape:
-            loss = loss_fn(y, model(x, training=True))
-        return loss, tape.gradient(loss, model.trainable_variables)
-
+    step = _mlp_step(model)
     with pytest.raises(RuntimeError, match="call the step function once"):
         step.memory_report()
     x = np.ones((BATCH, 16), "float32")
@@ -455,6 +500,47 @@ def test_memory_report_of_a_step_and_the_budget_error():
     smp.init({"partitions": 2, "microbatches": 4, "memory_budget": 2**30, "recompute": "auto"})
     step(x, y)
     assert step.memory_report().budget == 2**30
+
+
+def test_budget_with_virtual_stages_holds_for_each_devices_chunks():
+    import keras
+    import numpy as np
+
+    import smp_tf as smp
+    from tests.models import BATCH, mlp
+
+    keras.utils.set_random_seed(3)
+    model = mlp()
+    init = [v.numpy() for v in model.variables]
+    step = _mlp_step(model)
+    step.optimizer = keras.optimizers.SGD()  # no slots: the report and the check count the same
+    x = np.random.default_rng(0).normal(size=(BATCH, 16)).astype("float32")
+    y = np.ones((BATCH, 4), "float32")
+    base = {"partitions": 2, "virtual_stages": 2, "microbatches": 4}
+
+    def run(**config):
+        for v, value in zip(model.variables, init):
+            v.assign(value)
+        smp.init({**base, **config})
+        loss, grads = step(x, y)
+        report = step.memory_report()
+        return loss.reduce_mean().numpy(), [g.accumulate().numpy() for g in grads], report
+
+    loss0, grads0, never = run(recompute="never")
+    assert len(never) == 4 and len(never.device_totals()) == 2
+    _, _, full = run(recompute="full")
+    worst_never, worst_full = max(never.device_totals().values()), max(full.device_totals().values())
+    assert worst_full < worst_never
+    # Between the two: "auto" recomputes on the device that is over, and
+    # the values stay those of the run that recomputes nothing.
+    budget = (worst_never + worst_full) // 2
+    loss, grads, fitted = run(recompute="auto", memory_budget=budget)
+    assert max(fitted.device_totals().values()) <= budget
+    assert any(r.recompute != "never" for r in fitted)
+    assert loss == loss0 and all(np.array_equal(a, b) for a, b in zip(grads, grads0))
+    # Far too small: the error names the per-device sums.
+    with pytest.raises(MemoryBudgetError, match="Per device, the sum of its partitions"):
+        run(recompute="auto", memory_budget=64)
 
 
 def test_optimize_memory_partitions_for_the_steps_optimizer(monkeypatch):
