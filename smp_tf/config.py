@@ -274,19 +274,14 @@ class Config:
             )
 
         if self.virtual_stages > 1:
-            # What each of these needs of a device that holds several
-            # partitions is not built: say so before anything runs.
-            unsupported = [
-                (self.pipeline_processes > 1, f"pipeline_processes={self.pipeline_processes}"),
-                (self.optimize == "memory", "optimize='memory'"),
-            ]
-            for bad, what in unsupported:
-                if bad:
-                    raise ValueError(
-                        f"virtual_stages={self.virtual_stages} cannot be combined with {what}: the memory-aware "
-                        "split and pipelines across processes place one partition per device. Use "
-                        "virtual_stages=1, or leave that key at its default."
-                    )
+            # A pipeline across processes with several partitions per
+            # device is not built: say so before anything runs.
+            if self.pipeline_processes > 1:
+                raise ValueError(
+                    f"virtual_stages={self.virtual_stages} cannot be combined with "
+                    f"pipeline_processes={self.pipeline_processes}: pipelines across processes place one "
+                    "partition per device. Use virtual_stages=1, or leave pipeline_processes at 1."
+                )
 
     def to_dict(self) -> Dict[str, Any]:
         """Returns the config as a plain dict (accepted back by `parse_config`).

@@ -43,6 +43,7 @@ micro-batch's forward earlier than the simulated costs say).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, replace
 from typing import Callable, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
 
@@ -546,20 +547,23 @@ def predict_assignment(
     kind: str,
     recompute: str = "never",
     slots: float = 0.0,
+    device_of_partition: Optional[Sequence[int]] = None,
 ) -> MemoryReport:
     """`predict_memory` for an assignment, before any lowering.
 
     Cuts the tasks (`rewrite.build_tasks`), simulates the schedule with unit
     costs and predicts every partition's peak, counting `slots` optimizer
     slots per trainable byte and, as gradients, the floating-point outputs
-    of gradient ops among `output_tensors`.
+    of gradient ops among `output_tensors`. `device_of_partition` maps each
+    partition to its device number (``virtual_stages``); None: one
+    partition per device.
     """
     from smp_tf.rewrite import build_tasks, task_specs
     from smp_tf.schedules import make_schedule, schedule_builder
 
     tasks = build_tasks(graph, partition_of_op, sorted(set(output_tensors)), recompute=recompute,
                         split_weight=schedule_builder(kind).split_weight)
-    simulation = make_schedule(task_specs(tasks), num_microbatches, kind).simulate()
+    simulation = make_schedule(task_specs(tasks, device_of_partition), num_microbatches, kind).simulate()
     partition_of_variable: Dict[str, int] = {}
     for op, p in zip(graph.ops, partition_of_op):
         for v in op.variables:
@@ -584,6 +588,7 @@ def refine_memory_split(
     predict: Callable[[Sequence[int]], MemoryReport],
     rounds: int = 3,
     moves: int = 0,
+    device_of_partition: Optional[Sequence[int]] = None,
 ) -> List[int]:
     """A contiguous memory split that also balances what it cannot model per unit.
 
@@ -598,15 +603,20 @@ def refine_memory_split(
     when a round changes nothing.
 
     Then, with `moves`, up to that many boundary moves on the predicted
-    peaks themselves: the partition with the largest peak gives its first
-    unit to the previous partition or its last unit to the next
+    peaks themselves: a partition of the worst device gives its first unit
+    to the previous partition or its last unit to the next
     (``assign(overheads, shifts)``, shifts of the interior boundaries in
-    units), whichever lowers the largest peak more, until neither does.
-    The per-unit model is an estimate; this settles what it gets wrong by
-    less than one unit.
+    units), whichever lowers the worst device's figure most, until none
+    does. The per-unit model is an estimate; this settles what it gets
+    wrong by less than one unit.
 
-    Returns the assignment with the lowest largest predicted peak seen (the
-    first on ties).
+    A device's figure is its partition's peak, or with
+    `device_of_partition` (``virtual_stages``: several partitions per
+    device) the sum of its partitions' peaks, the upper bound that
+    ``memory_budget`` checks.
+
+    Returns the assignment with the lowest worst device seen (the first on
+    ties).
 
     Args:
         assign: ``(overheads, shifts=None)`` -> partition of each op;
@@ -614,10 +624,24 @@ def refine_memory_split(
         predict: partition of each op -> its `MemoryReport`.
         rounds: how many times at most to split again.
         moves: how many boundary moves at most (0: none).
+        device_of_partition: the device number of each partition; None:
+            one partition per device.
     """
+
+    def loads(report: MemoryReport) -> List[int]:
+        if device_of_partition is None:
+            return [r.total for r in report.partitions]
+        out = [0] * (max(device_of_partition) + 1)
+        for r in report.partitions:
+            out[device_of_partition[r.partition]] += r.total
+        return out
+
+    def worst(report: MemoryReport) -> int:
+        return max(loads(report), default=0)
+
     current = assign(None)
     report = predict(current)
-    best, best_peak, best_report, best_overheads = current, report.peak, report, None
+    best, best_peak, best_report, best_overheads = current, worst(report), report, None
     for _ in range(rounds):
         overheads = [r.buffers + r.transient for r in report.partitions]
         nxt = assign(overheads)
@@ -625,34 +649,45 @@ def refine_memory_split(
             break
         current = nxt
         report = predict(current)
-        if report.peak < best_peak:
-            best, best_peak, best_report, best_overheads = current, report.peak, report, overheads
-    shifts = [0] * max(0, len(best_report.partitions) - 1)
+        if worst(report) < best_peak:
+            best, best_peak, best_report, best_overheads = current, worst(report), report, overheads
+    count = len(best_report.partitions)
+    shifts = [0] * max(0, count - 1)
     for _ in range(moves):
-        totals = [r.total for r in best_report.partitions]
-        p = totals.index(max(totals))
+        device_loads = loads(best_report)
+        d = device_loads.index(max(device_loads))
+        mine = [p for p in range(count) if (p if device_of_partition is None else device_of_partition[p]) == d]
         tried = []
-        if p > 0:
-            tried.append(shifts[:p - 1] + [shifts[p - 1] + 1] + shifts[p:])
-        if p + 1 < len(totals):
-            tried.append(shifts[:p] + [shifts[p] - 1] + shifts[p + 1:])
+        for p in mine:
+            if p > 0:
+                tried.append(shifts[:p - 1] + [shifts[p - 1] + 1] + shifts[p:])
+            if p + 1 < count:
+                tried.append(shifts[:p] + [shifts[p] - 1] + shifts[p + 1:])
         found = None
         for cand in tried:
             nxt = assign(best_overheads, cand)
             if nxt == best:
                 continue
             rep = predict(nxt)
-            if rep.peak < best_peak and (found is None or rep.peak < found[2].peak):
+            if worst(rep) < best_peak and (found is None or worst(rep) < worst(found[2])):
                 found = (cand, nxt, rep)
         if found is None:
             break
         shifts, best, best_report = found
-        best_peak = best_report.peak
+        best_peak = worst(best_report)
     return best
 
 
-def stage_multipliers(num_partitions: int, num_microbatches: int, kind: str) -> List[float]:
+def stage_multipliers(
+    num_partitions: int, num_microbatches: int, kind: str, num_devices: Optional[int] = None,
+) -> List[float]:
     """Micro-batches whose activations stage ``p`` of a chain keeps at once.
+
+    With `num_devices` below `num_partitions` (``virtual_stages``: chunk
+    ``c`` on device ``c % num_devices``) the figure of each chunk comes from
+    the schedule itself, simulated on a chain of chunks of equal cost: the
+    most micro-batches that chunk holds at once (from its first action on
+    a micro-batch to its last).
 
     Under ``interleaved`` (1F1B) stage ``p`` keeps at most ``P - p``
     (fewer when there are fewer micro-batches); under ``simple`` (GPipe)
@@ -666,6 +701,8 @@ def stage_multipliers(num_partitions: int, num_microbatches: int, kind: str) -> 
     the split on the predicted peaks.
     """
     P, M = num_partitions, num_microbatches
+    if num_devices is not None and num_devices < P:
+        return _simulated_multipliers(num_devices, P // num_devices, M, kind)
     if kind == "simple":
         keep = [float(M)] * P
     elif kind == "zero_bubble":
@@ -674,6 +711,30 @@ def stage_multipliers(num_partitions: int, num_microbatches: int, kind: str) -> 
         keep = [float(min(P - p, M)) for p in range(P)]
     if P:
         keep[-1] = 1.0
+    return keep
+
+
+def _simulated_multipliers(num_devices: int, virtual_stages: int, num_microbatches: int, kind: str) -> List[float]:
+    """`stage_multipliers` of a chain of ``num_devices * virtual_stages``
+    chunks, read off the simulated schedule."""
+    from smp_tf.schedules import make_schedule, schedule_builder, split_chain_tasks, virtual_chain_tasks
+
+    D, v = num_devices, virtual_stages
+    if schedule_builder(kind).split_weight:
+        tasks = [replace(t, device=t.partition % D) for t in split_chain_tasks(D * v, 1 / v, 1 / v, 1 / v)]
+    else:
+        tasks = virtual_chain_tasks(D, v)
+    sim = make_schedule(tasks, num_microbatches, kind).simulate()
+    spans: Dict[int, Dict[int, List[float]]] = {}
+    for a, t0 in sim.start.items():
+        span = spans.setdefault(a.partition, {}).setdefault(a.microbatch, [math.inf, -math.inf])
+        span[0] = min(span[0], t0)
+        span[1] = max(span[1], sim.end[a])
+    keep = []
+    for c in range(D * v):
+        intervals = list(spans.get(c, {}).values())
+        # Live from its first action's start until its last action's end.
+        keep.append(float(max((sum(1 for s0, e0 in intervals if s0 <= s1 < e0) for s1, _ in intervals), default=1)))
     return keep
 
 

@@ -250,7 +250,7 @@ class StepFunction:
         pinned = placement.pinned_partitions(traced.captures, devices)
         slots = DEFAULT_SLOTS if self.optimizer is None else optimizer_slots(self.optimizer)
         recompute = "never" if cfg.recompute == "auto" else cfg.recompute
-        multipliers = stage_multipliers(cfg.num_stages, cfg.microbatches, cfg.pipeline)
+        multipliers = stage_multipliers(cfg.num_stages, cfg.microbatches, cfg.pipeline, num_devices=cfg.partitions)
 
         def assign(overheads: Optional[Sequence[float]] = None, shifts: Optional[Sequence[int]] = None) -> List[int]:
             return assign_partitions(
@@ -278,13 +278,17 @@ class StepFunction:
             # Boundary buffers and each stage's largest task are known only
             # once the tasks exist: split again with them as fixed bytes.
             outputs = [t for t in traced.output_tensors() if t is not None]
+            # With virtual stages a device holds several chunks: the split
+            # balances the devices' sums of their chunks' peaks.
+            device_of = [c % cfg.partitions for c in range(cfg.num_stages)] if cfg.virtual_stages > 1 else None
             assignment = refine_memory_split(
                 assign,
                 lambda parts: predict_assignment(
                     traced.op_graph, parts, outputs, num_partitions=cfg.num_stages, num_microbatches=cfg.microbatches,
-                    kind=cfg.pipeline, recompute=recompute, slots=slots,
+                    kind=cfg.pipeline, recompute=recompute, slots=slots, device_of_partition=device_of,
                 ),
                 moves=MEMORY_SPLIT_MOVES,
+                device_of_partition=device_of,
             )
         else:
             assignment = assign()

@@ -124,6 +124,34 @@ def test_refine_memory_split_moves_boundaries_on_the_predicted_peaks():
     assert refine_memory_split(assign, lambda a: predictions[tuple(a)], rounds=2, moves=0) == [0, 0]
 
 
+def test_refine_memory_split_balances_the_devices_sums_with_virtual_stages():
+    # Four chunks, chunk c on device c % 2. The split's own choice leaves
+    # device 0 (chunks 0 and 2) at 100 + 130 = 230 against 180; moving
+    # chunk 2's first unit to chunk 1 balances the devices, although chunk
+    # 2 is not the largest chunk afterwards either way.
+    predictions = {
+        (0, 0, 0): _totals_report([100, 70, 130, 110], [0] * 4),
+        (0, 1, 0): _totals_report([100, 95, 110, 110], [0] * 4),  # devices 210 / 205
+        (-1, 0, 0): _totals_report([90, 80, 130, 110], [0] * 4),  # devices 220 / 190
+        (0, 0, -1): _totals_report([100, 70, 120, 120], [0] * 4),  # devices 220 / 190
+    }
+    asked = []
+
+    def assign(overheads, shifts=None):
+        asked.append(None if shifts is None else tuple(shifts))
+        return list(shifts) if shifts is not None else [0, 0, 0]
+
+    def predict(a):
+        return predictions.get(tuple(a), _totals_report([999] * 4, [0] * 4))
+
+    best = refine_memory_split(assign, predict, rounds=1, moves=1, device_of_partition=[0, 1, 0, 1])
+    assert best == [0, 1, 0]
+    # Every boundary of device 0's chunks was tried, not only the largest chunk's.
+    assert {(-1, 0, 0), (0, 1, 0), (0, 0, -1)} <= set(asked)
+    # Without devices the largest chunk (2, 130) decides, and the same move wins.
+    assert refine_memory_split(assign, predict, rounds=1, moves=1) == [0, 1, 0]
+
+
 def test_shifted_bounds_keep_every_partition_non_empty():
     from smp_tf.partitioner.plan import _shift_bounds
 
@@ -141,6 +169,12 @@ def test_stage_multipliers_follow_the_schedule():
     assert stage_multipliers(4, 2, "interleaved") == [2, 2, 2, 1]
     assert stage_multipliers(4, 8, "simple") == [8, 8, 8, 1]
     assert stage_multipliers(1, 8, "simple") == [1]
+    # Virtual stages: read off the simulated schedule, chunk c on device
+    # c % 2. Under Megatron's interleaved 1F1B device 0's first chunk holds
+    # the most; the last chunk (fused) one at a time.
+    assert stage_multipliers(4, 8, "interleaved", num_devices=2) == [4, 3, 2, 1]
+    assert stage_multipliers(4, 8, "simple", num_devices=2) == [8, 8, 8, 1]
+    assert stage_multipliers(4, 8, "interleaved", num_devices=4) == [4, 3, 2, 1]  # one chunk each
     # ZB-H1: stage p also holds p micro-batches waiting for their W.
     assert stage_multipliers(4, 8, "zero_bubble") == [4, 4, 4, 4]
     assert stage_multipliers(4, 2, "zero_bubble") == [2, 2, 2, 2]
@@ -541,6 +575,41 @@ def test_budget_with_virtual_stages_holds_for_each_devices_chunks():
     # Far too small: the error names the per-device sums.
     with pytest.raises(MemoryBudgetError, match="Per device, the sum of its partitions"):
         run(recompute="auto", memory_budget=64)
+
+
+def test_optimize_memory_with_virtual_stages_balances_the_devices():
+    import keras
+    import numpy as np
+
+    import smp_tf as smp
+    from tests.models import BATCH
+
+    keras.utils.set_random_seed(5)
+    inputs = keras.Input((16,))
+    h = inputs
+    for i in range(8):
+        h = keras.layers.Dense(32 if i % 2 else 64, activation="relu", name=f"d{i}")(h)
+    model = smp.DistributedModel(inputs, keras.layers.Dense(4, name="head")(h))
+    init = [v.numpy() for v in model.variables]
+    step = _mlp_step(model)
+    step.optimizer = keras.optimizers.SGD()
+    x = np.random.default_rng(1).normal(size=(BATCH, 16)).astype("float32")
+    y = np.ones((BATCH, 4), "float32")
+
+    def run(optimize):
+        for v, value in zip(model.variables, init):
+            v.assign(value)
+        smp.init({"partitions": 2, "virtual_stages": 2, "microbatches": 4, "optimize": optimize})
+        loss, grads = step(x, y)
+        return loss.reduce_mean().numpy(), [g.accumulate().numpy() for g in grads], step.memory_report()
+
+    loss_speed, grads_speed, speed = run("speed")
+    loss_mem, grads_mem, mem = run("memory")
+    assert len(mem) == 4
+    # The worst device's sum of its chunks' peaks is no worse than the
+    # speed split's, and the values are the same.
+    assert max(mem.device_totals().values()) <= max(speed.device_totals().values())
+    assert loss_mem == loss_speed and all(np.array_equal(a, b) for a, b in zip(grads_mem, grads_speed))
 
 
 def test_optimize_memory_partitions_for_the_steps_optimizer(monkeypatch):
