@@ -196,6 +196,12 @@ class PartitionMemory:
     measured: Optional[int] = None
 
 
+def _device_of(r: "PartitionMemory") -> str:
+    """The device a row counts against: its device, or the partition itself
+    where no device is known (one partition per device)."""
+    return r.device or f"partition {r.partition}"
+
+
 @dataclass
 class MemoryReport:
     """The memory of every partition of a compiled step.
@@ -235,10 +241,11 @@ class MemoryReport:
     def device_totals(self) -> Dict[str, int]:
         """Device -> the sum of its partitions' predicted peaks. With
         ``virtual_stages`` a device holds several partitions; their peaks
-        need not coincide, so the sum is an upper bound of the device's."""
+        need not coincide, so the sum is an upper bound of the device's. A row
+        without a device counts as a device of its own (``"partition N"``)."""
         out: Dict[str, int] = {}
         for r in self.partitions:
-            out[r.device] = out.get(r.device, 0) + r.total
+            out[_device_of(r)] = out.get(_device_of(r), 0) + r.total
         return out
 
     def table(self) -> str:
@@ -742,20 +749,6 @@ def _simulated_multipliers(num_devices: int, virtual_stages: int, num_microbatch
 _ESCALATION = ("never", "selective", "full")
 
 
-def _device_of(r: "PartitionMemory") -> str:
-    """The device a row counts against: its device, or the partition itself
-    where no device is known (one partition per device)."""
-    return r.device or f"partition {r.partition}"
-
-
-def _device_loads(report: MemoryReport) -> Dict[str, int]:
-    """Device -> the sum of its partitions' predicted peaks (`_device_of`)."""
-    loads: Dict[str, int] = {}
-    for r in report:
-        loads[_device_of(r)] = loads.get(_device_of(r), 0) + r.total
-    return loads
-
-
 def choose_recompute(
     predict: Callable[[Sequence[str]], MemoryReport],
     num_partitions: int,
@@ -811,7 +804,7 @@ def choose_recompute(
         return i if i < len(_ESCALATION) else None
 
     while requested == "auto":
-        loads = _device_loads(report)
+        loads = report.device_totals()
         over = [
             r.partition for r in report
             if loads[_device_of(r)] > budget and r.partition not in stuck and next_mode(r.partition) is not None
@@ -839,13 +832,13 @@ def choose_recompute(
             tried[p] = modes[p]
         modes = tried
         report = predict(modes) if useless else attempt
-    if any(load > budget for load in _device_loads(report).values()):
+    if any(load > budget for load in report.device_totals().values()):
         raise MemoryBudgetError(_budget_message(report, budget, requested, predict, modes))
     return modes, report
 
 
 def _budget_message(report: MemoryReport, budget: int, requested: str, predict, modes: Sequence[str]) -> str:
-    loads = _device_loads(report)
+    loads = report.device_totals()
     shared = len(loads) < len(report.partitions)
     rows = ", ".join(
         f"partition {r.partition} {format_bytes(r.total)} (activations {format_bytes(r.activations)}, "
@@ -861,7 +854,7 @@ def _budget_message(report: MemoryReport, budget: int, requested: str, predict, 
     hints = []
     if any(m != "full" for m in modes):
         full = predict(["full"] * len(modes))
-        full_peak = max(_device_loads(full).values(), default=0)
+        full_peak = max(full.device_totals().values(), default=0)
         verdict = "fits" if full_peak <= budget else "still does not fit"
         what = "largest device sum" if shared else "largest peak"
         hints.append(f"recompute='full' (predicted {what} {format_bytes(full_peak)}: {verdict})")
