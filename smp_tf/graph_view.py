@@ -158,6 +158,9 @@ class OpNode:
         writes: the subset of `variables` the op may write (everything but
             reads; a function call or loop writes what its body writes).
         layer: key of the Keras layer that created it (None if none).
+        call: key of the call of that layer that created it (a layer called
+            twice, like a tied embedding used as the output projection, has
+            two); None when unknown, then `layer` stands for it.
         forward: for a gradient op, the index of the forward op it belongs to.
         colocate_with: op names TensorFlow asks to colocate with (``_class``).
         manual_partition: partition of the enclosing `smp.partition` block.
@@ -182,6 +185,7 @@ class OpNode:
     variables: Tuple[str, ...] = ()
     writes: Tuple[str, ...] = ()
     layer: Optional[str] = None
+    call: Optional[str] = None
     forward: Optional[int] = None
     is_gradient: bool = False
     stateful: bool = False
@@ -253,7 +257,8 @@ class OpGraph:
         ``bytes`` (size of its output, default 4), ``shape`` and ``dtype``
         of its output (default unknown, ``"float32"``), ``flops`` (default 1),
         ``variables``, ``writes`` (variables it writes; they are added to
-        ``variables``), ``layer``, ``forward`` (name of the forward op, marks
+        ``variables``), ``layer``, ``call`` (which call of the layer),
+        ``forward`` (name of the forward op, marks
         a gradient op), ``colocate_with``, ``manual_partition``, ``kind``,
         ``stateful`` (default: true when it writes), ``control_inputs``,
         ``tied`` (names of earlier ops it is tied to).
@@ -281,6 +286,7 @@ class OpGraph:
                 variables=tuple(dict.fromkeys(tuple(s.get("variables", ())) + tuple(s.get("writes", ())))),
                 writes=tuple(s.get("writes", ())),
                 layer=s.get("layer"),
+                call=s.get("call"),
                 forward=index[s["forward"]] if s.get("forward") else None,
                 is_gradient=bool(s.get("forward")) or bool(s.get("is_gradient", False)),
                 stateful=bool(s.get("stateful", bool(s.get("writes")))),
@@ -590,6 +596,7 @@ def from_tf_graph(
     captured_variables: Optional[Mapping[str, Tuple[str, int, bool]]] = None,
     captured_ops: Optional[Iterable[str]] = None,
     layer_of: Optional[Callable[[Any], Optional[str]]] = None,
+    layer_call_of: Optional[Callable[[Any], Optional[str]]] = None,
     manual_partition_of: Optional[Callable[[Any], Optional[int]]] = None,
     graph_def: Any = None,
 ) -> OpGraph:
@@ -609,6 +616,7 @@ def from_tf_graph(
             a larger one a ``Placeholder``. Default: every ``Placeholder``
             that is not a step argument.
         layer_of: op -> key of the Keras layer that created it.
+        layer_call_of: op -> key of the layer call that created it.
         manual_partition_of: op -> partition of its `smp.partition` block.
         graph_def: ``graph.as_graph_def()``, if the caller has it.
     """
@@ -732,6 +740,7 @@ def from_tf_graph(
                 variables=tuple(variables),
                 writes=tuple(writes),
                 layer=layer_of(op) if layer_of else None,
+                call=layer_call_of(op) if layer_call_of else None,
                 stateful=stateful,
                 colocate_with=coloc,
                 manual_partition=manual_partition_of(op) if manual_partition_of else None,

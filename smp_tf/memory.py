@@ -512,19 +512,25 @@ def predict_memory(
         for x in task.outputs:
             nbytes = storage[x]
             users = readers.get(x, [])
-            if not nbytes or not users:
+            if not users:
                 continue
-            ends = [end[Action(u.partition, u.wave, m)] for u in users]
-            kept = any(u.partition == p for u in users)
-            iv = _Interval(end[action], max(ends), nbytes, "activations" if kept else "buffers")
-            per_device[p].append(iv)
-            process.append(iv)
-            # The received copy on every other partition that reads it.
+            if nbytes:
+                ends = [end[Action(u.partition, u.wave, m)] for u in users]
+                kept = any(u.partition == p for u in users)
+                iv = _Interval(end[action], max(ends), nbytes, "activations" if kept else "buffers")
+                per_device[p].append(iv)
+                process.append(iv)
+            # The received copy on every other partition that reads it; a
+            # variable's value (a tied weight used on another stage) takes no
+            # memory where it is read, but its copy does.
+            copy_bytes = nbytes or _granules(graph.tensors[x].bytes)
             for q in sorted({u.partition for u in users} - {p}):
                 mine = [u for u in users if u.partition == q]
                 acts = [Action(u.partition, u.wave, m) for u in mine]
                 kind = "activations" if len(mine) > 1 else "buffers"
-                per_device[q].append(_Interval(min(start[a] for a in acts), max(end[a] for a in acts), nbytes, kind))
+                per_device[q].append(
+                    _Interval(min(start[a] for a in acts), max(end[a] for a in acts), copy_bytes, kind)
+                )
     for p in range(num_partitions):
         peak, parts = _peak(per_device[p])
         r = rows[p]

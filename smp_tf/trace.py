@@ -82,11 +82,14 @@ def _next_op_id(graph: Any) -> int:
 
 
 class TraceRecord:
-    """What one trace recorded: op id -> layer, op id -> manual partition."""
+    """What one trace recorded: op id -> layer call, op id -> manual partition."""
 
     def __init__(self, graph: Any) -> None:
         self.graph = graph
-        self.layer_of_op: Dict[int, Any] = {}
+        # op id -> (layer, ordinal of the call in this trace): the innermost
+        # layer call that created the op.
+        self.layer_of_op: Dict[int, Tuple[Any, int]] = {}
+        self.calls = 0
         self.partition_of_op: Dict[int, int] = {}
         self.layers: List[Any] = []
         self.models: List[Any] = []
@@ -98,8 +101,13 @@ class TraceRecord:
             target.setdefault(op_id, value)
 
     def layer_name_of(self, op: Any) -> Optional[str]:
-        layer = self.layer_of_op.get(op._id)
-        return None if layer is None else _layer_key(layer)
+        call = self.layer_of_op.get(op._id)
+        return None if call is None else _layer_key(call[0])
+
+    def layer_call_of(self, op: Any) -> Optional[str]:
+        """Key of the layer call that created `op`: one per call of a layer."""
+        call = self.layer_of_op.get(op._id)
+        return None if call is None else f"{_layer_key(call[0])}@{call[1]}"
 
     def partition_of(self, op: Any) -> Optional[int]:
         return self.partition_of_op.get(op._id)
@@ -138,7 +146,8 @@ def _patched_layer_call(self, *args, **kwargs):
         return _original_call(self, *args, **kwargs)
     if not any(l is self for l in record.layers):
         record.layers.append(self)
-    with _in_graph_context(record, record.layer_of_op, self):
+    record.calls += 1
+    with _in_graph_context(record, record.layer_of_op, (self, record.calls)):
         return _original_call(self, *args, **kwargs)
 
 
@@ -442,6 +451,7 @@ def _trace_microbatch(fn, mb_args, mb_kwargs, shapes, extra_variables, tf_functi
         captured_variables=captured_vars,
         captured_ops=captures,
         layer_of=record.layer_name_of if record is not None else None,
+        layer_call_of=record.layer_call_of if record is not None else None,
         manual_partition_of=record.partition_of if record is not None else None,
         graph_def=graph_def,
     )

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 
 from smp_tf.graph_view import OpGraph
-from smp_tf.partitioner.groups import colocation_groups, free_ops
+from smp_tf.partitioner.groups import colocation_groups, free_ops, second_uses
 
 
 def _names(graph, indices):
@@ -83,6 +83,95 @@ def test_tied_variable_puts_two_layers_in_one_group():
     assert groups.group_of[g.op_index["head/mm"]] == 1
     assert groups.group_of[g.op_index["x"]] == -1
     assert _names(g, groups.members[0]) == sorted(["enc/read", "enc/gather", "dec/read", "dec/mm"])
+
+
+def _tied_lm(emb_bytes: int, act_bytes: int = 64, head_block=None, emb_block=None):
+    """An embedding, one block, and the embedding used again as the output projection.
+
+    Gradient ops make the projection's read a second use; ``opt/read`` is the
+    optimizer's read (nothing differentiates through it).
+    """
+    return OpGraph.from_spec(
+        [
+            {"name": "x", "kind": "arg"},
+            {"name": "emb/h", "kind": "capture", "variables": ["emb"]},
+            {"name": "emb/read", "type": "ReadVariableOp", "inputs": ["emb/h"], "variables": ["emb"],
+             "layer": "emb", "call": "emb@1", "manual_partition": emb_block},
+            {"name": "emb/gather", "inputs": ["emb/read", "x"], "layer": "emb", "call": "emb@1",
+             "bytes": act_bytes, "manual_partition": emb_block},
+            {"name": "block/mm", "inputs": ["emb/gather"], "layer": "block", "call": "block@2", "bytes": act_bytes},
+            {"name": "head/read", "type": "ReadVariableOp", "inputs": ["emb/h"], "variables": ["emb"],
+             "layer": "emb", "call": "emb@3", "manual_partition": head_block},
+            {"name": "head/t", "type": "Identity", "inputs": ["head/read"], "layer": "emb", "call": "emb@3",
+             "manual_partition": head_block},
+            {"name": "head/mm", "type": "MatMul", "inputs": ["block/mm", "head/t"], "layer": "emb",
+             "call": "emb@3", "bytes": act_bytes, "manual_partition": head_block},
+            {"name": "loss", "inputs": ["head/mm"]},
+            {"name": "grad/loss", "inputs": ["loss"], "forward": "loss"},
+            {"name": "grad/head_w", "inputs": ["grad/loss", "block/mm"], "forward": "head/mm", "bytes": emb_bytes},
+            {"name": "grad/head_x", "inputs": ["grad/loss", "head/t"], "forward": "head/mm", "bytes": act_bytes},
+            {"name": "grad/block", "inputs": ["grad/head_x"], "forward": "block/mm"},
+            {"name": "grad/gather", "inputs": ["grad/block"], "forward": "emb/gather", "bytes": emb_bytes},
+            {"name": "grad/sum", "type": "AddN", "inputs": ["grad/gather", "grad/head_w"], "is_gradient": True,
+             "bytes": emb_bytes},
+            {"name": "opt/read", "type": "ReadVariableOp", "inputs": ["emb/h"], "variables": ["emb"]},
+            {"name": "opt/new", "type": "Sub", "inputs": ["opt/read", "grad/sum"], "bytes": emb_bytes},
+            {"name": "opt/assign", "type": "AssignVariableOp", "inputs": ["emb/h", "opt/new"], "writes": ["emb"]},
+        ],
+        variable_bytes={"emb": emb_bytes},
+    )
+
+
+def test_a_second_use_of_a_small_variable_is_a_group_of_its_own():
+    # The projection's value users exchange 64 + 64 bytes of activations
+    # with the model (block/mm in, head/mm out); the 32-byte embedding is
+    # cheaper to send, so the projection is free to run elsewhere. Its read
+    # stays with the variable, and so does the optimizer's (not a second use).
+    g = _tied_lm(emb_bytes=32)
+    assert {g.ops[i].name for i in second_uses(g)} == {"head/read"}
+    groups = colocation_groups(g)
+    assert _same_group(groups, g, "emb/read", "emb/gather", "head/read", "opt/read", "opt/new", "opt/assign")
+    assert _same_group(groups, g, "head/t", "head/mm", "grad/head_w", "grad/head_x")
+    assert not _same_group(groups, g, "head/read", "head/mm")
+
+
+def test_a_second_use_of_a_large_variable_stays_with_it():
+    # A 1000-byte embedding costs more to send than the 128 bytes of
+    # activations around the projection: the projection stays with it.
+    g = _tied_lm(emb_bytes=1000)
+    groups = colocation_groups(g)
+    assert _same_group(groups, g, "emb/read", "emb/gather", "head/read", "head/t", "head/mm", "grad/head_w")
+
+
+def test_a_second_use_in_another_block_is_honoured_even_for_a_large_variable():
+    g = _tied_lm(emb_bytes=1000, emb_block=0, head_block=1)
+    groups = colocation_groups(g)
+    assert not _same_group(groups, g, "head/read", "head/mm")
+    assert groups.manual[groups.group_of[g.op_index["emb/read"]]] == 0
+    assert groups.manual[groups.group_of[g.op_index["head/mm"]]] == 1
+
+
+def test_a_read_outside_layers_is_a_second_use_only_when_differentiated():
+    # No gradient ops: a read in model glue (an inference-only projection,
+    # or an optimizer-like update) is not a second use and keeps today's
+    # grouping; the second call of the layer is one whatever the step does.
+    g = OpGraph.from_spec(
+        [
+            {"name": "emb/h", "kind": "capture", "variables": ["emb"]},
+            {"name": "emb/read", "type": "ReadVariableOp", "inputs": ["emb/h"], "variables": ["emb"],
+             "layer": "emb", "call": "emb@1"},
+            {"name": "glue/read", "type": "ReadVariableOp", "inputs": ["emb/h"], "variables": ["emb"]},
+            {"name": "glue/mm", "inputs": ["emb/read", "glue/read"], "bytes": 1 << 20},
+            {"name": "call2/read", "type": "ReadVariableOp", "inputs": ["emb/h"], "variables": ["emb"],
+             "layer": "emb", "call": "emb@2"},
+            {"name": "call2/mm", "inputs": ["glue/mm", "call2/read"], "layer": "emb", "call": "emb@2",
+             "bytes": 1 << 20},
+        ]
+    )
+    assert {g.ops[i].name for i in second_uses(g)} == {"call2/read"}
+    groups = colocation_groups(g)
+    assert _same_group(groups, g, "emb/read", "glue/read", "glue/mm", "call2/read")
+    assert not _same_group(groups, g, "call2/read", "call2/mm")
 
 
 def test_shared_variable_alone_joins_ops_without_layers():

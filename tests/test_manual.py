@@ -61,7 +61,7 @@ def test_manual_blocks_are_honoured_and_exact(default_partition):
         v.assign(value)
 
 
-def test_layer_used_in_two_blocks_is_an_error():
+def test_layer_called_in_two_blocks_runs_each_call_in_its_block():
     import keras
 
     class Shared(smp.DistributedModel):
@@ -75,8 +75,55 @@ def test_layer_used_in_two_blocks_is_an_error():
             with smp.partition(1):
                 return self.dense(x)
 
-    smp.init({"partitions": 2, "microbatches": 2, "auto_partition": False, "default_partition": 0})
+    smp.init({"partitions": 2, "microbatches": 2, "auto_partition": False, "default_partition": 1})
+    keras.utils.set_random_seed(1)
     model = Shared()
+    model(np.zeros((2, 16), "float32"))
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(4, 16)).astype("float32")
+    y = rng.normal(size=(4, 16)).astype("float32")
+
+    def body(x, y):
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_mean(tf.square(model(x, training=True) - y))
+        return loss, tape.gradient(loss, model.trainable_variables)
+
+    ref = models.reference(body, x, y, 2)
+    step = smp.step(body)
+    loss, grads = step(x, y)
+    for m in range(2):
+        np.testing.assert_array_equal(loss.outputs[m], ref[m][0])
+        for g, r in zip(grads, ref[m][1]):
+            np.testing.assert_array_equal(g.outputs[m], r)
+    plan = step.last_plan
+    matmuls = [op for op in plan.op_graph.ops if op.type == "MatMul" and not op.is_gradient]
+    assert [plan.partition_of_op[op.index] for op in matmuls] == [0, 1]
+    assert set(plan.partition_of_variable().values()) == {0}
+
+
+def test_one_layer_call_in_two_blocks_is_an_error():
+    import keras
+
+    class TwoBlockLayer(keras.layers.Layer):
+        def build(self, shape):
+            self.w = self.add_weight(shape=(shape[-1], 16), name="w")
+
+        def call(self, x):
+            with smp.partition(0):
+                h = tf.matmul(x, self.w)
+            with smp.partition(1):
+                return tf.nn.relu(h)
+
+    class Model(smp.DistributedModel):
+        def __init__(self, **kwargs):
+            super().__init__(**kwargs)
+            self.inner = TwoBlockLayer(name="two_blocks")
+
+        def call(self, x):
+            return self.inner(x)
+
+    smp.init({"partitions": 2, "microbatches": 2, "auto_partition": False, "default_partition": 0})
+    model = Model()
     model(np.zeros((2, 16), "float32"))
     step = smp.step(lambda x: model(x))
     with pytest.raises(ValueError, match="different smp.partition blocks"):

@@ -34,7 +34,7 @@ import pytest
 import tensorflow as tf
 
 import smp_tf as smp
-from smp_tf.partitioner.groups import colocation_groups
+from smp_tf.partitioner.groups import _is_gradient_sum, colocation_groups, second_uses
 from smp_tf.partitioner.plan import PartitionPlan, _group_positions, assign_partitions
 
 P = 4  # tests/conftest.py creates 4 logical CPU devices
@@ -157,12 +157,16 @@ def check_gradients_follow_forward(plan: PartitionPlan) -> List[int]:
 
 
 def check_layers_whole(plan: PartitionPlan) -> int:
-    """The (non-free) ops of each Keras layer share a partition; returns #layers."""
+    """The (non-free) ops of each Keras layer call share a partition; returns #calls.
+
+    A read of a variable for its second use sits with the variable instead.
+    """
     free = colocation_groups(plan.op_graph).free
+    second = second_uses(plan.op_graph)
     by_layer: Dict[str, set] = {}
     for op, p in zip(plan.op_graph.ops, plan.partition_of_op):
-        if op.layer is not None and not free[op.index]:
-            by_layer.setdefault(op.layer, set()).add(p)
+        if op.layer is not None and not free[op.index] and op.index not in second:
+            by_layer.setdefault(op.call or op.layer, set()).add(p)
     split = {k: ps for k, ps in by_layer.items() if len(ps) > 1}
     assert not split, f"layers split across partitions: {split}"
     return len(by_layer)
@@ -350,6 +354,14 @@ def _tied_ops(plan: PartitionPlan):
     return handle, gathers[0], logits[0]
 
 
+def _projection_gradients(plan: PartitionPlan, logits: tf.Operation) -> List[int]:
+    """Gradient ops of the tied projection, less the sums of gradient contributions."""
+    g = plan.op_graph
+    free = colocation_groups(g).free
+    return [op.index for op in g.ops
+            if op.forward == g.op_index[logits.name] and not free[op.index] and not _is_gradient_sum(op)]
+
+
 @pytest.mark.parametrize("config", [CONFIGS[0], CONFIGS[3]], ids=["speed-contig", "memory-free"])
 def test_tied_embedding_handle_users_stay_together(config):
     plan = _tied_plan(config)
@@ -364,23 +376,35 @@ def test_tied_embedding_handle_users_stay_together(config):
     assert all(plan.assignment[r.name] == p for r in reads)
     assert plan.assignment[gather.name] == p
     # The projection and its gradients are on one partition.
-    g = plan.op_graph
-    free = colocation_groups(g).free
     q = plan.assignment[logits.name]
-    grads = [op.index for op in g.ops if op.forward == g.op_index[logits.name] and not free[op.index]]
+    grads = _projection_gradients(plan, logits)
     assert grads and all(plan.partition_of_op[i] == q for i in grads)
 
 
-@pytest.mark.parametrize("config", [CONFIGS[0], CONFIGS[3]], ids=["speed-contig", "memory-free"])
-def test_tied_output_projection_sits_with_embedding(config):
-    plan = _tied_plan(config)
+def test_tied_output_projection_runs_on_the_last_stage_next_to_its_loss():
+    # The 64 x 16 embedding (4 KiB) is smaller than the hidden state and the
+    # logits around the projection, so the projection is a group of its own:
+    # it runs on the last partition with the loss, and the matrix (and its
+    # gradient) crosses partitions instead of the activations going back to
+    # the first partition and forward again.
+    plan = _tied_plan(CONFIGS[0])
     handle, gather, logits = _tied_ops(plan)
     p = plan.assignment[handle.name]
-    assert plan.assignment[logits.name] == p
+    last = plan.num_partitions - 1
+    assert p == 0 and plan.assignment[logits.name] == last
+    grads = _projection_gradients(plan, logits)
+    assert grads and all(plan.partition_of_op[i] == last for i in grads)
+    # The loss follows the projection: nothing it feeds goes back to partition 0.
     g = plan.op_graph
     free = colocation_groups(g).free
-    grads = [op.index for op in g.ops if op.forward == g.op_index[logits.name] and not free[op.index]]
-    assert grads and all(plan.partition_of_op[i] == p for i in grads)
+    after, stack = set(), [g.op_index[logits.name]]
+    while stack:
+        for c in g.consumer_ops(stack.pop()):
+            if c not in after and not g.ops[c].is_gradient:
+                after.add(c)
+                stack.append(c)
+    loss_ops = [i for i in after if not free[i] and g.ops[i].type not in ("Identity", "IdentityN")]
+    assert loss_ops and all(plan.partition_of_op[i] == last for i in loss_ops)
 
 
 # --------------------------------------------------------------------------- manual placement
@@ -464,14 +488,23 @@ class SharedLayerModel(smp.DistributedModel):
             return self.shared(h)
 
 
-def test_one_layer_in_two_blocks_is_an_error():
+def test_a_shared_layer_called_in_two_blocks_runs_each_call_in_its_block():
+    # The second call reads the kernel and bias again: the reads stay with
+    # the variables (partition 0), the call's ops run where the user put them.
     keras.utils.set_random_seed(0)
     model = SharedLayerModel()
     x = np.ones((4, 8), "float32")
     model(x)
-    with pytest.raises(ValueError, match=r"smp\.partition"):
-        trace_plan(model, keras.losses.MeanSquaredError(), x, x,
-                   auto_partition=False, default_partition=0)
+    plan = trace_plan(model, keras.losses.MeanSquaredError(), x, x,
+                      auto_partition=False, default_partition=0)
+    check_all(plan, default_partition=0)
+    g = plan.op_graph
+    part = plan.partition_of_op
+    matmuls = [op for op in g.ops if op.type == "MatMul" and not op.is_gradient]
+    assert len(matmuls) == 2
+    assert [part[op.index] for op in matmuls] == [0, 1]
+    by_var = plan.partition_of_variable()
+    assert by_var[model.shared.kernel.path] == 0 and by_var[model.shared.bias.path] == 0
 
 
 # --------------------------------------------------------------------------- objectives

@@ -3,9 +3,9 @@
 Rules (each one is a union in a union-find over op indices):
 
 1. ops that take the handle of the same variable, and the ops that consume
-   the value read from it (through ``Identity`` / ``Cast``), so that tied
-   embeddings keep all their users together;
-2. ops created by one Keras layer;
+   the value read from it (through ``Identity`` / ``Cast``), so that a
+   layer's weights are not sent across partitions every micro-batch;
+2. ops created by one call of a Keras layer;
 3. a gradient op and the forward op it differentiates, except the sums of
    gradient contributions (``AddN``): a sum goes where its terms come from
    (it follows the neighbours it exchanges most bytes with), so that when
@@ -15,6 +15,19 @@ Rules (each one is a union in a union-find over op indices):
 4. TensorFlow's own colocation (``_class = ["loc:@other"]``) of forward ops;
 5. ops *tied* together by the graph view: a while loop and the accumulators
    (and the gradient loop) its gradient added to it.
+
+A *second use* of a variable is the exception to rule 1: a read made in
+another layer call than the variable's first use, whose value the model
+differentiates through (a tied embedding used again as the output
+projection, a shared layer called twice). The read stays with its
+variable, but the ops that use its value join it only when the variable is
+larger than the activations those ops exchange with the rest of the model.
+Otherwise, or when the user put that use in another `smp.partition` block
+than the variable's, they form a group of their own that the partitioner
+places like any other, and the variable's value (and its gradient) crosses partitions
+instead: an output projection then runs on the last stage, next to its
+loss, instead of sending the hidden state back to the first stage and the
+logits forward again.
 
 "Free" ops are left out of every group: ops that read nothing but constants
 and step arguments (constants, shapes, argument placeholders). They cost
@@ -28,7 +41,7 @@ from typing import Dict, List, Optional
 
 from smp_tf.graph_view import OpGraph
 
-__all__ = ["Groups", "free_ops", "colocation_groups"]
+__all__ = ["Groups", "free_ops", "second_uses", "colocation_groups"]
 
 
 class _UnionFind:
@@ -120,6 +133,68 @@ def _is_gradient_sum(op) -> bool:
     return op.is_gradient and op.type == "AddN" and op.layer is None and not op.variables
 
 
+def _site(op) -> Optional[str]:
+    """The layer call that created `op` (its layer when calls are unknown)."""
+    return op.call if op.call is not None else op.layer
+
+
+def second_uses(graph: OpGraph, free: Optional[List[bool]] = None) -> Dict[int, str]:
+    """Reads that are a second use of their variable (see the module doc).
+
+    Returns:
+        read op index -> variable key, for every ``ReadVariableOp`` made in
+        another layer call than the variable's first use, or made outside
+        layers when the first use was in one and its value reaches an op
+        that has a gradient (the optimizer's own reads are outside layers,
+        and no gradient flows through them: never second uses).
+    """
+    free = free_ops(graph) if free is None else free
+    differentiated = {op.forward for op in graph.ops if op.forward is not None}
+    home: Dict[str, Optional[str]] = {}
+    out: Dict[int, str] = {}
+    for op in graph.ops:
+        if free[op.index] or op.is_gradient or op.kind != "op":
+            continue  # a captured handle is the variable, not a use of it
+        for v in op.variables:
+            home.setdefault(v, _site(op))
+        if op.type != "ReadVariableOp" or len(op.variables) != 1:
+            continue
+        v = op.variables[0]
+        site = _site(op)
+        if site == home[v]:
+            continue
+        # Outside layers, only a read the model differentiates through is a
+        # use of the model's (the optimizer's reads are outside layers too).
+        if site is not None or any(u in differentiated for u in _value_users(graph, op.index)):
+            out[op.index] = v
+    return out
+
+
+def _forward_exchange(graph: OpGraph, in_group: List[bool], skip: set) -> int:
+    """Bytes of forward tensors that cross the boundary of a set of ops.
+
+    Each of them has a gradient of its size crossing back, so this is half
+    of what the set exchanges per micro-batch.
+    """
+    total = 0
+    for t in graph.tensors:
+        if t.id in skip or graph.ops[t.producer].is_gradient:
+            continue
+        inside = in_group[t.producer]
+        if any(in_group[c] != inside for c in t.consumers):
+            total += t.bytes
+    return total
+
+
+def _requested(graph: OpGraph, uf: _UnionFind, root: int, second: Dict[int, str]) -> set:
+    """The `smp.partition` blocks of the ops of one group (second-use reads aside)."""
+    return {
+        op.manual_partition
+        for op in graph.ops
+        if op.manual_partition is not None and op.index not in second and uf.find(op.index) == root
+    }
+
+
 def colocation_groups(graph: OpGraph, free: Optional[List[bool]] = None) -> Groups:
     """Computes the colocation groups of `graph` (see the module doc).
 
@@ -130,8 +205,9 @@ def colocation_groups(graph: OpGraph, free: Optional[List[bool]] = None) -> Grou
     n = len(graph.ops)
     free = free_ops(graph) if free is None else free
     uf = _UnionFind(n)
+    second = second_uses(graph, free)
     first_user_of_var: Dict[str, int] = {}
-    first_op_of_layer: Dict[str, int] = {}
+    first_op_of_call: Dict[str, int] = {}
     for op in graph.ops:
         i = op.index
         if free[i]:
@@ -139,8 +215,11 @@ def colocation_groups(graph: OpGraph, free: Optional[List[bool]] = None) -> Grou
         for v in op.variables:
             j = first_user_of_var.setdefault(v, i)
             uf.union(i, j)
-        if op.layer is not None:
-            j = first_op_of_layer.setdefault(op.layer, i)
+        site = _site(op)
+        # A second use's read belongs to its variable, not to the call it was
+        # made in (that call may run on another partition).
+        if site is not None and i not in second:
+            j = first_op_of_call.setdefault(site, i)
             uf.union(i, j)
         if op.forward is not None and not free[op.forward] and not _is_gradient_sum(op):
             uf.union(i, op.forward)
@@ -155,10 +234,33 @@ def colocation_groups(graph: OpGraph, free: Optional[List[bool]] = None) -> Grou
         for j in op.tied:
             if not free[j]:
                 uf.union(i, j)
-        if op.type == "ReadVariableOp" and op.variables:
+        if op.type == "ReadVariableOp" and op.variables and i not in second:
             for j in _value_users(graph, i):
                 if not free[j]:
                     uf.union(i, j)
+
+    # Second uses, once every other rule has joined what it joins: the users
+    # of the value stay with the variable only when moving the variable
+    # would cost more bytes than moving the activations around them.
+    for r, v in second.items():
+        chain = {r}
+        users = []
+        for j in _value_users(graph, r):
+            if graph.ops[j].type in _VALUE_PRESERVING:
+                chain.add(j)
+            if not free[j]:
+                users.append(j)
+        skip = {t for k in chain for t in graph.ops[k].outputs}
+        for root in dict.fromkeys(uf.find(j) for j in users):
+            if root == uf.find(r):
+                continue
+            in_group = [uf.find(k) == root for k in range(n)]
+            home = _requested(graph, uf, uf.find(r), second)
+            there = _requested(graph, uf, root, second)
+            if home and there and home != there:
+                continue  # the user put this use in another smp.partition block
+            if graph.variable_bytes.get(v, 0) > _forward_exchange(graph, in_group, skip):
+                uf.union(r, root)
 
     group_of = [-1] * n
     members: List[List[int]] = []
@@ -178,6 +280,8 @@ def colocation_groups(graph: OpGraph, free: Optional[List[bool]] = None) -> Grou
     for g, ms in enumerate(members):
         requested = {}
         for i in ms:
+            if i in second and any(group_of[j] != g for j in _value_users(graph, i) if not free[j]):
+                continue  # a read for a use elsewhere follows its variable
             p = graph.ops[i].manual_partition
             if p is not None:
                 requested.setdefault(p, graph.ops[i].name)
@@ -187,8 +291,9 @@ def colocation_groups(graph: OpGraph, free: Optional[List[bool]] = None) -> Grou
             raise ValueError(
                 "Ops that must stay on one partition were placed in different "
                 f"smp.partition blocks: {', '.join(f'{name!r} in partition {p}' for p, name in sorted(requested.items()))}. "
-                f"They share variables {why} / layers {layers}. Put every use of a "
-                "layer or variable inside the same smp.partition block."
+                f"They share variables {why} / layers {layers}. Put one layer call, "
+                "and a variable's first use, inside one smp.partition block (a later call of "
+                "a layer may go in another block)."
             )
         if requested:
             manual[g] = next(iter(requested))
