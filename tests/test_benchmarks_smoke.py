@@ -174,6 +174,40 @@ def test_memory_bench_quick_prints_the_table_and_targets():
     assert any(line.startswith("overall: ") for line in lines[start:])
 
 
+MEMORY_CPU_LIMITED = ROOT / "benchmarks" / "memory" / "cpu_limited.py"
+
+
+@pytest.mark.benchmark
+def test_memory_cpu_limited_quick_one_device_runs_out_and_the_pipeline_trains():
+    out = _run(MEMORY_CPU_LIMITED, timeout=1800)
+    rows = {line[:30].strip(): line[30:].split()[0] for line in out.splitlines()
+            if line.startswith(("one device", "P="))}
+    assert rows["one device, plain tf.function"] == "OOM", out
+    assert rows["P=4 M=8 interleaved never"] == "trains", out
+    assert rows["P=4 M=8 interleaved full"] == "trains", out
+    assert "FAILED" not in out
+
+
+def test_memory_cpu_limited_reads_an_oom_out_of_tensorflows_log_and_prints_the_table():
+    cpu_limited = _bench_module(MEMORY_CPU_LIMITED)
+    log = ("W0000 local_rendezvous.cc:412] Local rendezvous is aborting with status: RESOURCE_EXHAUSTED: OOM when "
+           "allocating tensor with shape[2,4,256,256] and type bool on /job:localhost/replica:0/task:0/device:CPU:2 "
+           "by allocator bfc_cpu_allocator_for_gpu\nW0000 ... CANCELLED: RecvAsync is cancelled.")
+    assert cpu_limited._oom_line(log) == ("OOM when allocating tensor with shape[2,4,256,256] and type bool on "
+                                          "/job:localhost/replica:0/task:0/device:CPU:2")
+    assert cpu_limited._oom_line("CANCELLED: RecvAsync is cancelled.") == ""
+    args = cpu_limited.parse_args(["--quick"])
+    table = cpu_limited.build_table([
+        {"label": "one device, plain tf.function", "status": "OOM", "error": "OOM when allocating tensor"},
+        {"label": "P=4 M=8 interleaved never", "status": "trains", "loss": 5.5, "seconds": 3.0, "peak": 24 * 2**20},
+    ], args)
+    assert "TF_CPU_BFC_MEM_LIMIT_IN_MB=40" in table
+    assert any(line.split()[:4] == ["one", "device,", "plain", "tf.function"] and "OOM" in line
+               for line in table.splitlines())
+    assert any(line.startswith("P=4 M=8 interleaved never") and "trains" in line and "24.0" in line
+               for line in table.splitlines())
+
+
 def _gpu_may_be_visible() -> bool:
     """Whether an NVIDIA GPU may be visible (then the GPU benchmark would run
     in full: this test is for machines without one)."""
