@@ -17,17 +17,18 @@ Rules (each one is a union in a union-find over op indices):
    (and the gradient loop) its gradient added to it.
 
 A *second use* of a variable is the exception to rule 1: a read made in
-another layer call than the variable's first use, whose value the model
-differentiates through (a tied embedding used again as the output
-projection, a shared layer called twice). The read stays with its
-variable, but the ops that use its value join it only when the variable is
-larger than the activations those ops exchange with the rest of the model.
-Otherwise, or when the user put that use in another `smp.partition` block
-than the variable's, they form a group of their own that the partitioner
-places like any other, and the variable's value (and its gradient) crosses partitions
-instead: an output projection then runs on the last stage, next to its
-loss, instead of sending the hidden state back to the first stage and the
-logits forward again.
+another layer call than the variable's first use (a tied embedding used
+again as the output projection, a layer called twice), or made outside
+layers when the model differentiates through it (a tied projection written
+in a subclassed model's ``call``; the optimizer's reads are not). The read
+stays with its variable, but the ops that use its value join it only when
+the variable is larger than the activations those ops exchange with the
+rest of the model. Otherwise, or when the user put that use in another
+`smp.partition` block than the variable's, they form a group of their own
+that the partitioner places like any other, and the variable's value (and
+its gradient) crosses partitions instead: an output projection then runs
+on the last stage, next to its loss, instead of sending the hidden state
+back to the first stage and the logits forward again.
 
 "Free" ops are left out of every group: ops that read nothing but constants
 and step arguments (constants, shapes, argument placeholders). They cost
