@@ -91,7 +91,7 @@ def run_config(args) -> dict:
         smp.init(dict(config, microbatches=args.microbatches))
     import keras
 
-    from benchmarks.memory.gpu_limited import build_model, make_batch
+    from benchmarks.memory.gpu_limited import build_model, make_batch, smp_train_step
 
     model = build_model(keras, keras.Model if config is None else smp.DistributedModel, args)
     x, y = make_batch(tf, args)
@@ -108,17 +108,7 @@ def run_config(args) -> dict:
                 opt.apply_gradients(zip(grads, model.trainable_variables))
                 return loss
     else:
-        @smp.step
-        def step(x, y):
-            with tf.GradientTape() as tape:
-                loss = loss_fn(y, model(x, training=True))
-            return loss, tape.gradient(loss, model.trainable_variables)
-
-        @tf.function
-        def train(x, y):
-            loss, grads = step(x, y)
-            opt.apply_gradients(zip([g.accumulate() for g in grads], model.trainable_variables))
-            return loss.reduce_mean()
+        _, train = smp_train_step(smp, tf, model, loss_fn, opt)
 
     out = {"label": label.format(m=args.microbatches)}
     try:

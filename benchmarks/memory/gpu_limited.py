@@ -114,6 +114,25 @@ def make_batch(tf, args):
     return x, y
 
 
+def smp_train_step(smp, tf, model, loss_fn, opt):
+    """(the `smp.step` of forward, loss and gradients; a `tf.function` that
+    runs it and applies the accumulated gradients, returning the mean loss)."""
+
+    @smp.step
+    def step(x, y):
+        with tf.GradientTape() as tape:
+            loss = loss_fn(y, model(x, training=True))
+        return loss, tape.gradient(loss, model.trainable_variables)
+
+    @tf.function
+    def train(x, y):
+        loss, grads = step(x, y)
+        opt.apply_gradients(zip([g.accumulate() for g in grads], model.trainable_variables))
+        return loss.reduce_mean()
+
+    return step, train
+
+
 def sizes_line(args) -> str:
     return (f"GPT-2 LM (keras_hub GPT2Backbone, tied output embedding): {args.layers} layers, width {args.width}, "
             f"{args.heads} heads, sequence {args.seq}, vocabulary {args.vocab}, batch {args.batch}")
@@ -241,17 +260,7 @@ def main(argv=None) -> int:
     loss_fn = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
     opt = keras.optimizers.Adam(1e-4) if args.optimizer == "adam" else keras.optimizers.SGD(1e-3)
 
-    @smp.step
-    def step(x, y):
-        with tf.GradientTape() as tape:
-            loss = loss_fn(y, model(x, training=True))
-        return loss, tape.gradient(loss, model.trainable_variables)
-
-    @tf.function
-    def train(x, y):
-        loss, grads = step(x, y)
-        opt.apply_gradients(zip([g.accumulate() for g in grads], model.trainable_variables))
-        return loss.reduce_mean()
+    step, train = smp_train_step(smp, tf, model, loss_fn, opt)
 
     status = 0
     try:
