@@ -536,6 +536,39 @@ def test_memory_report_of_a_step_and_the_budget_error():
     assert step.memory_report().budget == 2**30
 
 
+def test_measure_memory_reads_each_gpus_own_peak(monkeypatch):
+    """Where partitions are GPUs, each has its own allocator: the measured
+    column is the peak of each partition's device, reset before the step."""
+    import dataclasses
+
+    import numpy as np
+    import tensorflow as tf
+
+    import smp_tf as smp
+    from smp_tf import state
+    from tests.models import BATCH, mlp
+
+    smp.init({"partitions": 2, "microbatches": 4})
+    model = mlp()
+    step = _mlp_step(model)
+    x = np.ones((BATCH, 16), "float32")
+    y = np.ones((BATCH, 4), "float32")
+    step(x, y)
+    devices = list(step.last_compiled.devices)
+    # A stand-in for GPU allocators: a peak per device, reset to zero.
+    peaks = {d: 0 for d in devices}
+    resets = []
+    monkeypatch.setattr(tf.config.experimental, "reset_memory_stats", lambda d: (resets.append(d), peaks.__setitem__(d, 0)))
+    monkeypatch.setattr(tf.config.experimental, "get_memory_info",
+                        lambda d: {"current": 0, "peak": peaks[d] + 1000 * (1 + devices.index(d))})
+    gpu = dataclasses.replace(state.topology(), kind="GPU")
+    monkeypatch.setattr(state, "topology", lambda: gpu)
+    report = step.measure_memory(x, y)
+    assert sorted(resets) == sorted(devices)
+    assert [r.measured for r in report] == [1000, 2000]
+    assert "GPU allocator" in report.method
+
+
 def test_budget_with_virtual_stages_holds_for_each_devices_chunks():
     import keras
     import numpy as np
