@@ -103,8 +103,12 @@ def _task_body(sub, input_names, captured, outputs, captures, pins=()):
                 output_types=[x.dtype for x in carried],
                 output_shapes=[x.shape for x in carried],
             ))[: len(outs)]
-        # A last output gives every call a handle to depend on.
-        return outs + [tf.constant(True)]
+        # A call with no outputs gives the caller nothing to depend on: such
+        # a task returns a constant as its handle. A task with outputs
+        # returns nothing more, because an output that no caller reads makes
+        # the graph optimiser specialise the function at each call site on
+        # the first run (a copy of every task, optimised once more).
+        return outs if outs else [tf.constant(True)]
 
     return body
 
@@ -479,7 +483,7 @@ class CompiledStep:
             # probe, so that the two never overlap in the record.
             last[dev_index] = done if tf.executing_eagerly() else done.op
             with tf.name_scope(scope), tf.device(device):
-                for t, value in zip(task.outputs, outs[:-1]):
+                for t, value in zip(task.outputs, outs):
                     raw[(m, t)] = value
                     if t in self._sent_tensors:
                         sent[(m, t)] = raw_output(value)
