@@ -555,12 +555,11 @@ def test_measure_memory_reads_each_gpus_own_peak(monkeypatch):
     y = np.ones((BATCH, 4), "float32")
     step(x, y)
     devices = list(step.last_compiled.devices)
-    # A stand-in for GPU allocators: a peak per device, reset to zero.
-    peaks = {d: 0 for d in devices}
+    # A stand-in for GPU allocators: each device has its own peak.
     resets = []
-    monkeypatch.setattr(tf.config.experimental, "reset_memory_stats", lambda d: (resets.append(d), peaks.__setitem__(d, 0)))
+    monkeypatch.setattr(tf.config.experimental, "reset_memory_stats", resets.append)
     monkeypatch.setattr(tf.config.experimental, "get_memory_info",
-                        lambda d: {"current": 0, "peak": peaks[d] + 1000 * (1 + devices.index(d))})
+                        lambda d: {"current": 0, "peak": 1000 * (1 + devices.index(d))})
     gpu = dataclasses.replace(state.topology(), kind="GPU")
     monkeypatch.setattr(state, "topology", lambda: gpu)
     report = step.measure_memory(x, y)

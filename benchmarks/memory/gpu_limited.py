@@ -115,8 +115,8 @@ def make_batch(tf, args):
 
 
 def smp_train_step(smp, tf, model, loss_fn, opt):
-    """(the `smp.step` of forward, loss and gradients; a `tf.function` that
-    runs it and applies the accumulated gradients, returning the mean loss)."""
+    """The `smp.step` of forward, loss and gradients, and a `tf.function` that
+    runs it and applies the accumulated gradients, returning the mean loss."""
 
     @smp.step
     def step(x, y):
