@@ -273,16 +273,6 @@ class Config:
                 f"[0, {self.num_stages})."
             )
 
-        if self.virtual_stages > 1:
-            # A pipeline across processes with several partitions per
-            # device is not built: say so before anything runs.
-            if self.pipeline_processes > 1:
-                raise ValueError(
-                    f"virtual_stages={self.virtual_stages} cannot be combined with "
-                    f"pipeline_processes={self.pipeline_processes}: pipelines across processes place one "
-                    "partition per device. Use virtual_stages=1, or leave pipeline_processes at 1."
-                )
-
     def to_dict(self) -> Dict[str, Any]:
         """Returns the config as a plain dict (accepted back by `parse_config`).
 

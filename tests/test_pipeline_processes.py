@@ -104,8 +104,8 @@ def _driver_result(args, tmp_path) -> dict:
     return json.load(open(os.path.join(tmp_path, "rank0.json")))
 
 
-def _reference_custom_loop(partitions: int, pipeline: str):
-    smp.init({"partitions": partitions, "microbatches": 4, "pipeline": pipeline})
+def _reference_custom_loop(partitions: int, pipeline: str, virtual_stages: int = 1):
+    smp.init({"partitions": partitions, "microbatches": 4, "pipeline": pipeline, "virtual_stages": virtual_stages})
     model = common.build(seed=100)
     train = common.train_function(model, keras.optimizers.SGD(common.LR))
     x, y = common.batches(3)
@@ -113,10 +113,12 @@ def _reference_custom_loop(partitions: int, pipeline: str):
     return losses, [v.numpy() for v in model.trainable_variables]
 
 
-@pytest.mark.parametrize("partitions, pipeline", [(2, "interleaved"), (4, "interleaved"), (4, "simple")])
-def test_custom_loop_across_processes_equals_one_process(tmp_path, partitions, pipeline):
-    got = _driver_result(["custom_loop", str(partitions), pipeline], tmp_path)
-    losses, weights = _reference_custom_loop(partitions, pipeline)
+@pytest.mark.parametrize("partitions, pipeline, virtual_stages", [
+    (2, "interleaved", 1), (4, "interleaved", 1), (4, "simple", 1), (2, "interleaved", 2), (2, "zero_bubble", 2),
+])
+def test_custom_loop_across_processes_equals_one_process(tmp_path, partitions, pipeline, virtual_stages):
+    got = _driver_result(["custom_loop", str(partitions), pipeline, str(virtual_stages)], tmp_path)
+    losses, weights = _reference_custom_loop(partitions, pipeline, virtual_stages)
     assert got["losses"] == losses
     for a, b in zip(got["weights"], weights):
         np.testing.assert_array_equal(np.array(a, dtype=np.float32), b)
@@ -129,6 +131,11 @@ def test_custom_loop_across_processes_equals_one_process(tmp_path, partitions, p
     assert tasks == {"0", "1"}
     assert got["devices"][0].startswith("/job:worker/replica:0/task:0/")
     assert got["devices"][-1].startswith("/job:worker/replica:0/task:1/")
+    if virtual_stages > 1:
+        # 4 chunks, one layer (kernel and bias) each: chunk c lives on
+        # device c % 2, so the layers alternate between the processes.
+        layer_tasks = [d.split("/task:")[1].split("/")[0] for d in got["devices"][::2]]
+        assert layer_tasks == ["0", "1", "0", "1"]
 
 
 def test_profile_across_processes_records_every_action_of_both_processes(tmp_path):
@@ -158,8 +165,9 @@ def _plain_model(seed: int) -> keras.Model:
     return keras.Model(inp, keras.layers.Dense(4, name="head")(h))
 
 
-def test_fit_across_processes_equals_plain_keras(tmp_path):
-    got = _driver_result(["fit", "2", "interleaved"], tmp_path)
+@pytest.mark.parametrize("pipeline, virtual_stages", [("interleaved", 1), ("zero_bubble", 2)])
+def test_fit_across_processes_equals_plain_keras(tmp_path, pipeline, virtual_stages):
+    got = _driver_result(["fit", "2", pipeline, str(virtual_stages)], tmp_path)
     plain = _assert_fit_equals_plain_keras(got)
     x, _ = common.batches(3)
     np.testing.assert_allclose(got["predict"], plain.predict(x[0], verbose=0), rtol=1e-5, atol=1e-6)

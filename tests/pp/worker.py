@@ -1,6 +1,6 @@
 """One process of the pipeline-across-processes tests (run in 2 processes by the tests).
 
-Usage: worker.py SCENARIO OUT_DIR PARTITIONS PIPELINE. The first process of
+Usage: worker.py SCENARIO OUT_DIR PARTITIONS PIPELINE [VIRTUAL_STAGES]. The first process of
 each pipeline drives it and writes what the test compares to
 OUT_DIR/rank<rank>.json; the others serve their stages and never get past
 `smp.init`. The ``dp_*`` scenarios run 2 replicas of the pipeline (4
@@ -20,7 +20,9 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 import smp_tf as smp  # noqa: E402
 
 SCENARIO, OUT, PARTITIONS, PIPELINE = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4]
+VIRTUAL_STAGES = int(sys.argv[5]) if len(sys.argv) > 5 else 1
 smp.init({"partitions": PARTITIONS, "microbatches": 4, "pipeline": PIPELINE, "pipeline_processes": 2,
+          "virtual_stages": VIRTUAL_STAGES,
           "dp_timeout": 8.0 if SCENARIO == "loop" else 20.0, "horovod": SCENARIO.startswith("dp_")})
 
 import keras  # noqa: E402
