@@ -93,7 +93,9 @@ def test_pipeline_processes_bench_quick_prints_the_table():
     assert "smp_tf pipeline across processes benchmark (--quick" in out
     for row in ("(a) step, P=2 in one process", "(a) step, P=2 across 2 processes", "sharing both CPUs",
                 "(b) bytes sent on loopback",
-                "(c) TensorFlow bandwidth", "(c) plain TCP bandwidth", "(c) call of a function"):
+                "(c) TensorFlow bandwidth", "(c) plain TCP bandwidth", "(c) call of a function",
+                "(d) profiled step, one / two processes: call to first action", "(d) pipeline span",
+                "(d) device 0 busy in the span", "(d) device 1 idle in the span", "(d) last action to result"):
         assert row in out, row
     assert "Where the difference goes" in out
 

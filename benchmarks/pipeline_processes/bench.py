@@ -14,6 +14,10 @@ Prints one table; every figure in it is measured by this invocation:
     the two processes' devices (gRPC ``RecvTensor``), against a plain TCP
     copy of the same bytes between two processes; and the time of one small
     transfer (a boundary tensor of one micro-batch) both ways.
+(d) where the difference goes: the same steps traced inside `smp.profile`
+    on both sides, each split into the time from the call to the first
+    action, the pipeline's span (each device's busy and idle time in it)
+    and the time from the last action to the result.
 
 Run ``python benchmarks/pipeline_processes/bench.py`` (``--quick`` for small
 sizes: checks the script, the figures mean nothing). Every process is
@@ -41,6 +45,8 @@ if str(ROOT) not in sys.path:
 from benchmarks.machine import choose_cpus, versions  # noqa: E402
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+# The profile's probes read TensorFlow's clock, which op determinism forbids.
+os.environ.pop("TF_DETERMINISTIC_OPS", None)
 
 _MARK = "@@SMP_BENCH_RESULT@@"
 P = 2
@@ -100,6 +106,38 @@ def _time_steps(train, x, y, warmup: int, repeats: int) -> List[float]:
     return times
 
 
+def _profiled_steps(smp, tf, keras, model, x, y, args) -> dict:
+    """The step traced again inside `smp.profile`: per timed step, the wall
+    time from the call to the first action (``lead_s``), the pipeline's
+    span, each device's busy time in it, and the time from the last action
+    to the result (``tail_s``).
+
+    The actions' times come from `tf.timestamp` in the process that ran
+    them; `time.time` brackets the call. Both read the host's real-time
+    clock, so they compare across the processes of one host.
+    """
+    from benchmarks.pipeline.bench import smp_train_step
+
+    calls = []
+    with smp.profile(None) as prof:
+        probed, _ = smp_train_step(tf, keras, smp, model)
+        for _ in range(args.warmup + args.repeats):
+            start = time.time()
+            probed(x, y).numpy()
+            calls.append((start, time.time()))
+    tl = prof.timeline
+    out: Dict[str, list] = {"lead_s": [], "span_s": [], "tail_s": [], "busy_s": []}
+    for step in range(args.warmup, tl.num_steps):
+        recs = tl.step_records(step)
+        first, last = min(r.start for r in recs), max(r.end for r in recs)
+        out["lead_s"].append(first - calls[step][0])
+        out["span_s"].append(last - first)
+        out["tail_s"].append(calls[step][1] - last)
+        devices = sorted({r.device for r in recs})
+        out["busy_s"].append([sum(r.duration for r in recs if r.device == d) for d in devices])
+    return out
+
+
 def part_one(args) -> dict:
     """P=2 in one process, pinned to both CPUs."""
     cpus = [int(c) for c in args.cpus.split(",")]
@@ -110,8 +148,10 @@ def part_one(args) -> dict:
     import keras
     import tensorflow as tf
 
-    _, train, x, y = _model_and_step(args, smp, tf, keras)
-    return {"step_s": _time_steps(train, x, y, args.warmup, args.repeats)}
+    model, train, x, y = _model_and_step(args, smp, tf, keras)
+    out = {"step_s": _time_steps(train, x, y, args.warmup, args.repeats)}
+    out["profile"] = _profiled_steps(smp, tf, keras, model, x, y, args)
+    return out
 
 
 def part_driver(args) -> dict:
@@ -194,6 +234,8 @@ def part_driver(args) -> dict:
         ping(boundary).numpy()
         ping_s.append((time.perf_counter() - start) / (2 * PINGS))
     out.update(pull_s=pull_s, transfer_s=ping_s, call_s=tick_s, boundary_bytes=small_rows * s["width"] * 4)
+    if args.profile:
+        out["profile"] = _profiled_steps(smp, tf, keras, model, x, y, args)
     return out
 
 
@@ -287,6 +329,15 @@ def _common(args) -> List[str]:
     return out + (["--quick"] if args.quick else [])
 
 
+def _profile_medians(profiles: List[dict]) -> dict:
+    """Medians over every profiled step of `profiles` (one dict per run)."""
+    med = statistics.median
+    out = {k: med([v for p in profiles for v in p[k]]) for k in ("lead_s", "span_s", "tail_s")}
+    busy = [b for p in profiles for b in p["busy_s"]]
+    out["busy_s"] = [med([b[d] for b in busy]) for d in range(len(busy[0]))]
+    return out
+
+
 def run_one(args) -> dict:
     proc = subprocess.run([sys.executable, __file__, "--part", "one", *_common(args)], cwd=ROOT,
                           capture_output=True, text=True, timeout=900)
@@ -307,7 +358,7 @@ def run_two(args, share: bool = False) -> dict:
         # One process per CPU, pinned before TensorFlow starts its threads;
         # or (share) both processes on both CPUs, the scheduler placing them.
         cmd = ["taskset", "-c", args.cpus if share else cpus[rank], sys.executable, __file__, "--part", "driver",
-               *_common(args)]
+               *_common(args), *([] if share else ["--profile"])]
         procs.append(subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                       text=True))
     try:
@@ -330,7 +381,7 @@ def _mib(nbytes: float) -> str:
 
 
 def build_table(args, one: List[float], two: List[float], drivers: List[dict], tcp: dict, elapsed: float,
-                shared: List[float]) -> str:
+                shared: List[float], profiles: List[dict]) -> str:
     s = sizes(args.quick)
     med = statistics.median
     t1, t2, t3 = med(one), med(two), med(shared)
@@ -373,18 +424,41 @@ def build_table(args, one: List[float], two: List[float], drivers: List[dict], t
         "%-62s %14s" % ("(c) one boundary tensor (%s), TensorFlow [ms]" % _mib(boundary), _ms(transfer)),
         "%-62s %14s" % ("(c) one boundary tensor, plain TCP [ms]", _ms(tcp_transfer)),
         "%-62s %14s" % ("(c) call of a function with one op in each process [ms]", _ms(call)),
+    ]
+    p1, p2 = _profile_medians(profiles), _profile_medians([d["profile"] for d in drivers])
+
+    def pair(a: float, b: float) -> str:
+        return "%.2f / %.2f" % (a * 1e3, b * 1e3)
+
+    lines += [
+        "%-62s %14s" % ("(d) profiled step, one / two processes: call to first action [ms]",
+                        pair(p1["lead_s"], p2["lead_s"])),
+        "%-62s %14s" % ("(d) pipeline span, first action to last [ms]", pair(p1["span_s"], p2["span_s"])),
+    ]
+    for d, (b1, b2) in enumerate(zip(p1["busy_s"], p2["busy_s"])):
+        lines += [
+            "%-62s %14s" % ("(d) device %d busy in the span (its tasks' run time) [ms]" % d, pair(b1, b2)),
+            "%-62s %14s" % ("(d) device %d idle in the span (waiting for its inputs) [ms]" % d,
+                            pair(p1["span_s"] - b1, p2["span_s"] - b2)),
+        ]
+    lines += [
+        "%-62s %14s" % ("(d) last action to result [ms]", pair(p1["tail_s"], p2["tail_s"])),
         "",
-        "Where the difference goes: %.2f ms per step more across processes. Under 1F1B with P=2 every"
+        "Where the difference goes: %.2f ms per step more across processes (a). In the profiled steps (d),"
         % ((t2 - t1) * 1e3),
-        "boundary tensor is on the critical path (stage 1 waits for each forward, stage 0 for each"
-        " backward):",
-        "%d hops at the measured cost of one hop (%.2f ms, an op on each side included) are %.2f ms; the"
+        "from the call to the first action %+.2f ms, the span %+.2f ms, from the last action to the result"
+        % ((p2["lead_s"] - p1["lead_s"]) * 1e3, (p2["span_s"] - p1["span_s"]) * 1e3),
+        "%+.2f ms. Inside the span, the devices' tasks run %s ms longer (busy) and they wait"
+        " %s ms"
+        % ((p2["tail_s"] - p1["tail_s"]) * 1e3,
+           " / ".join("%+.2f" % ((b2 - b1) * 1e3) for b1, b2 in zip(p1["busy_s"], p2["busy_s"])),
+           " / ".join("%+.2f" % (((p2["span_s"] - b2) - (p1["span_s"] - b1)) * 1e3)
+                      for b1, b2 in zip(p1["busy_s"], p2["busy_s"]))),
+        "longer (idle; device 0 / device 1). Under 1F1B with P=2 every boundary tensor is on the critical"
+        " path:",
+        "%d hops at the measured cost of one (%.2f ms, an op on each side included) are %.2f ms, and a call"
         % (2 * M, transfer * 1e3, 2 * M * transfer * 1e3),
-        "driver dispatches each step's share to both servers over gRPC before any compute starts (a"
-        " call",
-        "with one op in each process takes %.2f ms). The rest, %.2f ms, is not the transport's idle"
-        % (call * 1e3, (t2 - t1 - 2 * M * transfer - call) * 1e3),
-        "cost: a profile of the step (smp.profile, README.md) shows where it goes.",
+        "with one op in each process takes %.2f ms (c)." % (call * 1e3),
     ]
     return "\n".join(lines)
 
@@ -401,6 +475,7 @@ def main(argv=None) -> int:
     parser.add_argument("--cpus", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--nbytes", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--port", default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--profile", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.repeats is None:
         args.repeats = 3 if args.quick else 15
@@ -420,12 +495,14 @@ def main(argv=None) -> int:
     s = sizes(args.quick)
     args.nbytes = 2 * M * (s["batch"] // M) * s["width"] * 4 + s["batch"] * s["width"] * 4
     start = time.monotonic()
-    one, two, shared, drivers = [], [], [], []
+    one, two, shared, drivers, profiles = [], [], [], [], []
     for r in range(args.rounds):
         # Alternate the order so that a drift of the machine hits every side.
         for side in (("one", "two", "shared") if r % 2 == 0 else ("shared", "two", "one")):
             if side == "one":
-                one += run_one(args)["step_s"]
+                res = run_one(args)
+                one += res["step_s"]
+                profiles.append(res["profile"])
             elif side == "two":
                 d = run_two(args)
                 drivers.append(d)
@@ -434,11 +511,12 @@ def main(argv=None) -> int:
                 shared += run_two(args, share=True)["step_s"]
     small = (s["batch"] // M) * s["width"] * 4
     tcp = tcp_copy(args, int(args.nbytes), small, args.repeats)
-    table = build_table(args, one, two, drivers, tcp, time.monotonic() - start, shared)
+    table = build_table(args, one, two, drivers, tcp, time.monotonic() - start, shared, profiles)
     print(table, flush=True)
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"one": one, "two": two, "shared": shared, "drivers": drivers, "tcp": tcp}, f, indent=1)
+            json.dump({"one": one, "two": two, "shared": shared, "drivers": drivers, "tcp": tcp,
+                       "one_profiles": profiles}, f, indent=1)
     return 0
 
 
