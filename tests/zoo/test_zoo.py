@@ -6,6 +6,11 @@ loss and every gradient of every micro-batch, and the model's state after
 the step (BatchNorm statistics, seed states), equal the reference: the same
 training step run on one device, micro-batch by micro-batch, in a loop.
 
+The large Keras applications (`LARGE`) take most of the suite's time: the
+default run checks each of them under one configuration (together they meet
+every configuration) and ``-m zoo_all`` under all of them; every other
+entry runs every configuration by default.
+
 A gradient's error is relative to the larger of its own largest value and
 1e-3 of the largest value of any gradient of the model (some gradients are
 exactly zero, e.g. of a bias before a BatchNorm). The worst error of each
@@ -86,12 +91,27 @@ def _grouped(names):
 
 _ALL_CONFIGS = [(p, s, 1) for p, s in CONFIGS] + VIRTUAL_CONFIGS
 
+#: The Keras applications of the zoo, a minute or more per configuration.
+LARGE = ("resnet50", "mobilenet_v2", "densenet121", "efficientnet_b0", "efficientnet_v2_b0", "inception_v3",
+         "mobilenet_v3_small", "mobilenet_v3_large")
+#: The configuration each large entry runs by default: in turn, so that
+#: every configuration meets at least one of them.
+_LARGE_DEFAULT = {name: _ALL_CONFIGS[k % len(_ALL_CONFIGS)] for k, name in enumerate(LARGE)}
 
-@pytest.mark.parametrize(
-    "partitions,schedule,virtual_stages", _ALL_CONFIGS,
-    ids=[f"P{p}-{s}" if v == 1 else f"P{p}x{v}-{s}" for p, s, v in _ALL_CONFIGS],
-)
-@pytest.mark.parametrize("name", _grouped(zoo_models.ENTRIES))
+
+def _transparency_params():
+    params = []
+    for name in zoo_models.ENTRIES:
+        for p, s, v in _ALL_CONFIGS:
+            marks = [pytest.mark.xdist_group(name)]
+            if name in _LARGE_DEFAULT and _LARGE_DEFAULT[name] != (p, s, v):
+                marks.append(pytest.mark.zoo_all)
+            config = f"P{p}-{s}" if v == 1 else f"P{p}x{v}-{s}"
+            params.append(pytest.param(name, p, s, v, marks=marks, id=f"{name}-{config}"))
+    return params
+
+
+@pytest.mark.parametrize("name,partitions,schedule,virtual_stages", _transparency_params())
 def test_zoo_transparency(name, partitions, schedule, virtual_stages, record_property):
     case, init, ref_losses, ref_grads, ref_state, step = _reference(name)
     model = case.model
@@ -130,12 +150,14 @@ def test_zoo_transparency(name, partitions, schedule, virtual_stages, record_pro
 
 # -- recomputation -------------------------------------------------------------
 #: The default run checks one recompute mode per model (alternating, so both
-#: modes meet both schedules across the zoo); ``-m recompute_all`` checks
-#: every mode under every configuration.
+#: modes meet both schedules across the zoo), of the large entries only the
+#: two smallest (one per mode); ``-m recompute_all`` checks every mode of
+#: every entry under every configuration.
 _RECOMPUTE_DEFAULT = {
     name: ("full", 2, "interleaved") if k % 2 == 0 else ("selective", 3, "simple")
     for k, name in enumerate(zoo_models.ENTRIES)
 }
+_RECOMPUTE_DEFAULT_LARGE = ("mobilenet_v2", "mobilenet_v3_small")
 _RECOMPUTE_ALL = [
     (mode, p, s) for mode in ("full", "selective") for p, s in CONFIGS
 ]
@@ -169,7 +191,9 @@ def _check_recompute(name, mode, partitions, schedule):
     assert entry.recompute == [mode] * partitions
 
 
-@pytest.mark.parametrize("name", _grouped(zoo_models.ENTRIES))
+@pytest.mark.parametrize(
+    "name", _grouped(n for n in zoo_models.ENTRIES if n not in LARGE or n in _RECOMPUTE_DEFAULT_LARGE)
+)
 def test_zoo_recompute_is_bit_exact(name):
     mode, partitions, schedule = _RECOMPUTE_DEFAULT[name]
     _check_recompute(name, mode, partitions, schedule)
