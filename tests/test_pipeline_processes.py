@@ -104,6 +104,11 @@ def _driver_result(args, tmp_path) -> dict:
     return json.load(open(os.path.join(tmp_path, "rank0.json")))
 
 
+def _task_of(device: str) -> str:
+    """The task (process) of a device name, as a string."""
+    return str(tf.DeviceSpec.from_string(device).task)
+
+
 def _reference_custom_loop(partitions: int, pipeline: str, virtual_stages: int = 1):
     smp.init({"partitions": partitions, "microbatches": 4, "pipeline": pipeline, "virtual_stages": virtual_stages})
     model = common.build(seed=100)
@@ -127,14 +132,14 @@ def test_custom_loop_across_processes_equals_one_process(tmp_path, partitions, p
         0, 2, 0, 1, 0, partitions)
     assert got["local_partitions"] == list(range(partitions // 2))
     # Every variable lives on the server of the process that holds its stage.
-    tasks = {d.split("/task:")[1].split("/")[0] for d in got["devices"]}
+    tasks = {_task_of(d) for d in got["devices"]}
     assert tasks == {"0", "1"}
     assert got["devices"][0].startswith("/job:worker/replica:0/task:0/")
     assert got["devices"][-1].startswith("/job:worker/replica:0/task:1/")
     if virtual_stages > 1:
         # 4 chunks, one layer (kernel and bias) each: chunk c lives on
         # device c % 2, so the layers alternate between the processes.
-        layer_tasks = [d.split("/task:")[1].split("/")[0] for d in got["devices"][::2]]
+        layer_tasks = [_task_of(d) for d in got["devices"][::2]]
         assert layer_tasks == ["0", "1", "0", "1"]
 
 
@@ -214,8 +219,8 @@ def test_two_replicas_of_a_pipeline_over_four_processes_equal_one_process_on_the
         (0, 0, 2, 0, [0]), (2, 1, 2, 0, [0])]
     assert a["allgather"] == b["allgather"] == [{"dp_rank": 0, "rank": 0}, {"dp_rank": 1, "rank": 2}]
     # Each replica's variables live on its own two processes.
-    assert {d.split("/task:")[1][0] for d in a["devices"]} == {"0", "1"}
-    assert {d.split("/task:")[1][0] for d in b["devices"]} == {"2", "3"}
+    assert {_task_of(d) for d in a["devices"]} == {"0", "1"}
+    assert {_task_of(d) for d in b["devices"]} == {"2", "3"}
     for u, v in zip(a["weights"], b["weights"]):  # the replicas stay identical
         np.testing.assert_array_equal(np.array(u), np.array(v))
     # The sequential description: 3 steps on whole batches, then (smp.join)

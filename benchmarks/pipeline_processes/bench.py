@@ -129,12 +129,13 @@ def _profiled_steps(smp, tf, keras, model, x, y, args) -> dict:
     out: Dict[str, list] = {"lead_s": [], "span_s": [], "tail_s": [], "busy_s": []}
     for step in range(args.warmup, tl.num_steps):
         recs = tl.step_records(step)
-        first, last = min(r.start for r in recs), max(r.end for r in recs)
+        span = tl.step_time(step)
+        first = min(r.start for r in recs)
         out["lead_s"].append(first - calls[step][0])
-        out["span_s"].append(last - first)
-        out["tail_s"].append(calls[step][1] - last)
-        devices = sorted({r.device for r in recs})
-        out["busy_s"].append([sum(r.duration for r in recs if r.device == d) for d in devices])
+        out["span_s"].append(span)
+        out["tail_s"].append(calls[step][1] - (first + span))
+        idle = tl.step_bubbles(step)  # device -> idle fraction of the span
+        out["busy_s"].append([span * (1.0 - idle[d]) for d in sorted(idle)])
     return out
 
 
