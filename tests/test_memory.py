@@ -9,6 +9,7 @@ can be worked out by hand.
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -704,6 +705,7 @@ for name in sys.argv[2].split(","):
         for row in r:
             print("ROW", name, sched, row.partition, row.total, row.measured, flush=True)
         print("PROCESS", name, sched, r.process_peak, r.measured_process_peak, flush=True)
+        print("METHOD", name, sched, r.method, flush=True)
 """
 
 
@@ -730,6 +732,42 @@ def test_prediction_within_15_percent_of_measurement_on_zoo_models():
         assert abs(total - measured) <= 0.15 * measured, f"{name} {sched} partition {p}: predicted {total}, measured {measured}"
     process = [line.split() for line in out.stdout.splitlines() if line.startswith("PROCESS")]
     assert all(int(m) > 0 for *_, m in process)
+    # Each task's ops run one at a time (under the default executor the
+    # order of independent ops, and with it the peak, moves with the load).
+    methods = [line for line in out.stdout.splitlines() if line.startswith("METHOD")]
+    assert len(methods) == 3 * 2 and all(m.endswith("each task run alone, its ops one at a time)") for m in methods)
+
+
+def test_measured_task_peaks_fall_back_to_the_default_executor_for_loops():
+    """A task whose while loop TensorFlow lowers to low-level control flow
+    cannot run on the single-threaded executor: it is measured under the
+    default one, and the report's method says how many such tasks there were."""
+    script = r"""
+import os, sys
+os.environ["TF_CPU_ALLOCATOR_USE_BFC"] = "true"
+sys.path.insert(0, sys.argv[1])
+import smp_tf as smp
+smp.init({"partitions": 2, "microbatches": 4})
+import tensorflow as tf
+from tests.zoo import zoo_models
+case = zoo_models.ENTRIES["lstm"]()
+model = case.model
+def body(x, y):
+    with tf.GradientTape() as tape:
+        loss = case.loss(y, model(x, training=True, **case.training_kwargs))
+    return loss, tape.gradient(loss, model.trainable_variables)
+r = smp.step(body).measure_memory(tf.constant(case.x), tf.constant(case.y))
+print("METHOD", r.method)
+print("MEASURED", *[row.measured for row in r])
+"""
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2")
+    out = subprocess.run([sys.executable, "-c", script, str(ROOT)], env=env, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    method = next(line for line in out.stdout.splitlines() if line.startswith("METHOD"))
+    assert re.search(r"its ops one at a time; [1-9]\d* task\(s\) under the default executor, median of 3 runs\)$",
+                     method), method
+    measured = next(line for line in out.stdout.splitlines() if line.startswith("MEASURED")).split()[1:]
+    assert len(measured) == 2 and all(int(m) > 0 for m in measured)
 
 
 def test_predicted_transient_counts_cpu_kernel_scratch_on_cpus_only():

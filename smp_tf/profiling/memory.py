@@ -9,8 +9,11 @@
   taken: the process-wide peak of the step (compared with the predicted
   peak of all partitions together, `MemoryReport.process_peak`), and each
   task's own peak, measured by running its function alone on inputs of its
-  shapes (the median of `TASK_RUNS` runs, as the order in which the
-  runtime's threads run independent ops moves the peak a little). The
+  shapes with its ops run one at a time (TensorFlow's single-threaded
+  executor: the default one runs independent ops side by side in an order
+  that changes from run to run and with the machine's load, and the peak
+  moves with it; a task the single-threaded executor cannot run is run
+  under the default one, the median of `TASK_RUNS` runs). The
   ``measured`` column is then the partition's peak computed
   from the measured task peaks instead of the predicted ones (the kept
   tensors have their static sizes, which are exact; a task that reads a
@@ -25,7 +28,7 @@ output, `StepOutput.accumulate`, as a `tf.function`.
 from __future__ import annotations
 
 import os
-from typing import Any, Dict
+from typing import Any, Dict, Optional
 
 import tensorflow as tf
 
@@ -33,7 +36,8 @@ from smp_tf.memory import MemoryReport, with_measurements
 
 __all__ = ["measure_step_memory", "cpu_allocator_counts_bytes"]
 
-#: How many times each task runs alone; its measured peak is the median.
+#: How many times a task the single-threaded executor cannot run is run
+#: under the default one; its measured peak is the median.
 TASK_RUNS = 3
 
 #: The environment variable that makes TensorFlow's CPU allocator count bytes.
@@ -58,6 +62,35 @@ def _peak_of(fn, device: str = "CPU:0") -> int:
     before = tf.config.experimental.get_memory_info(device)["current"]
     fn()
     return tf.config.experimental.get_memory_info(device)["peak"] - before
+
+
+def _sequential_peak(fn: Any, inputs: list) -> Optional[int]:
+    """The peak of `fn` with its ops run one at a time (TensorFlow's
+    single-threaded executor), or None where that executor cannot run it.
+
+    The default executor runs a task's independent ops side by side on the
+    inter-op threads, in an order that changes from run to run and with the
+    load of the machine, and the peak moves with it (by a tenth or more on
+    a small task). One op at a time gives the same figure on every run.
+    """
+
+    def one_at_a_time():
+        # An eager call of a function takes its executor from the context.
+        with tf.experimental.function_executor_type("SINGLE_THREADED_EXECUTOR"):
+            return fn(*inputs)
+
+    try:
+        one_at_a_time()  # warm: the first call builds the kernels
+    except (tf.errors.OpError, ValueError, TypeError, NotImplementedError):
+        return None
+    return _peak_of(one_at_a_time)
+
+
+def _concurrent_peak(fn: Any, inputs: list) -> int:
+    """The median peak of `TASK_RUNS` runs of `fn` under the default executor."""
+    fn(*inputs)  # warm: the first call builds the kernels
+    peaks = sorted(_peak_of(lambda: fn(*inputs)) for _ in range(TASK_RUNS))
+    return peaks[len(peaks) // 2]
 
 
 def _zeros(spec: tf.TensorSpec) -> tf.Tensor:
@@ -111,6 +144,7 @@ def measure_step_memory(step_fn: Any, args: tuple, kwargs: dict, optimizer: Any 
                   if getattr(c, "key", None) in written and hasattr(c, "variable")]
     saved = [v.read_value() for v in state_vars]
     workspace: Dict[tuple, int] = {}
+    concurrent = 0
     for task in entry.tasks:
         fn = entry._functions[task.key]
         specs = fn.structured_input_signature[0]
@@ -118,17 +152,18 @@ def measure_step_memory(step_fn: Any, args: tuple, kwargs: dict, optimizer: Any 
             continue  # a loop's accumulators cannot be made up: keep the prediction
         inputs = [_zeros(s) for s in specs]
         with tf.device(entry.devices[task.partition]):
-            fn(*inputs)  # warm: the first call builds the kernels
-            # The inter-op threads order independent ops differently from
-            # run to run, and with them the peak: the median of a few runs.
-            peaks = sorted(_peak_of(lambda: fn(*inputs)) for _ in range(TASK_RUNS))
-            workspace[task.key] = peaks[len(peaks) // 2]
+            peak = _sequential_peak(fn, inputs)
+            if peak is None:
+                concurrent += 1
+                peak = _concurrent_peak(fn, inputs)
+        workspace[task.key] = peak
     for v, value in zip(state_vars, saved):
         v.assign(value)
     composed = entry.memory_report(optimizer, budget=budget, workspace=workspace)
     measured = {r.partition: r.total for r in composed.partitions}
     method = (
         "logical CPU devices share one allocator: the process-wide peak of one step, and per "
-        "partition its peak with each task's measured peak (each task run alone)"
+        "partition its peak with each task's measured peak (each task run alone, its ops one at a time"
+        + (f"; {concurrent} task(s) under the default executor, median of {TASK_RUNS} runs)" if concurrent else ")")
     )
     return with_measurements(report, measured, method, process=process)
