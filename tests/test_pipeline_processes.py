@@ -284,6 +284,30 @@ def test_the_launcher_needs_partitions_for_pipeline_processes(tmp_path):
     assert launch.main(["-n", "3", "--partitions", "2", "--pipeline-processes", "2", str(script)]) == launch.EXIT_USAGE
 
 
+def test_a_driver_whose_watchdog_cannot_run_still_exits():
+    """The main thread blocks in a native call that holds the interpreter
+    (ctypes.PyDLL keeps it), so the watchdog thread cannot run: the native
+    timer it armed prints every thread's stack and exits with code 1."""
+    script = r"""
+import ctypes, sys, threading, time
+sys.path.insert(0, sys.argv[1])
+from smp_tf.distributed import remote
+remote.last_resort_s = lambda timeout: 3.0
+threading.Thread(target=remote._watch, args=(0, None, ("127.0.0.1:1",), [], 1.0), daemon=True).start()
+time.sleep(0.5)
+print("blocking", flush=True)
+ctypes.PyDLL(None).sleep(120)
+print("not reached", flush=True)
+"""
+    start = time.monotonic()
+    out = subprocess.run([sys.executable, "-c", script, ROOT], capture_output=True, text=True, timeout=100)
+    took = time.monotonic() - start
+    assert out.returncode == 1, (out.returncode, out.stdout, out.stderr[-3000:])
+    assert "blocking" in out.stdout and "not reached" not in out.stdout
+    assert "Timeout (0:00:03)!" in out.stderr and "<module>" in out.stderr, out.stderr[-3000:]
+    assert took < 60, took
+
+
 @pytest.mark.parametrize("how", ["killed", "stalled"])
 def test_a_lost_stage_process_stops_the_driver_within_the_timeout(tmp_path, how):
     import signal

@@ -373,20 +373,45 @@ def _answers(address: str, timeout: float) -> bool:
 _FINISHING = threading.Event()
 
 
+def last_resort_s(timeout: float) -> float:
+    """Seconds after which a driver whose watchdog could not run exits (see `_watch`)."""
+    return 2.0 * timeout + 30.0
+
+
 def _watch(rank: int, layout: PipelineLayout, addresses: Tuple[str, ...], others, timeout: float) -> None:
     """The driver's watchdog: stops the driver when a process of the job
     died (its server refuses connections) or stalled (its server does not
-    answer within `timeout` seconds)."""
-    while not _FINISHING.is_set():
-        for r in others:
-            if _FINISHING.is_set():
-                return
-            if not _answers(addresses[r], timeout):
-                # A dead process refuses the connection; a hung one accepts it.
-                why = _GONE if not _alive(addresses[r], timeout=min(2.0, timeout)) else (
-                    f"stopped responding (no answer for {timeout:g} s: it hangs)")
-                _stage_lost(rank, layout, addresses, r, why)
-        time.sleep(WATCH_INTERVAL_S)
+    answer within `timeout` seconds).
+
+    This thread needs the interpreter: should the main thread block inside
+    a native call that holds it, the thread could not run and the driver
+    would hang. As a last resort each round arms faulthandler's native
+    timer (which needs no interpreter): when no round re-arms it for
+    `last_resort_s` seconds, it prints every thread's stack and exits with
+    code 1.
+    """
+    import faulthandler
+    import sys
+
+    try:
+        while not _FINISHING.is_set():
+            faulthandler.dump_traceback_later(last_resort_s(timeout), exit=True, file=sys.stderr)
+            _watch_round(rank, layout, addresses, others, timeout)
+            time.sleep(WATCH_INTERVAL_S)
+    finally:
+        faulthandler.cancel_dump_traceback_later()
+
+
+def _watch_round(rank: int, layout: PipelineLayout, addresses: Tuple[str, ...], others, timeout: float) -> None:
+    """One look at every other process; stops the driver if one is lost."""
+    for r in others:
+        if _FINISHING.is_set():
+            return
+        if not _answers(addresses[r], timeout):
+            # A dead process refuses the connection; a hung one accepts it.
+            why = _GONE if not _alive(addresses[r], timeout=min(2.0, timeout)) else (
+                f"stopped responding (no answer for {timeout:g} s: it hangs)")
+            _stage_lost(rank, layout, addresses, r, why)
 
 
 def start(info: ClusterInfo, layout: PipelineLayout, kind: str, logical_cpu: bool, timeout: float) -> PipelineProcess:
