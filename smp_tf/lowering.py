@@ -390,6 +390,11 @@ class CompiledStep:
                 input_names.append(f"{_transposed_name(g.ops[r].name)}:0")
             pretranspose_graph_def(sub, products, placeholders)
         pins = [g.tensor_name(t) for t in task.pinned]
+        # Every node is on `device`, which the function is traced under: the
+        # importer then places each op from that scope instead of entering a
+        # device scope of its own for every op (a fifth of the import).
+        for node in sub.node:
+            node.device = ""
         body = _task_body(sub, input_names, captured, outputs, self.traced.captures, pins)
         # Task functions stay calls (not inlined): the graph optimiser
         # then works on each task once instead of on M copies, and a
