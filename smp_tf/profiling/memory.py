@@ -71,7 +71,8 @@ def _sequential_peak(fn: Any, inputs: list) -> Optional[int]:
     The default executor runs a task's independent ops side by side on the
     inter-op threads, in an order that changes from run to run and with the
     load of the machine, and the peak moves with it (by a tenth or more on
-    a small task). One op at a time gives the same figure on every run.
+    a small task). One op at a time gives the same figure on every run in
+    a process.
     """
 
     def one_at_a_time():
