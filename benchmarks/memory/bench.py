@@ -394,7 +394,7 @@ def build_table(results: list, reference: dict, args, s: dict, seconds: float, p
         "peak part: the partition with the largest predicted peak; pred total / pred act: its predicted peak and "
         "its activations at that peak; act vs never: change of that figure against recompute=never (same P and "
         "schedule); measured/part: each partition's peak composed from its tasks' measured peaks (each task run "
-        "alone); max/mean: largest over mean predicted partition peak; proc pred / proc meas: predicted and "
+        "alone, its ops one at a time); max/mean: largest over mean predicted partition peak; proc pred / proc meas: predicted and "
         "measured peak of the one allocator all logical CPU devices share (the whole process); ±15%: "
         "|meas/pred - 1| <= 0.15; held: allocator bytes in use between steps; vs never: step time against "
         "recompute=never, same P and schedule.",
