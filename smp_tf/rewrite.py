@@ -984,6 +984,8 @@ def task_specs(tasks: Sequence[Task], device_of_partition: Optional[Sequence[int
 def task_graph_def(graph_def, graph: OpGraph, task: Task, device: str, nodes=None):
     """The `GraphDef` of `task`: its members and copies, placed on `device`.
 
+    ``device=""`` leaves every node without a device: imported into a
+    function, the ops then run on the device of the function's call.
     Inputs produced by other tasks, and captured tensors other than
     variable handles, stay as references to nodes that are not in the
     result; the importer maps them (``input_map``). Control inputs

@@ -742,32 +742,18 @@ def test_measured_task_peaks_fall_back_to_the_default_executor_for_loops():
     """A task whose while loop TensorFlow lowers to low-level control flow
     cannot run on the single-threaded executor: it is measured under the
     default one, and the report's method says how many such tasks there were."""
-    script = r"""
-import os, sys
-os.environ["TF_CPU_ALLOCATOR_USE_BFC"] = "true"
-sys.path.insert(0, sys.argv[1])
-import smp_tf as smp
-smp.init({"partitions": 2, "microbatches": 4})
-import tensorflow as tf
-from tests.zoo import zoo_models
-case = zoo_models.ENTRIES["lstm"]()
-model = case.model
-def body(x, y):
-    with tf.GradientTape() as tape:
-        loss = case.loss(y, model(x, training=True, **case.training_kwargs))
-    return loss, tape.gradient(loss, model.trainable_variables)
-r = smp.step(body).measure_memory(tf.constant(case.x), tf.constant(case.y))
-print("METHOD", r.method)
-print("MEASURED", *[row.measured for row in r])
-"""
     env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2")
-    out = subprocess.run([sys.executable, "-c", script, str(ROOT)], env=env, capture_output=True, text=True, timeout=600)
+    out = subprocess.run(
+        [sys.executable, "-c", _MEASURE, str(ROOT), "lstm"], env=env, capture_output=True, text=True, timeout=600
+    )
     assert out.returncode == 0, out.stderr[-3000:]
-    method = next(line for line in out.stdout.splitlines() if line.startswith("METHOD"))
-    assert re.search(r"its ops one at a time; [1-9]\d* task\(s\) under the default executor, median of 3 runs\)$",
-                     method), method
-    measured = next(line for line in out.stdout.splitlines() if line.startswith("MEASURED")).split()[1:]
-    assert len(measured) == 2 and all(int(m) > 0 for m in measured)
+    methods = [line for line in out.stdout.splitlines() if line.startswith("METHOD")]
+    assert len(methods) == 2
+    for method in methods:
+        assert re.search(r"its ops one at a time; [1-9]\d* task\(s\) under the default executor, median of 3 runs\)$",
+                         method), method
+    measured = [line.split()[-1] for line in out.stdout.splitlines() if line.startswith("ROW")]
+    assert len(measured) == 2 * 2 and all(int(m) > 0 for m in measured)
 
 
 def test_predicted_transient_counts_cpu_kernel_scratch_on_cpus_only():
