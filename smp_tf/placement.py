@@ -14,8 +14,12 @@ traces read the new handle.
 
 What captured the old handle before the move is re-pointed at the new one:
 
-* every `tf.function` traced earlier (each of its concrete functions, found
-  by a scan of live objects, gets its captured inputs replaced);
+* every `tf.function` traced earlier (each of its concrete functions gets
+  its captured inputs replaced). They are found in a registry of the
+  concrete functions, function graphs and Keras optimizers created since
+  the first `smp.init` of the process (`smp_tf.live_objects`); when
+  TensorFlow had created variables before it, one scan of all live objects
+  adds the older ones first;
 * every graph being traced at the moment of the move (the user's
   `tf.function` that called the step), whose capture of the old handle is
   re-keyed to the new handle, so that later reads in that trace share it.
@@ -32,15 +36,13 @@ traced before the first step".
 
 from __future__ import annotations
 
-import gc
-import itertools
 import logging
 import weakref
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import tensorflow as tf
 
-from smp_tf import state
+from smp_tf import live_objects, state
 from smp_tf.trace import CapturedVariable
 
 logger = logging.getLogger("smp_tf")
@@ -284,41 +286,6 @@ def _slots_by_reference(optimizer: Any) -> List[Tuple[Any, Any]]:
 # --------------------------------------------------------------------------
 # re-pointing what captured an old handle
 # --------------------------------------------------------------------------
-def _live_objects() -> Dict[str, List[Any]]:
-    """Concrete functions, function graphs and Keras optimizers alive."""
-    from tensorflow.python.eager.polymorphic_function.concrete_function import ConcreteFunction
-    from tensorflow.python.framework.func_graph import FuncGraph
-
-    kinds: List[Tuple[str, type]] = [("functions", ConcreteFunction), ("graphs", FuncGraph)]
-    try:
-        import keras
-
-        kinds.append(("optimizers", keras.optimizers.Optimizer))
-    except ImportError:  # pragma: no cover - Keras is a dependency
-        pass
-    found: Dict[str, List[Any]] = {k: [] for k, _ in kinds}
-    # A process with TensorFlow and Keras loaded holds hundreds of thousands
-    # of objects: the exact type of each is looked up in the set of the
-    # classes and their subclasses, and the filtering runs in C (a Python
-    # loop with isinstance took a quarter of a second).
-    kind_of_type = {t: k for k, c in kinds for t in _subclasses(c)}
-    objects = gc.get_objects()
-    for o in itertools.compress(objects, map(kind_of_type.__contains__, map(type, objects))):
-        found[kind_of_type[type(o)]].append(o)
-    return found
-
-
-def _subclasses(cls: type) -> List[type]:
-    """`cls` and all its subclasses, defined so far."""
-    out, todo = [cls], [cls]
-    while todo:
-        for sub in todo.pop().__subclasses__():
-            if sub not in out:
-                out.append(sub)
-                todo.append(sub)
-    return out
-
-
 def _retarget_graph(graph: Any, moved: Mapping[int, Any]) -> int:
     """Re-keys a function graph's captures of old handles to the new handles."""
     captures = getattr(graph, "_function_captures", None)
@@ -421,7 +388,7 @@ def place_variables(
         )
     if not moved:
         return where
-    live = _live_objects()
+    live = live_objects.live_objects()
     for opt in list(_OPTIMIZERS) + [o for o in live.get("optimizers", []) if o not in _OPTIMIZERS]:
         for slot, reference in _slots_by_reference(opt):
             rv, sv = _resource_variable(reference), _resource_variable(slot)

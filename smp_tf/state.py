@@ -201,6 +201,11 @@ def init(config: Optional[Mapping[str, Any]] = None) -> Config:
             and there are fewer logical CPU devices than partitions.
     """
     cfg = parse_config(config)
+    from smp_tf import live_objects
+
+    # Before the devices are set up: while TensorFlow's runtime has not
+    # started, nothing created so far can hold a variable handle.
+    live_objects.install_object_registry()
     from smp_tf.distributed.cluster import from_environment
 
     info = from_environment()

@@ -299,7 +299,7 @@ def test_batch_is_split_on_the_first_stage_device_when_a_pipeline_spans_processe
 
 
 def test_live_objects_finds_instances_of_subclasses():
-    from smp_tf.placement import _live_objects
+    from smp_tf.live_objects import live_objects as _live_objects
 
     class MyAdam(keras.optimizers.Adam):
         pass
@@ -310,3 +310,39 @@ def test_live_objects_finds_instances_of_subclasses():
     assert any(o is opt for o in live["optimizers"])
     assert any(o is f for o in live["functions"])
     assert any(o is f.graph for o in live["graphs"])
+
+
+def test_live_objects_come_from_the_registry_without_a_heap_scan(monkeypatch):
+    from smp_tf import live_objects as registry
+
+    registry.install_object_registry()
+    monkeypatch.setitem(registry._REGISTRY, "complete", True)
+
+    def no_scan():
+        raise AssertionError("the registry is complete: no heap scan")
+
+    monkeypatch.setattr(registry, "_scan_live_objects", no_scan)
+    opt = keras.optimizers.SGD()
+    f = tf.function(lambda x: x * 2).get_concrete_function(tf.TensorSpec([], tf.float32))
+    live = registry.live_objects()
+    assert any(o is opt for o in live["optimizers"])
+    assert any(o is f for o in live["functions"])
+    assert any(o is f.graph for o in live["graphs"])
+
+
+def test_an_incomplete_registry_scans_the_heap_once_and_registers_what_it_finds(monkeypatch):
+    """Objects created before the registry was installed (TensorFlow's
+    runtime already started) are found by one scan, then registered."""
+    from smp_tf import live_objects as registry
+
+    registry.install_object_registry()
+    f = tf.function(lambda x: x - 1).get_concrete_function(tf.TensorSpec([], tf.float32))
+    registry._REGISTERED["functions"].discard(f)  # as if created before the registry
+    monkeypatch.setitem(registry._REGISTRY, "complete", False)
+    scans = []
+    scan = registry._scan_live_objects
+    monkeypatch.setattr(registry, "_scan_live_objects", lambda: scans.append(1) or scan())
+    assert any(o is f for o in registry.live_objects()["functions"])
+    assert any(o is f for o in registry.live_objects()["functions"])
+    assert scans == [1]
+    assert registry._REGISTRY["complete"]
