@@ -265,6 +265,42 @@ def test_simulate_costs_override_and_function_form():
         s.simulate({(0, 0): -1})
 
 
+
+def test_gap_delays_every_action_that_waits():
+    # GPipe at P=2, M=1 with unit costs: F0 (device 0, starts at 0, waits for
+    # nothing), FB0 (device 1, waits for F0), B0 (device 0, waits for FB0 and
+    # for F0 on its device). With a gap g each of the two waiting actions
+    # starts g late: makespan 4 + 2g; the gap is idle time.
+    s = make_schedule(chain_tasks(2, 1.0, 1.0), 1, "simple")
+    base = s.simulate()
+    g = 0.25
+    sim = s.simulate(gap=g)
+    assert base.makespan == pytest.approx(4.0)
+    assert sim.makespan == pytest.approx(4.0 + 2 * g)
+    assert sim.busy == base.busy
+    work = sum(base.busy.values())  # 4: F and B on device 0, the fused FB on device 1
+    assert sim.bubble == pytest.approx((2 * sim.makespan - work) / (2 * sim.makespan))
+    _check_deps(s, sim)
+    first = min(sim.start, key=sim.start.get)
+    assert sim.start[first] == 0.0
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_gap_adds_at_most_one_gap_per_action(kind):
+    s = make_schedule(chain_tasks(4, 1.0, 2.0), 8, kind)
+    base, sim = s.simulate(), s.simulate(gap=0.1)
+    n = sum(len(v) for v in s.order.values())
+    assert base.makespan < sim.makespan <= base.makespan + 0.1 * n + 1e-9
+    _check_deps(s, sim)
+
+
+@pytest.mark.parametrize("gap", [-0.1, float("nan"), float("inf"), "1", True])
+def test_gap_must_be_a_finite_nonnegative_number(gap):
+    s = make_schedule(chain_tasks(2), 2, "interleaved")
+    with pytest.raises(ValueError, match="gap must be"):
+        s.simulate(gap=gap)
+
+
 # --- fuzz ------------------------------------------------------------------
 
 

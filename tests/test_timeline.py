@@ -50,6 +50,49 @@ def test_simulated_bubble_uses_the_measured_costs():
     assert "measured 50.0%" in tl.summary()
 
 
+
+def test_measured_gap_is_the_median_wait_from_ready_to_start():
+    tasks = [TaskSpec(0, 0, cost=1.0), TaskSpec(1, 1, deps=((0, 0),), kind="FB", cost=1.0),
+             TaskSpec(0, 2, deps=((1, 1),), kind="B", cost=1.0)]
+    schedule = make_schedule(tasks, 1, "simple")
+    # F0 0-2; FB0 ready at 2, starts at 2.5; B0 ready at 5.5, starts at 5.75.
+    records = [
+        TaskRecord(0, 0, 0, 0, "F0", 0.0, 2.0),
+        TaskRecord(0, 1, 1, 0, "FB0", 2.5, 5.5),
+        TaskRecord(0, 0, 2, 0, "B0", 5.75, 6.75),
+    ]
+    tl = Timeline(records, schedule=schedule)
+    assert tl.measured_gap() == pytest.approx(0.375)  # median of 0.5 and 0.25
+    # Without the gap the simulation is short of the measured span (6.75)
+    # by the two waits; with the measured gap each wait counts 0.375:
+    # 2 + 0.375 + 3 + 0.375 + 1 = 6.75.
+    assert tl.simulated().makespan == pytest.approx(6.0)
+    assert tl.simulated(gap=tl.measured_gap()).makespan == pytest.approx(tl.step_time(0))
+    assert Timeline(_two_stage_records(), schedule=schedule).measured_gap() == 0.0
+    # Replayed with no waits: 2 + 3 + 1.
+    assert tl.replayed_span(0) == pytest.approx(6.0)
+    with pytest.raises(ValueError, match="no recorded step 3"):
+        tl.replayed_span(3)
+    with pytest.raises(ValueError, match="no schedule"):
+        Timeline(records).measured_gap()
+
+
+
+def test_task_costs_by_median_or_mean():
+    records = _two_stage_records() + [
+        TaskRecord(1, 0, 0, 0, "F0", 10.0, 11.0),
+        TaskRecord(1, 1, 1, 0, "FB0", 11.0, 14.0),
+        TaskRecord(1, 0, 2, 0, "B0", 14.0, 14.5),
+        TaskRecord(2, 0, 0, 0, "F0", 20.0, 26.0),
+    ]
+    tl = Timeline(records)
+    assert tl.task_costs()[(0, 0)] == 2.0  # durations 2, 1, 6
+    assert tl.task_costs("mean")[(0, 0)] == pytest.approx(3.0)
+    assert tl.task_costs("mean")[(0, 2)] == pytest.approx(0.75)
+    with pytest.raises(ValueError, match="'max'"):
+        tl.task_costs("max")
+
+
 def test_chrome_trace_has_one_event_per_record_on_its_device_track():
     tl = Timeline(_two_stage_records(), device_names={0: "/device:CPU:0", 1: "/device:CPU:1"})
     trace = json.loads(json.dumps(tl.chrome_trace()))

@@ -106,6 +106,8 @@ def run(args) -> list:
             tl = prof.timeline
             spans = [tl.step_time(k) for k in range(tl.num_steps)]
             sim = tl.simulated()
+            gap = tl.measured_gap()
+            sim_mean = tl.simulated(gap=gap, statistic="mean")
             # The memory model's activations at the schedule's peak, summed
             # over each device's partitions: the largest device.
             report = body.memory_report()
@@ -116,6 +118,8 @@ def run(args) -> list:
                 "schedule": sched, "M": M,
                 "step_s": statistics.median(t_plain), "probed_step_s": statistics.median(t_probed),
                 "span_s": statistics.median(spans), "sim_span_s": sim.makespan,
+                "gap_s": gap, "sim_mean_span_s": sim_mean.makespan,
+                "replay_ratio": statistics.median(tl.replayed_span(k) / tl.step_time(k) for k in range(tl.num_steps)),
                 "bubble": tl.measured_bubble(), "sim_bubble": sim.bubble,
                 "activations": max(act.values()),
             })
@@ -140,21 +144,29 @@ def table(rows: list, args) -> str:
            args.repeats),
         versions(),
         "",
-        "%-15s %3s %10s %10s %7s %10s %10s %8s %9s %9s %8s %8s %8s" % (
-            "schedule", "M", "step ms", "probed ms", "probes", "span ms", "sim span", "sim/meas", "bubble",
-            "sim bubble", "vs 1F1B", "sim vs", "act MiB"),
+        "%-15s %3s %10s %10s %7s %10s %10s %8s %7s %9s %8s %7s %9s %9s %8s %8s %8s" % (
+            "schedule", "M", "step ms", "probed ms", "probes", "span ms", "sim span", "sim/meas", "gap ms",
+            "mean sim", "mean/meas", "replay", "bubble", "sim bubble", "vs 1F1B", "sim vs", "act MiB"),
     ]
     for r in rows:
-        lines.append("%-15s %3d %10.2f %10.2f %7.3f %10.2f %10.2f %8.3f %9.1f%% %9.1f%% %8.3f %8.3f %8.2f" % (
-            r["schedule"], r["M"], r["step_s"] * 1e3, r["probed_step_s"] * 1e3, r["probed_step_s"] / r["step_s"],
-            r["span_s"] * 1e3, r["sim_span_s"] * 1e3, r["sim_span_s"] / r["span_s"], 100 * r["bubble"],
-            100 * r["sim_bubble"], r["speedup"], r["sim_speedup"], r["activations"] / 2**20))
+        lines.append(
+            "%-15s %3d %10.2f %10.2f %7.3f %10.2f %10.2f %8.3f %7.3f %9.2f %8.3f %7.3f %8.1f%% %8.1f%% %8.3f %8.3f %8.2f" % (
+                r["schedule"], r["M"], r["step_s"] * 1e3, r["probed_step_s"] * 1e3,
+                r["probed_step_s"] / r["step_s"], r["span_s"] * 1e3, r["sim_span_s"] * 1e3,
+                r["sim_span_s"] / r["span_s"], r["gap_s"] * 1e3, r["sim_mean_span_s"] * 1e3,
+                r["sim_mean_span_s"] / r["span_s"], r["replay_ratio"], 100 * r["bubble"], 100 * r["sim_bubble"], r["speedup"],
+                r["sim_speedup"], r["activations"] / 2**20))
     lines += [
         "",
         "step: a training step without probes; probed: the same step traced inside smp.profile (probes: their",
         "ratio). span: first action's start to last action's end, measured; sim span: the simulator's makespan",
         "for the same schedule from the measured task costs (transfers free, every action of a task the same",
-        "cost). bubble: idle fraction of the devices inside the span, measured and simulated. vs 1F1B: the",
+        "cost: the median of its durations). gap: the median time from an action being ready (its device",
+        "free, its inputs done) to its start, measured (the runtime's dispatch and transfers). mean sim: the",
+        "simulator's makespan with each task's mean duration as its cost and that gap before every action",
+        "that waited. replay: the span if every action had started as soon as it was ready, with its own",
+        "measured duration, over the measured span (median over steps). bubble: idle fraction of the devices",
+        "inside the span, measured and simulated (median costs). vs 1F1B: the",
         "interleaved step time over this one's at the same M (above 1: faster); sim vs: the same from the",
         "simulated spans. act MiB: the memory model's activations kept at the schedule's peak on the device",
         "that keeps the most (its partitions summed). /v2: virtual_stages 2 (4 chunks, 2 per device).",

@@ -132,19 +132,109 @@ class Timeline:
             per_step.append(sum(b.values()) / len(b))
         return statistics.median(per_step)
 
-    def task_costs(self) -> Dict[Tuple[int, int], float]:
-        """``(partition, wave)`` -> median duration of its actions (seconds)."""
+    def task_costs(self, statistic: str = "median") -> Dict[Tuple[int, int], float]:
+        """``(partition, wave)`` -> duration of its actions (seconds).
+
+        Args:
+            statistic: ``"median"`` (default: robust to a slow first step,
+                e.g. one that built the task functions) or ``"mean"`` (keeps
+                each device's busy time, the sum of its actions' durations:
+                where actions of a task run slower now and then, for example
+                while another device shares the cores, the median
+                understates it).
+        """
+        if statistic not in ("median", "mean"):
+            raise ValueError(f"statistic must be 'median' or 'mean'. Received: {statistic!r}")
+        reduce = statistics.median if statistic == "median" else statistics.mean
         by_task: Dict[Tuple[int, int], List[float]] = {}
         for r in self.records:
             by_task.setdefault((r.partition, r.wave), []).append(r.duration)
-        return {k: statistics.median(v) for k, v in by_task.items()}
+        return {k: reduce(v) for k, v in by_task.items()}
 
-    def simulated(self):
-        """The simulator's run of the recorded schedule with the measured
-        task costs (a `Simulation`; transfers cost nothing there)."""
+    def measured_gap(self) -> float:
+        """Median time (seconds) from an action being ready to its start.
+
+        An action is ready when its device's previous action of the step
+        has ended and the actions it depends on (same micro-batch) have
+        ended; the first action of a device with no dependency is left out.
+        The gap is what the runtime takes between actions: dispatching the
+        next call and handing it its inputs (a transfer, for an input from
+        another device).
+        """
         if self.schedule is None:
             raise ValueError("the timeline has no schedule: no pipelined step ran inside the profile")
-        return self.schedule.simulate(self.task_costs())
+        deps = {t.key: t.deps for t in self.schedule.tasks}
+        gaps = []
+        for step in sorted({r.step for r in self.records}):
+            recs = self.step_records(step)
+            end = {(r.partition, r.wave, r.microbatch): r.end for r in recs}
+            by_device: Dict[int, List[TaskRecord]] = {}
+            for r in recs:
+                by_device.setdefault(r.device, []).append(r)
+            for acts in by_device.values():
+                acts.sort(key=lambda r: r.start)
+                for k, r in enumerate(acts):
+                    waits = [acts[k - 1].end] if k else []
+                    waits += [end[(p, w, r.microbatch)] for p, w in deps.get((r.partition, r.wave), ())
+                              if (p, w, r.microbatch) in end]
+                    if waits:
+                        gaps.append(max(0.0, r.start - max(waits)))
+        if not gaps:
+            raise ValueError("the timeline has no action that waited for another: no gap to measure")
+        return statistics.median(gaps)
+
+    def replayed_span(self, step: int) -> float:
+        """Step `step`'s span if every action had started as soon as it was
+        ready, each taking its own recorded duration (seconds).
+
+        Against `step_time(step)` it tells what the time between actions
+        costs; against `simulated()` what the spread of the durations does.
+        """
+        if self.schedule is None:
+            raise ValueError("the timeline has no schedule: no pipelined step ran inside the profile")
+        recs = self.step_records(step)
+        if not recs:
+            raise ValueError(f"no recorded step {step}; recorded steps: {sorted({r.step for r in self.records})}")
+        deps = {t.key: t.deps for t in self.schedule.tasks}
+        queues: Dict[int, List[TaskRecord]] = {}
+        for r in recs:
+            queues.setdefault(r.device, []).append(r)
+        for q in queues.values():
+            q.sort(key=lambda r: r.start)
+        end: Dict[Tuple[Any, int, int], float] = {}
+        free = {d: 0.0 for d in queues}
+        pos = {d: 0 for d in queues}
+        remaining = len(recs)
+        while remaining:
+            placed = False
+            for d, q in queues.items():
+                while pos[d] < len(q):
+                    r = q[pos[d]]
+                    ready = [end.get((p, w, r.microbatch)) for p, w in deps.get((r.partition, r.wave), ())]
+                    if any(e is None for e in ready):
+                        break
+                    end[(r.partition, r.wave, r.microbatch)] = free[d] = max([free[d]] + ready) + r.duration
+                    pos[d] += 1
+                    remaining -= 1
+                    placed = True
+            if not placed:
+                raise ValueError(f"step {step}: the recorded actions wait on each other in a cycle")
+        return max(end.values())
+
+    def simulated(self, gap: float = 0.0, statistic: str = "median"):
+        """The simulator's run of the recorded schedule with the measured
+        task costs (a `Simulation`).
+
+        Args:
+            gap: seconds from an action being ready to its start (see
+                `smp_tf.schedules.simulate`); 0 (default) counts dispatch and
+                transfers as free, `measured_gap()` counts them as measured.
+            statistic: how each task's cost is taken from its actions'
+                durations (see `task_costs`).
+        """
+        if self.schedule is None:
+            raise ValueError("the timeline has no schedule: no pipelined step ran inside the profile")
+        return self.schedule.simulate(self.task_costs(statistic), gap=gap)
 
     def simulated_bubble(self) -> float:
         """The bubble the simulator predicts from the measured task costs."""

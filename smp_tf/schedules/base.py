@@ -150,11 +150,12 @@ class Schedule:
     def _names(self) -> Dict[TaskKey, Tuple[str, str]]:
         return _display_prefixes(self.tasks)
 
-    def simulate(self, costs: Optional[Mapping[TaskKey, float]] = None) -> Simulation:
+    def simulate(self, costs: Optional[Mapping[TaskKey, float]] = None, gap: float = 0.0) -> Simulation:
         """Simulates this schedule (see `simulate`).
 
         Args:
             costs: optional ``(partition, wave) -> cost`` overriding task costs.
+            gap: time from an action being ready to its start (default 0).
 
         Returns:
             The `Simulation`.
@@ -163,7 +164,7 @@ class Schedule:
             ScheduleError: the schedule deadlocks.
             ValueError: the schedule or costs are invalid.
         """
-        return simulate(self.order, self.tasks, self.num_microbatches, costs)
+        return simulate(self.order, self.tasks, self.num_microbatches, costs, gap)
 
     def table(self) -> str:
         """Device x time-slot table, every action one slot (clock cycles).

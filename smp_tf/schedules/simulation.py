@@ -230,6 +230,7 @@ def _run(
     order: Mapping[int, Sequence[Action]],
     deps: Mapping[TaskKey, Tuple[TaskKey, ...]],
     cost: Mapping[TaskKey, float],
+    gap: float = 0.0,
 ) -> _RunResult:
     """Simulates the per-device orders, stopping (not raising) at a deadlock.
 
@@ -238,7 +239,9 @@ def _run(
     actions can be placed in any order that respects those edges: repeatedly
     start every device's next action whose dependencies have all been placed.
     The times equal those of an event-driven run; a round that places nothing
-    while actions remain is a deadlock.
+    while actions remain is a deadlock. An action that waits for anything
+    (an earlier action of its device or a dependency) starts `gap` after it
+    is ready.
     """
     start: Dict[Action, float] = {}
     end: Dict[Action, float] = {}
@@ -259,6 +262,8 @@ def _run(
                     dep_ends.append(e)
                 else:
                     s = max([free[d]] + dep_ends)
+                    if gap and (pos[d] or dep_ends):
+                        s += gap
                     start[a] = s
                     end[a] = free[d] = s + cost[a.task]
                     pos[d] += 1
@@ -378,17 +383,23 @@ def simulate(
     tasks: Sequence[TaskSpec],
     num_microbatches: int,
     costs: Optional[Mapping[TaskKey, float]] = None,
+    gap: float = 0.0,
 ) -> Simulation:
     """Simulates per-device orders.
 
     Each device runs its list in order; an action starts at the later of the
-    device becoming free and the end of its dependencies (same micro-batch).
+    device becoming free and the end of its dependencies (same micro-batch),
+    plus `gap` if it waited for either.
 
     Args:
         schedule_order: device -> ordered actions (Actions or ``"p0w1m3"``).
         tasks: the task set.
         num_microbatches: number of micro-batches ``M``.
         costs: optional ``(partition, wave) -> cost`` overriding task costs.
+        gap: the time from an action being ready (its device free, its
+            inputs there) to its start: what the runtime takes to dispatch
+            it and to hand it its inputs, in the unit of the costs (default
+            0: both free). The device is idle during it.
 
     Returns:
         The `Simulation`.
@@ -403,8 +414,10 @@ def simulate(
     order = _normalize_order(schedule_order)
     _check_order(order, tasks, num_microbatches)
     cost = _task_costs(tasks, costs)
+    if not isinstance(gap, (int, float)) or isinstance(gap, bool) or not gap >= 0 or gap == float("inf"):
+        raise ValueError(f"gap must be a finite number >= 0. Received: {gap!r}")
     deps = {t.key: t.deps for t in tasks}
-    run = _run(order, deps, cost)
+    run = _run(order, deps, cost, float(gap))
     if run.deadlocked:
         raise _deadlock_error(order, tasks, _run(order, deps, {k: 1.0 for k in cost}))
     makespan = max(run.end.values(), default=0.0)
