@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import gc
 import itertools
+import threading
 import weakref
 from typing import Any, Dict, List, Tuple
 
@@ -23,6 +24,8 @@ _REGISTERED: Dict[str, "weakref.WeakSet[Any]"] = {
     "functions": weakref.WeakSet(), "graphs": weakref.WeakSet(), "optimizers": weakref.WeakSet(),
 }
 _REGISTRY = {"installed": False, "complete": False}
+# Objects may be created on other threads while a move lists them.
+_LOCK = threading.RLock()
 
 
 def _registry_kinds() -> List[Tuple[str, type]]:
@@ -65,7 +68,8 @@ def install_object_registry() -> None:
 def _registering_init(original: Any, registered: "weakref.WeakSet[Any]") -> Any:
     def __init__(self, *args, **kwargs):
         original(self, *args, **kwargs)
-        registered.add(self)
+        with _LOCK:
+            registered.add(self)
 
     __init__.__wrapped__ = original
     __init__._smp_tf = True
@@ -77,11 +81,13 @@ def live_objects() -> Dict[str, List[Any]]:
     kind ("functions", "graphs", "optimizers")."""
     install_object_registry()
     if _REGISTRY["complete"]:
-        return {kind: list(objects) for kind, objects in _REGISTERED.items()}
+        with _LOCK:
+            return {kind: list(objects) for kind, objects in _REGISTERED.items()}
     found = _scan_live_objects()
-    for kind, objects in found.items():
-        _REGISTERED[kind].update(objects)
-    _REGISTRY["complete"] = True
+    with _LOCK:
+        for kind, objects in found.items():
+            _REGISTERED[kind].update(objects)
+        _REGISTRY["complete"] = True
     return found
 
 
