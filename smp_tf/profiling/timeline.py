@@ -32,6 +32,9 @@ import threading
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
+from smp_tf.schedules.simulation import replay_makespan
+from smp_tf.schedules.tasks import Action
+
 __all__ = ["TaskRecord", "Timeline", "profile"]
 
 
@@ -151,6 +154,21 @@ class Timeline:
             by_task.setdefault((r.partition, r.wave), []).append(r.duration)
         return {k: reduce(v) for k, v in by_task.items()}
 
+    def _deps(self) -> Dict[Tuple[int, int], Tuple[Tuple[int, int], ...]]:
+        if self.schedule is None:
+            raise ValueError("the timeline has no schedule: no pipelined step ran inside the profile")
+        return {t.key: t.deps for t in self.schedule.tasks}
+
+    def _device_queues(self, step: int) -> Dict[int, List[TaskRecord]]:
+        """Device -> its records of step `step`, in the order they ran."""
+        recs = self.step_records(step)
+        if not recs:
+            raise ValueError(f"no recorded step {step}; recorded steps: {sorted({r.step for r in self.records})}")
+        queues: Dict[int, List[TaskRecord]] = {}
+        for r in sorted(recs, key=lambda r: r.start):
+            queues.setdefault(r.device, []).append(r)
+        return queues
+
     def measured_gap(self) -> float:
         """Median time (seconds) from an action being ready to its start.
 
@@ -161,20 +179,14 @@ class Timeline:
         next call and handing it its inputs (a transfer, for an input from
         another device).
         """
-        if self.schedule is None:
-            raise ValueError("the timeline has no schedule: no pipelined step ran inside the profile")
-        deps = {t.key: t.deps for t in self.schedule.tasks}
+        deps = self._deps()
         gaps = []
         for step in sorted({r.step for r in self.records}):
-            recs = self.step_records(step)
-            end = {(r.partition, r.wave, r.microbatch): r.end for r in recs}
-            by_device: Dict[int, List[TaskRecord]] = {}
-            for r in recs:
-                by_device.setdefault(r.device, []).append(r)
-            for acts in by_device.values():
-                acts.sort(key=lambda r: r.start)
-                for k, r in enumerate(acts):
-                    waits = [acts[k - 1].end] if k else []
+            queues = self._device_queues(step)
+            end = {(r.partition, r.wave, r.microbatch): r.end for q in queues.values() for r in q}
+            for q in queues.values():
+                for k, r in enumerate(q):
+                    waits = [q[k - 1].end] if k else []
                     waits += [end[(p, w, r.microbatch)] for p, w in deps.get((r.partition, r.wave), ())
                               if (p, w, r.microbatch) in end]
                     if waits:
@@ -190,36 +202,15 @@ class Timeline:
         Against `step_time(step)` it tells what the time between actions
         costs; against `simulated()` what the spread of the durations does.
         """
-        if self.schedule is None:
-            raise ValueError("the timeline has no schedule: no pipelined step ran inside the profile")
-        recs = self.step_records(step)
-        if not recs:
-            raise ValueError(f"no recorded step {step}; recorded steps: {sorted({r.step for r in self.records})}")
-        deps = {t.key: t.deps for t in self.schedule.tasks}
-        queues: Dict[int, List[TaskRecord]] = {}
-        for r in recs:
-            queues.setdefault(r.device, []).append(r)
-        for q in queues.values():
-            q.sort(key=lambda r: r.start)
-        end: Dict[Tuple[Any, int, int], float] = {}
-        free = {d: 0.0 for d in queues}
-        pos = {d: 0 for d in queues}
-        remaining = len(recs)
-        while remaining:
-            placed = False
-            for d, q in queues.items():
-                while pos[d] < len(q):
-                    r = q[pos[d]]
-                    ready = [end.get((p, w, r.microbatch)) for p, w in deps.get((r.partition, r.wave), ())]
-                    if any(e is None for e in ready):
-                        break
-                    end[(r.partition, r.wave, r.microbatch)] = free[d] = max([free[d]] + ready) + r.duration
-                    pos[d] += 1
-                    remaining -= 1
-                    placed = True
-            if not placed:
-                raise ValueError(f"step {step}: the recorded actions wait on each other in a cycle")
-        return max(end.values())
+        deps = self._deps()
+        order, duration = {}, {}
+        for d, q in self._device_queues(step).items():
+            order[d] = [Action(r.partition, r.wave, r.microbatch) for r in q]
+            duration.update(zip(order[d], (r.duration for r in q)))
+        try:
+            return replay_makespan(order, deps, duration)
+        except ValueError:
+            raise ValueError(f"step {step}: the recorded actions wait on each other in a cycle") from None
 
     def simulated(self, gap: float = 0.0, statistic: str = "median"):
         """The simulator's run of the recorded schedule with the measured

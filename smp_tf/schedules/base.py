@@ -183,7 +183,7 @@ class Schedule:
         unknown = [a for acts in order.values() for a in acts if a.task not in deps]
         if unknown:
             raise ValueError(f"action {unknown[0]} runs unknown task {unknown[0].task}")
-        run = _run(order, deps, {k: 1.0 for k in deps})
+        run = _run(order, deps, lambda a: 1.0)
         if run.deadlocked:
             return _stuck_table(order, self.tasks, run)[0]
         n_slots = int(round(max(run.end.values(), default=0.0)))

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Dict, List, Mapping, Optional, Sequence, Tuple, Union
+from typing import Callable, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
 from smp_tf.schedules.tasks import (
     Action,
@@ -229,7 +229,7 @@ class _RunResult:
 def _run(
     order: Mapping[int, Sequence[Action]],
     deps: Mapping[TaskKey, Tuple[TaskKey, ...]],
-    cost: Mapping[TaskKey, float],
+    cost: Callable[[Action], float],
     gap: float = 0.0,
 ) -> _RunResult:
     """Simulates the per-device orders, stopping (not raising) at a deadlock.
@@ -239,9 +239,9 @@ def _run(
     actions can be placed in any order that respects those edges: repeatedly
     start every device's next action whose dependencies have all been placed.
     The times equal those of an event-driven run; a round that places nothing
-    while actions remain is a deadlock. An action that waits for anything
-    (an earlier action of its device or a dependency) starts `gap` after it
-    is ready.
+    while actions remain is a deadlock. `cost(action)` is the action's
+    duration. An action that waits for anything (an earlier action of its
+    device or a dependency) starts `gap` after it is ready.
     """
     start: Dict[Action, float] = {}
     end: Dict[Action, float] = {}
@@ -265,7 +265,7 @@ def _run(
                     if gap and (pos[d] or dep_ends):
                         s += gap
                     start[a] = s
-                    end[a] = free[d] = s + cost[a.task]
+                    end[a] = free[d] = s + cost(a)
                     pos[d] += 1
                     remaining -= 1
                     progressed = True
@@ -275,6 +275,24 @@ def _run(
             return _RunResult(start, end, pos, True)
     return _RunResult(start, end, pos, False)
 
+
+
+def replay_makespan(
+    order: Mapping[int, Sequence[Action]],
+    deps: Mapping[TaskKey, Tuple[TaskKey, ...]],
+    duration: Mapping[Action, float],
+) -> float:
+    """The makespan of fixed per-device orders in which every action has its
+    own duration (a recorded run, for example) and starts as soon as it is
+    ready.
+
+    Raises:
+        ValueError: the orders wait on each other in a cycle.
+    """
+    run = _run(order, deps, duration.__getitem__)
+    if run.deadlocked:
+        raise ValueError("the actions wait on each other in a cycle")
+    return max(run.end.values(), default=0.0)
 
 def _peak_live(order: Mapping[int, Sequence[Action]], start, end, per_partition: bool = False) -> Dict[int, float]:
     """Device -> the most micro-batches live at once on it, or with
@@ -414,12 +432,12 @@ def simulate(
     order = _normalize_order(schedule_order)
     _check_order(order, tasks, num_microbatches)
     cost = _task_costs(tasks, costs)
-    if not isinstance(gap, (int, float)) or isinstance(gap, bool) or not gap >= 0 or gap == float("inf"):
+    if isinstance(gap, bool) or not isinstance(gap, (int, float)) or not math.isfinite(gap) or gap < 0:
         raise ValueError(f"gap must be a finite number >= 0. Received: {gap!r}")
     deps = {t.key: t.deps for t in tasks}
-    run = _run(order, deps, cost, float(gap))
+    run = _run(order, deps, lambda a: cost[a.task], float(gap))
     if run.deadlocked:
-        raise _deadlock_error(order, tasks, _run(order, deps, {k: 1.0 for k in cost}))
+        raise _deadlock_error(order, tasks, _run(order, deps, lambda a: 1.0))
     makespan = max(run.end.values(), default=0.0)
     busy = {d: sum(cost[a.task] for a in acts) for d, acts in order.items()}
     active = [d for d, acts in order.items() if acts]
