@@ -308,6 +308,32 @@ print("not reached", flush=True)
     assert took < 60, took
 
 
+def test_a_server_that_closes_late_is_seen_as_gone():
+    """A killed process resets its connections before the kernel closes its
+    listening socket: the first look may still connect. `_gone` keeps
+    looking for a while; a server that stays open is not gone."""
+    import socket
+    import threading
+
+    from smp_tf.distributed import remote
+
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen(16)
+    address = "127.0.0.1:%d" % server.getsockname()[1]
+    assert not remote._gone(address, window=0.3)  # open all along
+    closer = threading.Timer(0.5, server.close)
+    closer.start()
+    start = time.monotonic()
+    try:
+        assert remote._alive(address)
+        assert remote._gone(address, window=5.0)
+    finally:
+        closer.cancel()
+        server.close()
+    assert time.monotonic() - start < 4.0
+
+
 @pytest.mark.parametrize("how", ["killed", "stalled"])
 def test_a_lost_stage_process_stops_the_driver_within_the_timeout(tmp_path, how):
     import signal

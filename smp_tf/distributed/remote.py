@@ -279,6 +279,24 @@ def _alive(address: str, timeout: float = 2.0) -> bool:
         return False
 
 
+#: How long an error naming another process waits for that process's server
+#: to refuse connections before calling the process alive. A killed process
+#: resets its connections before the kernel closes its listening socket, so
+#: the first look may still find the port open.
+GONE_WINDOW_S = 3.0
+
+
+def _gone(address: str, window: float = GONE_WINDOW_S) -> bool:
+    """Whether the server at `address` refuses connections within `window` seconds."""
+    deadline = time.monotonic() + window
+    while True:
+        if not _alive(address, timeout=min(2.0, window)):
+            return True
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.05)
+
+
 def _serve(info: ClusterInfo, layout: PipelineLayout, addresses: Tuple[str, ...], timeout: float) -> None:
     """Serves this process's devices until its driver's server is gone, then exits."""
     driver = layout.driver(layout.dp_rank(info.rank))
@@ -331,7 +349,7 @@ def _install_excepthook(rank: int, layout: PipelineLayout, addresses: Tuple[str,
     def hook(kind, value, traceback) -> None:
         _FAILED.set()
         for other in (t for t in missing_ranks(str(value)) if t != rank and t < len(addresses)):
-            why = _GONE if not _alive(addresses[other], timeout=2.0) else "failed while running its stages"
+            why = _GONE if _gone(addresses[other]) else "failed while running its stages"
             print(_lost_message(rank, layout, addresses, other, why), file=sys.stderr, flush=True)
         previous(kind, value, traceback)
 
@@ -409,7 +427,7 @@ def _watch_round(rank: int, layout: PipelineLayout, addresses: Tuple[str, ...], 
             return
         if not _answers(addresses[r], timeout):
             # A dead process refuses the connection; a hung one accepts it.
-            why = _GONE if not _alive(addresses[r], timeout=min(2.0, timeout)) else (
+            why = _GONE if _gone(addresses[r], window=min(GONE_WINDOW_S, timeout)) else (
                 f"stopped responding (no answer for {timeout:g} s: it hangs)")
             _stage_lost(rank, layout, addresses, r, why)
 
