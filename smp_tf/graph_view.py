@@ -331,10 +331,16 @@ def _link_gradients(ops: List[OpNode], tensors: List[TensorInfo]) -> None:
 
     Gradient ops are found by name. The tape also sums the gradients that
     reach one forward tensor from several consumers (``AddN``) outside any
-    gradient scope; an op created after the first gradient op, in no layer,
-    that reads a gradient op, is such a sum (or post-processing of
-    gradients): it belongs to the forward op its consumer differentiates,
-    else to the one its gradient input differentiates.
+    gradient scope, and a custom gradient (``tf.custom_gradient``, e.g.
+    Keras's swish) builds its ops under no scope at all, recomputing forward
+    values from forward tensors after a control edge from the gradient op
+    before it. So an op after the first gradient op, in no layer, that
+    reads a gradient op or such an op (through a data or a control edge),
+    or that only such ops read, is one too: it belongs to the forward op its
+    consumer differentiates, else to the earliest one its inputs
+    differentiate. (Left as forward
+    ops, they would follow the whole forward pass, on the last partition,
+    and every backward would cross to it and back.)
     """
     by_name: Dict[str, int] = {}
     by_scope: Dict[str, List[int]] = {}
@@ -375,12 +381,32 @@ def _link_gradients(ops: List[OpNode], tensors: List[TensorInfo]) -> None:
     for op in ops:
         for t in op.inputs:
             consumers.setdefault(tensors[t].producer, []).append(op.index)
-    named = [op.is_gradient for op in ops]
-    late = [
-        op for op in ops[first_gradient:]
-        if (not op.is_gradient and op.layer is None and any(named[tensors[t].producer] for t in op.inputs))
-        or (op.is_gradient and op.forward is None and op.inputs)
-    ]
+    # In topological order, so one pass finds the ops that read such ops;
+    # one pass in reverse finds those that only such ops read (a custom
+    # gradient recomputing ``sigmoid(x)`` from the forward ``x``).
+    backward = [op.is_gradient for op in ops]
+    late_index = set()
+    for op in ops[first_gradient:]:
+        if op.is_gradient:
+            if op.forward is None and op.inputs:
+                late_index.add(op.index)
+        elif op.layer is None and (
+            any(backward[tensors[t].producer] for t in op.inputs) or any(backward[c] for c in op.control_inputs)
+        ):
+            late_index.add(op.index)
+            backward[op.index] = True
+    readers: Dict[int, List[int]] = {i: list(c) for i, c in consumers.items()}
+    for op in ops:
+        for c in op.control_inputs:
+            readers.setdefault(c, []).append(op.index)
+    for op in reversed(ops[first_gradient:]):
+        if backward[op.index] or op.layer is not None or op.kind != "op" or not op.inputs:
+            continue  # (an op without inputs is free: every task that needs it gets a copy)
+        users = readers.get(op.index)
+        if users and all(backward[u] for u in users):
+            late_index.add(op.index)
+            backward[op.index] = True
+    late = [ops[i] for i in sorted(late_index)]
     for op in late:
         op.is_gradient = True
     for op in reversed(late):
@@ -388,8 +414,17 @@ def _link_gradients(ops: List[OpNode], tensors: List[TensorInfo]) -> None:
         op.forward = fwd[0] if fwd else None
     for op in late:
         if op.forward is None:
-            fwd = [ops[tensors[t].producer].forward for t in op.inputs if ops[tensors[t].producer].forward is not None]
-            op.forward = fwd[0] if fwd else None
+            # Nothing reads it (a custom gradient's gradient for a constant,
+            # like swish's beta): it reads the gradient coming from a later
+            # layer and values of the layer it differentiates, the earliest.
+            fwd = []
+            for t in op.inputs:
+                src = ops[tensors[t].producer]
+                if src.forward is not None:
+                    fwd.append(src.forward)
+                elif not src.is_gradient and src.kind == "op" and src.inputs:
+                    fwd.append(src.index)  # a forward value (not a constant)
+            op.forward = min(fwd) if fwd else None
 
 
 #: Ops whose outputs are functions of their inputs' shapes only.

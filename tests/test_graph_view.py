@@ -347,6 +347,51 @@ def test_from_tf_graph_links_gradients_to_their_forward_op(v1_graph):
     assert og.op("gradients/dense/MatMul_grad/MatMul").flops == pytest.approx(240.0)
 
 
+def test_custom_gradient_ops_belong_to_the_forward_op_they_differentiate():
+    # A custom gradient (like TensorFlow's swish) builds its ops under no
+    # scope; it recomputes sigmoid(h) from the forward h, and only its last
+    # op reads the incoming gradient. All of them are gradient ops of the
+    # layer before the activation, not forward ops after the whole forward
+    # pass (which would put them on the last partition).
+    @tf.custom_gradient
+    def swish(h):
+        def grad(dy):
+            s = tf.sigmoid(h)
+            return dy * (s * (1.0 + h * (1.0 - s)))
+
+        return h * tf.sigmoid(h), grad
+
+    w1 = tf.Variable(tf.ones([4, 4]))
+    w2 = tf.Variable(tf.ones([4, 2]))
+
+    @tf.function
+    def step(x):
+        with tf.GradientTape() as tape:
+            with tf.name_scope("layer1"):
+                h = tf.matmul(x, w1)
+            a = swish(h)
+            with tf.name_scope("layer2"):
+                out = tf.matmul(a, w2)
+            loss = tf.reduce_sum(out)
+        return loss, tape.gradient(loss, [w1, w2])
+
+    fg = step.get_concrete_function(tf.TensorSpec([3, 4])).graph
+    og = from_tf_graph(fg, arg_ops=["x"], layer_of=lambda op: op.name.split("/")[0] if op.name.startswith("layer") else None)
+    h_op = og.op_index["layer1/MatMul"]
+    recomputed = [op for op in og.ops if op.type == "Sigmoid"][1:]
+    assert len(recomputed) == 1
+    chain = [op for op in og.ops if op.index >= recomputed[0].index and op.layer is None and op.inputs
+             and not op.name.startswith(("gradient_tape", "Identity", "NoOp"))]
+    assert {op.type for op in chain} >= {"Sigmoid", "Sub", "Mul", "AddV2"}
+    for op in chain:
+        assert op.is_gradient and op.forward == h_op, op.name
+    # The forward pass stays forward, and so do the step's outputs.
+    for op in og.ops:
+        if op.type == "Sigmoid" and op is not recomputed[0]:
+            assert not op.is_gradient
+    assert not og.op("Sum").is_gradient
+
+
 def test_from_tf_graph_parses_colocation(v1_graph):
     og = from_tf_graph(v1_graph, arg_ops=["x"])
     # colocate_with(y) writes _class = ["loc:@dense/MatMul"] on z.

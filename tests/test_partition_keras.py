@@ -381,6 +381,38 @@ def test_tied_embedding_handle_users_stay_together(config):
     assert grads and all(plan.partition_of_op[i] == q for i in grads)
 
 
+def test_custom_gradient_activations_run_their_backward_with_their_layer():
+    """Swish's gradient is a `tf.custom_gradient` that recomputes
+    ``sigmoid(x)`` under no name scope and reads the incoming gradient only
+    at its end. Those ops differentiate the layer's activation: they sit on
+    its partition, so each stage's backward is one task instead of crossing
+    to the last partition and back for every activation."""
+    keras.utils.set_random_seed(0)
+    inp = keras.Input((16,))
+    h = inp
+    for _ in range(2 * P):
+        h = keras.layers.Dense(16, activation="swish")(h)
+    model = smp.DistributedModel(inp, keras.layers.Dense(4)(h))
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(8, 16)).astype("float32")
+    y = rng.normal(size=(8, 4)).astype("float32")
+    plan = trace_plan(model, keras.losses.MeanSquaredError(), x, y, optimize="speed", contiguous=True)
+    check_all(plan)
+    check_every_partition_used(plan)
+    g = plan.op_graph
+    recomputed = [op for op in g.ops if op.type == "Sigmoid" and op.is_gradient]
+    assert len(recomputed) == 2 * P, [op.name for op in recomputed]
+    for op in recomputed:
+        assert op.layer is None and plan.partition_of_op[op.index] == plan.partition_of_op[op.forward], op.name
+    # The compiled step: a forward and a backward task per stage, the last
+    # stage's fused (2P - 1 tasks); before, every activation of the first
+    # stages added two more.
+    smp.init({"partitions": P, "microbatches": 2})
+    step = smp.step(training_body(model, keras.losses.MeanSquaredError()))
+    step(x, y)
+    assert len(step.last_compiled.tasks) == 2 * P - 1, [t.key for t in step.last_compiled.tasks]
+
+
 def test_tied_output_projection_runs_on_the_last_stage_next_to_its_loss():
     # The 64 x 16 embedding (4 KiB) is smaller than the hidden state and the
     # logits around the projection, so the projection is a group of its own:
