@@ -95,9 +95,14 @@ def test_pipeline_processes_bench_quick_prints_the_table():
                 "(b) bytes sent on loopback",
                 "(c) TensorFlow bandwidth", "(c) plain TCP bandwidth", "(c) call of a function",
                 "(d) profiled step, one / two processes: call to first action", "(d) pipeline span",
-                "(d) device 0 busy in the span", "(d) device 1 idle in the span", "(d) last action to result"):
+                "(d) device 0 busy in the span", "(d) device 1 idle in the span", "(d) last action to result",
+                "(e) CPU time per step, one process", "(e) CPU time per step, two processes",
+                "(e) cores kept busy"):
         assert row in out, row
     assert "Where the difference goes" in out
+    # Both processes' CPU time was read (the driver found its peer by pid).
+    row = next(line for line in out.splitlines() if line.startswith("(e) CPU time per step, two processes"))
+    assert float(row.split()[-1]) > 0, row
 
 
 @pytest.mark.benchmark

@@ -18,6 +18,9 @@ Prints one table; every figure in it is measured by this invocation:
     on both sides, each split into the time from the call to the first
     action, the pipeline's span (each device's busy and idle time in it)
     and the time from the last action to the result.
+(e) the CPU time of a step (every thread of the process, or of both
+    processes, over the timed steps), and so how many cores each side keeps
+    busy on average.
 
 Run ``python benchmarks/pipeline_processes/bench.py`` (``--quick`` for small
 sizes: checks the script, the figures mean nothing). Every process is
@@ -106,6 +109,31 @@ def _time_steps(train, x, y, warmup: int, repeats: int) -> List[float]:
     return times
 
 
+def _process_cpu_s(pid: int) -> Optional[float]:
+    """CPU seconds (user + system, every thread) of process `pid` so far."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _timed_with_cpu(train, x, y, args, peer: Optional[int] = None) -> dict:
+    """`_time_steps` after the warm-up, with the CPU time per step that this
+    process (and `peer`, the other stage's process) spent meanwhile."""
+    for _ in range(args.warmup):
+        train(x, y).numpy()
+    cpu, peer_cpu = time.process_time(), _process_cpu_s(peer) if peer else None
+    times = _time_steps(train, x, y, 0, args.repeats)
+    out = {"step_s": times, "cpu_per_step_s": (time.process_time() - cpu) / len(times)}
+    if peer_cpu is not None:
+        after = _process_cpu_s(peer)
+        if after is not None:
+            out["peer_cpu_per_step_s"] = (after - peer_cpu) / len(times)
+    return out
+
+
 def _profiled_steps(smp, tf, keras, model, x, y, args) -> dict:
     """The step traced again inside `smp.profile`: per timed step, the wall
     time from the call to the first action (``lead_s``), the pipeline's
@@ -150,7 +178,7 @@ def part_one(args) -> dict:
     import tensorflow as tf
 
     model, train, x, y = _model_and_step(args, smp, tf, keras)
-    out = {"step_s": _time_steps(train, x, y, args.warmup, args.repeats)}
+    out = _timed_with_cpu(train, x, y, args)
     out["profile"] = _profiled_steps(smp, tf, keras, model, x, y, args)
     return out
 
@@ -174,9 +202,11 @@ def part_driver(args) -> dict:
     time.sleep(1.0)
     idle = None if idle_start is None else (_loopback_tx_bytes() - idle_start) / (time.perf_counter() - t0)
     before = _loopback_tx_bytes()
-    times = _time_steps(train, x, y, 0, args.repeats)
+    peer = os.environ.get("SMP_BENCH_PEER_PID")
+    out.update(_timed_with_cpu(train, x, y, argparse.Namespace(warmup=0, repeats=args.repeats),
+                               int(peer) if peer else None))
+    times = out["step_s"]
     after = _loopback_tx_bytes()
-    out["step_s"] = times
     if before is not None:
         out["lo_bytes_per_step"] = (after - before - idle * sum(times)) / len(times)
         out["lo_idle_bytes_per_s"] = idle
@@ -353,15 +383,19 @@ def run_two(args, share: bool = False) -> dict:
     addresses = ",".join(f"127.0.0.1:{p}" for p in pick_free_ports(2, "127.0.0.1"))
     cpus = args.cpus.split(",")
     procs = []
-    for rank in range(2):
+    # Rank 1 first: the driver (rank 0) reads its CPU time by pid.
+    for rank in (1, 0):
         env = dict(os.environ, SMP_TF_RANK=str(rank), SMP_TF_SIZE="2", SMP_TF_LOCAL_RANK=str(rank),
                    SMP_TF_LOCAL_SIZE="2", SMP_TF_ADDRESSES=addresses, PYTHONPATH=str(ROOT))
+        if rank == 0:
+            env["SMP_BENCH_PEER_PID"] = str(procs[0].pid)
         # One process per CPU, pinned before TensorFlow starts its threads;
         # or (share) both processes on both CPUs, the scheduler placing them.
         cmd = ["taskset", "-c", args.cpus if share else cpus[rank], sys.executable, __file__, "--part", "driver",
                *_common(args), *([] if share else ["--profile"])]
         procs.append(subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                       text=True))
+    procs.reverse()  # rank 0, rank 1
     try:
         outs = [p.communicate(timeout=900) for p in procs]
     finally:
@@ -382,7 +416,7 @@ def _mib(nbytes: float) -> str:
 
 
 def build_table(args, one: List[float], two: List[float], drivers: List[dict], tcp: dict, elapsed: float,
-                shared: List[float], profiles: List[dict]) -> str:
+                shared: List[float], profiles: List[dict], one_cpu: List[float]) -> str:
     s = sizes(args.quick)
     med = statistics.median
     t1, t2, t3 = med(one), med(two), med(shared)
@@ -444,6 +478,16 @@ def build_table(args, one: List[float], two: List[float], drivers: List[dict], t
         ]
     lines += [
         "%-62s %14s" % ("(d) last action to result [ms]", pair(p1["tail_s"], p2["tail_s"])),
+    ]
+    cpu_one = med(one_cpu)
+    cpu_two = [d["cpu_per_step_s"] + d["peer_cpu_per_step_s"] for d in drivers if "peer_cpu_per_step_s" in d]
+    cpu_two = med(cpu_two) if cpu_two else None
+    lines += [
+        "%-62s %14s" % ("(e) CPU time per step, one process (both devices) [ms]", _ms(cpu_one)),
+        "%-62s %14s" % ("(e) CPU time per step, two processes (rank 0 + rank 1) [ms]",
+                        _ms(cpu_two) if cpu_two else "n/a"),
+        "%-62s %14s" % ("(e) cores kept busy during a step, one / two processes",
+                        "%.2f / %s" % (cpu_one / t1, "%.2f" % (cpu_two / t2) if cpu_two else "n/a")),
         "",
         "Where the difference goes: %.2f ms per step more across processes (a). In the profiled steps (d),"
         % ((t2 - t1) * 1e3),
@@ -461,6 +505,13 @@ def build_table(args, one: List[float], two: List[float], drivers: List[dict], t
         % (2 * M, transfer * 1e3, 2 * M * transfer * 1e3),
         "with one op in each process takes %.2f ms (c)." % (call * 1e3),
     ]
+    if cpu_two:
+        lines += [
+            "CPU per step (e): %.0f ms in one process, %.0f ms in the two together (%.2fx); one process keeps"
+            % (cpu_one * 1e3, cpu_two * 1e3, cpu_two / cpu_one),
+            "%.2f cores busy on average, the two processes, each bound to its stage's core, %.2f."
+            % (cpu_one / t1, cpu_two / t2),
+        ]
     return "\n".join(lines)
 
 
@@ -496,13 +547,14 @@ def main(argv=None) -> int:
     s = sizes(args.quick)
     args.nbytes = 2 * M * (s["batch"] // M) * s["width"] * 4 + s["batch"] * s["width"] * 4
     start = time.monotonic()
-    one, two, shared, drivers, profiles = [], [], [], [], []
+    one, two, shared, drivers, profiles, one_cpu = [], [], [], [], [], []
     for r in range(args.rounds):
         # Alternate the order so that a drift of the machine hits every side.
         for side in (("one", "two", "shared") if r % 2 == 0 else ("shared", "two", "one")):
             if side == "one":
                 res = run_one(args)
                 one += res["step_s"]
+                one_cpu.append(res["cpu_per_step_s"])
                 profiles.append(res["profile"])
             elif side == "two":
                 d = run_two(args)
@@ -512,12 +564,12 @@ def main(argv=None) -> int:
                 shared += run_two(args, share=True)["step_s"]
     small = (s["batch"] // M) * s["width"] * 4
     tcp = tcp_copy(args, int(args.nbytes), small, args.repeats)
-    table = build_table(args, one, two, drivers, tcp, time.monotonic() - start, shared, profiles)
+    table = build_table(args, one, two, drivers, tcp, time.monotonic() - start, shared, profiles, one_cpu)
     print(table, flush=True)
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"one": one, "two": two, "shared": shared, "drivers": drivers, "tcp": tcp,
-                       "one_profiles": profiles}, f, indent=1)
+                       "one_profiles": profiles, "one_cpu_per_step_s": one_cpu}, f, indent=1)
     return 0
 
 
