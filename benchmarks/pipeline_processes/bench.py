@@ -195,12 +195,14 @@ def part_driver(args) -> dict:
     model, train, x, y = _model_and_step(args, smp, tf, keras)
     devices = smp.topology().devices
     out: Dict[str, object] = {"devices": list(devices)}
-    for _ in range(args.warmup):
-        train(x, y).numpy()
-    # Idle loopback traffic over the same time (the watchdog's probes, ...).
+    # Idle loopback traffic (the watchdog's probes, ...), measured before the
+    # warm-up: an idle second between the warm-up and the timed steps would
+    # let the transport cool down again.
     idle_start, t0 = _loopback_tx_bytes(), time.perf_counter()
     time.sleep(1.0)
     idle = None if idle_start is None else (_loopback_tx_bytes() - idle_start) / (time.perf_counter() - t0)
+    for _ in range(args.warmup):
+        train(x, y).numpy()
     before = _loopback_tx_bytes()
     peer = os.environ.get("SMP_BENCH_PEER_PID")
     out.update(_timed_with_cpu(train, x, y, argparse.Namespace(warmup=0, repeats=args.repeats),
@@ -519,7 +521,8 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="small sizes, few repeats (checks the script)")
     parser.add_argument("--repeats", type=int, default=None, help="timed steps per run (default 15; 3 with --quick)")
-    parser.add_argument("--warmup", type=int, default=2, help="untimed steps before timing")
+    parser.add_argument("--warmup", type=int, default=None,
+                        help="untimed steps before timing (default 10; 2 with --quick)")
     parser.add_argument("--rounds", type=int, default=None, help="runs per side, alternating (default 2; 1 --quick)")
     parser.add_argument("--json", help="write the raw results to this file")
     parser.add_argument("--part", default="all", choices=["all", "one", "driver", "tcp_receiver"],
@@ -533,6 +536,11 @@ def main(argv=None) -> int:
         args.repeats = 3 if args.quick else 15
     if args.rounds is None:
         args.rounds = 1 if args.quick else 2
+    if args.warmup is None:
+        # Across processes the first steps are slower than later ones: with
+        # 2 warm-up steps, the next ten ran up to a third slower than the
+        # rest of the run, while the transport warms up.
+        args.warmup = 2 if args.quick else 10
     if args.part == "tcp_receiver":
         part_tcp_receiver(args)
         return 0
