@@ -332,15 +332,15 @@ def _link_gradients(ops: List[OpNode], tensors: List[TensorInfo]) -> None:
     Gradient ops are found by name. The tape also sums the gradients that
     reach one forward tensor from several consumers (``AddN``) outside any
     gradient scope, and a custom gradient (``tf.custom_gradient``, e.g.
-    Keras's swish) builds its ops under no scope at all, recomputing forward
-    values from forward tensors after a control edge from the gradient op
-    before it. So an op after the first gradient op, in no layer, that
-    reads a gradient op or such an op (through a data or a control edge),
-    or that only such ops read, is one too: it belongs to the forward op its
-    consumer differentiates, else to the earliest one its inputs
-    differentiate. (Left as forward
-    ops, they would follow the whole forward pass, on the last partition,
-    and every backward would cross to it and back.)
+    TensorFlow's swish, which Keras uses) builds its ops under no scope at
+    all; swish's recomputes ``sigmoid(x)`` from the forward ``x`` after a
+    control edge from the incoming gradient. So an op after the first
+    gradient op, in no layer, that reads a gradient op or such an op
+    (through a data or a control edge), or that only such ops read, is one
+    too: it belongs to the forward op its consumer differentiates, else to
+    the earliest one its inputs differentiate. (Left as forward ops, they
+    would follow the whole forward pass, on the last partition, and every
+    backward would cross to it and back.)
     """
     by_name: Dict[str, int] = {}
     by_scope: Dict[str, List[int]] = {}
