@@ -319,7 +319,7 @@ def test_a_server_that_closes_late_is_seen_as_gone():
 
     server = socket.socket()
     server.bind(("127.0.0.1", 0))
-    server.listen(16)
+    server.listen(128)  # every look is a connection nobody accepts
     address = "127.0.0.1:%d" % server.getsockname()[1]
     assert not remote._gone(address, window=0.3)  # open all along
     closer = threading.Timer(0.5, server.close)
