@@ -119,13 +119,11 @@ def _process_cpu_s(pid: int) -> Optional[float]:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def _timed_with_cpu(train, x, y, args, peer: Optional[int] = None) -> dict:
-    """`_time_steps` after the warm-up, with the CPU time per step that this
+def _timed_with_cpu(train, x, y, repeats: int, peer: Optional[int] = None) -> dict:
+    """`_time_steps` (no warm-up), with the CPU time per step that this
     process (and `peer`, the other stage's process) spent meanwhile."""
-    for _ in range(args.warmup):
-        train(x, y).numpy()
     cpu, peer_cpu = time.process_time(), _process_cpu_s(peer) if peer else None
-    times = _time_steps(train, x, y, 0, args.repeats)
+    times = _time_steps(train, x, y, 0, repeats)
     out = {"step_s": times, "cpu_per_step_s": (time.process_time() - cpu) / len(times)}
     if peer_cpu is not None:
         after = _process_cpu_s(peer)
@@ -178,7 +176,8 @@ def part_one(args) -> dict:
     import tensorflow as tf
 
     model, train, x, y = _model_and_step(args, smp, tf, keras)
-    out = _timed_with_cpu(train, x, y, args)
+    _time_steps(train, x, y, args.warmup, 0)
+    out = _timed_with_cpu(train, x, y, args.repeats)
     out["profile"] = _profiled_steps(smp, tf, keras, model, x, y, args)
     return out
 
@@ -205,8 +204,7 @@ def part_driver(args) -> dict:
         train(x, y).numpy()
     before = _loopback_tx_bytes()
     peer = os.environ.get("SMP_BENCH_PEER_PID")
-    out.update(_timed_with_cpu(train, x, y, argparse.Namespace(warmup=0, repeats=args.repeats),
-                               int(peer) if peer else None))
+    out.update(_timed_with_cpu(train, x, y, args.repeats, int(peer) if peer else None))
     times = out["step_s"]
     after = _loopback_tx_bytes()
     if before is not None:

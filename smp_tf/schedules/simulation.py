@@ -276,7 +276,6 @@ def _run(
     return _RunResult(start, end, pos, False)
 
 
-
 def replay_makespan(
     order: Mapping[int, Sequence[Action]],
     deps: Mapping[TaskKey, Tuple[TaskKey, ...]],
@@ -293,6 +292,7 @@ def replay_makespan(
     if run.deadlocked:
         raise ValueError("the actions wait on each other in a cycle")
     return max(run.end.values(), default=0.0)
+
 
 def _peak_live(order: Mapping[int, Sequence[Action]], start, end, per_partition: bool = False) -> Dict[int, float]:
     """Device -> the most micro-batches live at once on it, or with
