@@ -1,5 +1,5 @@
 """Test set-up: logical CPU devices, quiet TensorFlow, deterministic kernels;
-and, at the end of a run, the table of the zoo's worst errors (each zoo test
+the longest test groups first; and, at the end of a run, the table of the zoo's worst errors (each zoo test
 records its worst error as a property of its report; reports reach these
 hooks in the main process also when the tests run in workers)."""
 
@@ -30,6 +30,27 @@ def seed():
 
     keras.utils.set_random_seed(1234)
     return 1234
+
+
+#: Test groups (``xdist_group``) that take a minute or more, longest first.
+#: pytest-xdist hands a worker the next group in collection order when it is
+#: free (``--no-loadscope-reorder`` in setup.cfg); starting with the longest
+#: keeps one of them from running alone at the end of the run.
+LONG_GROUPS = ("data_parallel", "pipeline_processes", "mobilenet_v3_small", "inception_v3", "efficientnet_b0",
+               "tied_transformer", "bert_classifier", "resnet50", "gpt2_lm", "mobilenet_v2")
+
+
+def _group(item) -> str:
+    marker = item.get_closest_marker("xdist_group")
+    if marker is None:
+        return ""
+    return marker.args[0] if marker.args else marker.kwargs.get("name", "")
+
+
+def pytest_collection_modifyitems(config, items):
+    rank = {name: k for k, name in enumerate(LONG_GROUPS)}
+    # A stable sort: the other tests keep their order, after the long groups.
+    items.sort(key=lambda item: rank.get(_group(item), len(LONG_GROUPS)))
 
 
 _ZOO_RESULTS = {}

@@ -19,7 +19,6 @@ from typing import Dict, List, Optional
 import keras
 import numpy as np
 import pytest
-import tensorflow as tf
 
 import smp_tf as smp
 from tests.dp import common
@@ -92,15 +91,31 @@ def reference(batches, epoch_loss_rows=None):
     return losses, [v.numpy() for v in model.trainable_variables]
 
 
-def test_custom_loop_matches_one_process_with_the_whole_batch(tmp_path):
-    codes, outputs, _ = run_replicas("custom_loop", tmp_path)
-    assert codes == [0, 0], outputs
-    a, b = results(tmp_path)
-    assert (a["rank"], a["size"], a["dp_rank"], a["dp_size"], a["mp_rank"], a["mp_size"]) == (0, 2, 0, 2, 0, 2)
-    assert (b["rank"], b["dp_rank"], b["local_rank"]) == (1, 1, 1)
-    # Each partition on its own device of its replica's process.
-    assert a["devices"] == [f"/job:worker/replica:0/task:0/device:CPU:{p}" for p in (0, 1)]
-    assert b["devices"] == [f"/job:worker/replica:0/task:1/device:CPU:{p}" for p in (0, 1)]
+#: The launcher's run of the ``custom_loops`` job, shared by the tests that
+#: read it (one job instead of three): (exit code, stdout, stderr, out dir),
+#: or the error of a job that failed.
+_LAUNCHED: dict = {}
+
+
+def _launched_custom_loops(tmp_path_factory):
+    """``python -m smp_tf.launch -n 2`` running the custom loop, then the same
+    loop with virtual_stages=2; started once per test run."""
+    if "job" not in _LAUNCHED:
+        _LAUNCHED["job"] = AssertionError("the launched custom_loops job failed in an earlier test")
+        out = tmp_path_factory.mktemp("custom_loops")
+        proc = subprocess.run(
+            [sys.executable, "-m", "smp_tf.launch", "-n", "2", "--timeout", "170", WORKER, "custom_loops", str(out)],
+            cwd=ROOT, env=dict(os.environ, PYTHONPATH=ROOT), capture_output=True, text=True, timeout=200,
+        )
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+        _LAUNCHED["job"] = (proc, out)
+    if isinstance(_LAUNCHED["job"], Exception):
+        raise _LAUNCHED["job"]
+    return _LAUNCHED["job"]
+
+
+def _assert_matches_whole_batch(a: dict, b: dict) -> None:
+    """Two replicas' 5 steps on their halves against one process on the whole batches."""
     assert_same_weights(a["weights"], b["weights"])  # identical replicas
     x, y = common.batches(5)
     losses, weights = reference([(x[s], y[s]) for s in range(5)])
@@ -110,25 +125,37 @@ def test_custom_loop_matches_one_process_with_the_whole_batch(tmp_path):
         np.testing.assert_allclose(np.array(w), r, rtol=RTOL, atol=ATOL)
 
 
-@pytest.mark.parametrize("override", [{"virtual_stages": 2}, {"pipeline": "zero_bubble"}],
-                         ids=["virtual_stages", "zero_bubble"])
-def test_other_schedules_under_data_parallelism_match_one_process(tmp_path, override):
-    """Each replica's 2 devices hold 2 chunks each (virtual_stages), or run
-    the zero_bubble schedule (set through the environment override);
-    gradients are averaged per partition."""
+def test_custom_loop_matches_one_process_with_the_whole_batch(tmp_path_factory):
+    _, out = _launched_custom_loops(tmp_path_factory)
+    a, b = results(out)
+    assert (a["rank"], a["size"], a["dp_rank"], a["dp_size"], a["mp_rank"], a["mp_size"]) == (0, 2, 0, 2, 0, 2)
+    assert (b["rank"], b["dp_rank"], b["local_rank"]) == (1, 1, 1)
+    # Each partition on its own device of its replica's process.
+    assert a["devices"] == [f"/job:worker/replica:0/task:0/device:CPU:{p}" for p in (0, 1)]
+    assert b["devices"] == [f"/job:worker/replica:0/task:1/device:CPU:{p}" for p in (0, 1)]
+    _assert_matches_whole_batch(a, b)
+
+
+def test_virtual_stages_under_data_parallelism_match_one_process(tmp_path_factory):
+    """Each replica's 2 devices hold 2 chunks each; gradients are averaged
+    per partition."""
+    _, out = _launched_custom_loops(tmp_path_factory)
+    a, b = (r["virtual_stages_run"] for r in results(out))
+    assert (a["virtual_stages"], a["pipeline"]) == (b["virtual_stages"], b["pipeline"]) == (2, "interleaved")
+    assert a["devices"] == [f"/job:worker/replica:0/task:0/device:CPU:{p}" for p in (0, 1)]
+    _assert_matches_whole_batch(a, b)
+
+
+def test_zero_bubble_set_through_the_environment_under_data_parallelism_matches_one_process(tmp_path):
+    """The zero_bubble schedule, chosen by the environment override
+    (SM_HP_MP_PARAMETERS) on every replica."""
     codes, outputs, _ = run_replicas("custom_loop", tmp_path,
-                                     extra_env={"SM_HP_MP_PARAMETERS": json.dumps(override)})
+                                     extra_env={"SM_HP_MP_PARAMETERS": json.dumps({"pipeline": "zero_bubble"})})
     assert codes == [0, 0], outputs
     a, b = results(tmp_path)
-    expected = override.get("virtual_stages", 1), override.get("pipeline", "interleaved")
-    assert (a["virtual_stages"], a["pipeline"]) == (b["virtual_stages"], b["pipeline"]) == expected
+    assert (a["virtual_stages"], a["pipeline"]) == (b["virtual_stages"], b["pipeline"]) == (1, "zero_bubble")
     assert a["devices"] == [f"/job:worker/replica:0/task:0/device:CPU:{p}" for p in (0, 1)]
-    assert_same_weights(a["weights"], b["weights"])
-    x, y = common.batches(5)
-    losses, weights = reference([(x[s], y[s]) for s in range(5)])
-    np.testing.assert_allclose(np.add(a["losses"], b["losses"]) / 2, losses, rtol=RTOL)
-    for w, r in zip(a["weights"], weights):
-        np.testing.assert_allclose(np.array(w), r, rtol=RTOL, atol=ATOL)
+    _assert_matches_whole_batch(a, b)
 
 
 def test_fit_with_sharded_global_batches_matches_one_process(tmp_path):
@@ -156,11 +183,21 @@ def _uneven_reference():
     return reference(batches)
 
 
+_UNEVEN: dict = {}
+
+
 @pytest.mark.parametrize("scenario", ["uneven", "uneven_fit"], ids=["custom_loop", "fit"])
-def test_uneven_inputs_join(scenario, tmp_path):
-    codes, outputs, _ = run_replicas(scenario, tmp_path)
-    assert codes == [0, 0], outputs
-    a, b = results(tmp_path)
+def test_uneven_inputs_join(scenario, tmp_path_factory):
+    # One job runs both (the custom loop, then fit), started once.
+    if "job" not in _UNEVEN:
+        _UNEVEN["job"] = AssertionError("the uneven_both job failed in an earlier test")
+        out = tmp_path_factory.mktemp("uneven")
+        codes, outputs, _ = run_replicas("uneven_both", out)
+        assert codes == [0, 0], outputs
+        _UNEVEN["job"] = results(out)
+    if isinstance(_UNEVEN["job"], Exception):
+        raise _UNEVEN["job"]
+    a, b = (r[scenario] for r in _UNEVEN["job"])
     if scenario == "uneven":  # smp.join reports what it did
         assert (a["joined_steps"], b["joined_steps"]) == (2, 0)
     else:  # the epoch's logs describe the global data
@@ -214,15 +251,11 @@ def test_comm_helpers(tmp_path):
     assert a["self"] == b["self"] == "to myself"
 
 
-def test_launcher_runs_the_replicas(tmp_path):
-    proc = subprocess.run(
-        [sys.executable, "-m", "smp_tf.launch", "-n", "2", "--timeout", "170", WORKER, "custom_loop", str(tmp_path)],
-        cwd=ROOT, env=dict(os.environ, PYTHONPATH=ROOT), capture_output=True, text=True, timeout=200,
-    )
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert "[rank 0] rank 0: custom_loop done" in proc.stdout
-    assert "[rank 1] rank 1: custom_loop done" in proc.stdout
-    a, b = results(tmp_path)
+def test_launcher_runs_the_replicas(tmp_path_factory):
+    proc, out = _launched_custom_loops(tmp_path_factory)
+    assert "[rank 0] rank 0: custom_loops done" in proc.stdout
+    assert "[rank 1] rank 1: custom_loops done" in proc.stdout
+    a, b = results(out)
     assert_same_weights(a["weights"], b["weights"])
 
 

@@ -10,7 +10,6 @@ and dropout masks are per micro-batch.
 """
 
 import csv
-import itertools
 
 import keras
 import numpy as np

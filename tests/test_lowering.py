@@ -1,6 +1,5 @@
 """The lowered graph: boundary ops per micro-batch, placement of variables."""
 
-import logging
 
 import numpy as np
 import pytest

@@ -118,19 +118,60 @@ def _reference_custom_loop(partitions: int, pipeline: str, virtual_stages: int =
     return losses, [v.numpy() for v in model.trainable_variables]
 
 
+#: The schedules of the custom-loop and `fit` tests, per partitions. One job
+#: per (scenario, partitions) runs them all in turn (`smp.init` again between
+#: them), which saves starting the processes again for each.
+_SCHEDULES = {
+    ("custom_loop", 2): ("interleaved/1", "interleaved/2", "zero_bubble/2"),
+    ("custom_loop", 4): ("interleaved/1", "simple/1"),
+    ("fit", 2): ("interleaved/1", "zero_bubble/2"),
+}
+#: The driver's results of those jobs (with the launcher's stderr for the
+#: 4-partition job), or the error of a job that failed.
+_JOBS: dict = {}
+
+
+def _job(scenario: str, partitions: int, tmp_path_factory) -> dict:
+    """The driver's results of the job running every schedule of
+    ``_SCHEDULES[scenario, partitions]``, started once per test run. The
+    4-partition job is started with the launcher (`smp_tf.launch`), which
+    also checks its start-up line."""
+    key = (scenario, partitions)
+    if key not in _JOBS:
+        _JOBS[key] = AssertionError(f"the {scenario} job at partitions={partitions} failed in an earlier test")
+        out = tmp_path_factory.mktemp(f"{scenario}{partitions}")
+        schedules = ",".join(_SCHEDULES[key])
+        if partitions == 4:
+            launched = subprocess.run(
+                [sys.executable, "-m", "smp_tf.launch", "-n", "2", "--partitions", "4", "--pipeline-processes", "2",
+                 "--timeout", "200", WORKER, scenario, str(out), "4", schedules],
+                cwd=ROOT, env=dict(os.environ, PYTHONPATH=ROOT), capture_output=True, text=True, timeout=240,
+            )
+            assert launched.returncode == 0, launched.stderr[-3000:]
+            got = json.load(open(os.path.join(out, "rank0.json")))
+            got["launcher_stderr"] = launched.stderr
+        else:
+            got = _driver_result([scenario, str(partitions), schedules], out)
+        _JOBS[key] = got
+    if isinstance(_JOBS[key], Exception):
+        raise _JOBS[key]
+    return _JOBS[key]
+
+
 @pytest.mark.parametrize("partitions, pipeline, virtual_stages", [
     (2, "interleaved", 1), (4, "interleaved", 1), (4, "simple", 1), (2, "interleaved", 2), (2, "zero_bubble", 2),
 ])
-def test_custom_loop_across_processes_equals_one_process(tmp_path, partitions, pipeline, virtual_stages):
-    got = _driver_result(["custom_loop", str(partitions), pipeline, str(virtual_stages)], tmp_path)
+def test_custom_loop_across_processes_equals_one_process(tmp_path_factory, partitions, pipeline, virtual_stages):
+    job = _job("custom_loop", partitions, tmp_path_factory)
+    got = job["runs"][f"{pipeline}/{virtual_stages}"]
     losses, weights = _reference_custom_loop(partitions, pipeline, virtual_stages)
     assert got["losses"] == losses
     for a, b in zip(got["weights"], weights):
         np.testing.assert_array_equal(np.array(a, dtype=np.float32), b)
     # Ranks: one pipeline over both processes, driven by rank 0.
-    assert (got["rank"], got["size"], got["dp_rank"], got["dp_size"], got["pp_rank"], got["mp_size"]) == (
+    assert (job["rank"], job["size"], job["dp_rank"], job["dp_size"], job["pp_rank"], job["mp_size"]) == (
         0, 2, 0, 1, 0, partitions)
-    assert got["local_partitions"] == list(range(partitions // 2))
+    assert job["local_partitions"] == list(range(partitions // 2))
     # Every variable lives on the server of the process that holds its stage.
     tasks = {_task_of(d) for d in got["devices"]}
     assert tasks == {"0", "1"}
@@ -171,8 +212,8 @@ def _plain_model(seed: int) -> keras.Model:
 
 
 @pytest.mark.parametrize("pipeline, virtual_stages", [("interleaved", 1), ("zero_bubble", 2)])
-def test_fit_across_processes_equals_plain_keras(tmp_path, pipeline, virtual_stages):
-    got = _driver_result(["fit", "2", pipeline, str(virtual_stages)], tmp_path)
+def test_fit_across_processes_equals_plain_keras(tmp_path_factory, pipeline, virtual_stages):
+    got = _job("fit", 2, tmp_path_factory)["runs"][f"{pipeline}/{virtual_stages}"]
     plain = _assert_fit_equals_plain_keras(got)
     x, _ = common.batches(3)
     np.testing.assert_allclose(got["predict"], plain.predict(x[0], verbose=0), rtol=1e-5, atol=1e-6)
@@ -260,19 +301,11 @@ def test_fit_with_two_replicas_of_a_pipeline_over_four_processes_equals_plain_ke
     _assert_fit_equals_plain_keras(a)
 
 
-def test_the_launcher_starts_a_pipeline_over_two_processes_and_counts_their_devices(tmp_path):
-    import subprocess as sp
-
-    result = sp.run(
-        [sys.executable, "-m", "smp_tf.launch", "-n", "2", "--partitions", "4", "--pipeline-processes", "2",
-         "--timeout", "200", WORKER, "custom_loop", str(tmp_path), "4", "interleaved"],
-        cwd=ROOT, env=dict(os.environ, PYTHONPATH=ROOT), capture_output=True, text=True, timeout=240,
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
+def test_the_launcher_starts_a_pipeline_over_two_processes_and_counts_their_devices(tmp_path_factory):
+    job = _job("custom_loop", 4, tmp_path_factory)
     assert ("1 pipeline(s) of 4 partition(s), each over 2 process(es) (cluster): 2 partition(s) per process; "
-            "2 logical CPU device(s) each") in result.stderr
-    got = json.load(open(os.path.join(tmp_path, "rank0.json")))
-    assert got["local_partitions"] == [0, 1] and len(got["losses"]) == 3
+            "2 logical CPU device(s) each") in job["launcher_stderr"]
+    assert job["local_partitions"] == [0, 1] and set(job["runs"]) == {"interleaved/1", "simple/1"}
 
 
 def test_the_launcher_needs_partitions_for_pipeline_processes(tmp_path):

@@ -1,6 +1,9 @@
 """One replica of the data-parallel tests (run in 2 processes by the tests).
 
-Usage: worker.py SCENARIO OUT_DIR. Every scenario trains the same small
+Usage: worker.py SCENARIO OUT_DIR. ``custom_loops`` is ``custom_loop``
+followed by the same loop with ``virtual_stages=2`` (`smp.init` again, a new
+model); ``uneven_both`` runs the custom loop under `smp.join` on uneven
+data, then `fit` on the same data. Every scenario trains the same small
 model on 2 partitions with 4 micro-batches, starting from weights that
 differ per rank (the initial broadcast must equalise them), and writes what
 the test compares to OUT_DIR/rank{r}.json.
@@ -24,12 +27,9 @@ SCENARIO, OUT = sys.argv[1], sys.argv[2]
 CONFIG = {"partitions": 2, "microbatches": 4, "horovod": True, "dp_timeout": 8.0}
 if SCENARIO == "uneven_raise":
     CONFIG["uneven_inputs"] = "raise"
-if SCENARIO == "uneven_fit":
-    CONFIG["shard_inputs"] = False
 smp.init(CONFIG)
 
 import keras  # noqa: E402
-import tensorflow as tf  # noqa: E402
 
 from tests.dp import common  # noqa: E402
 
@@ -52,20 +52,31 @@ def finish():
         json.dump(result, f)
 
 
-if SCENARIO == "custom_loop":
+if SCENARIO in ("custom_loop", "custom_loops"):
     train = train_function(keras.optimizers.SGD(common.LR))
     x, y = common.batches(5)
     result["losses"] = [float(train(*common.half(x[s], y[s], RANK))) for s in range(5)]
+    if SCENARIO == "custom_loops":
+        # Then again with 2 chunks per device (smp.init again, a new model).
+        first = model
+        smp.init(dict(CONFIG, virtual_stages=2))
+        model = common.build(seed=100 + RANK)
+        train = train_function(keras.optimizers.SGD(common.LR))
+        run = {"losses": [float(train(*common.half(x[s], y[s], RANK))) for s in range(5)],
+               "weights": [v.numpy().tolist() for v in model.trainable_variables],
+               "devices": sorted({v.value.device for v in model.variables}),
+               "virtual_stages": smp.current_config().virtual_stages, "pipeline": smp.current_config().pipeline}
+        result["virtual_stages_run"] = run
+        model = first
     finish()
 
-elif SCENARIO in ("uneven", "uneven_raise"):
+elif SCENARIO == "uneven_raise":
     train = train_function(keras.optimizers.SGD(common.LR))
     x, y = common.batches(7)
     steps = 5 if RANK == 0 else 7
-    with smp.join() as joined:
+    with smp.join():
         for s in range(steps):
             train(*common.half(x[s], y[s], RANK))
-    result["joined_steps"] = joined.joined_steps
     finish()
 
 elif SCENARIO == "fit":
@@ -76,14 +87,25 @@ elif SCENARIO == "fit":
     result["losses"] = history.history["loss"]
     finish()
 
-elif SCENARIO == "uneven_fit":
-    model.compile(optimizer=keras.optimizers.SGD(common.LR), loss=common.loss)
+elif SCENARIO == "uneven_both":
+    # The custom loop under smp.join, then `fit` on the same uneven data
+    # (smp.init again with shard_inputs=False, a new model).
+    train = train_function(keras.optimizers.SGD(common.LR))
     x, y = common.batches(7)
     steps = 5 if RANK == 0 else 7
+    with smp.join() as joined:
+        for s in range(steps):
+            train(*common.half(x[s], y[s], RANK))
+    result["uneven"] = {"joined_steps": joined.joined_steps,
+                        "weights": [v.numpy().tolist() for v in model.trainable_variables]}
+    smp.init(dict(CONFIG, shard_inputs=False))
+    model = common.build(seed=100 + RANK)
+    model.compile(optimizer=keras.optimizers.SGD(common.LR), loss=common.loss)
     mine = [common.half(x[s], y[s], RANK) for s in range(steps)]
     xs = np.concatenate([a for a, _ in mine]); ys = np.concatenate([b for _, b in mine])
     history = model.fit(xs, ys, batch_size=common.GLOBAL_BATCH // 2, epochs=1, shuffle=False, verbose=0)
-    result["losses"] = history.history["loss"]
+    result["uneven_fit"] = {"losses": history.history["loss"],
+                            "weights": [v.numpy().tolist() for v in model.trainable_variables]}
     finish()
 
 elif SCENARIO in ("killed", "stalled"):

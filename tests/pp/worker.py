@@ -1,7 +1,11 @@
 """One process of the pipeline-across-processes tests (run in 2 processes by the tests).
 
-Usage: worker.py SCENARIO OUT_DIR PARTITIONS PIPELINE [VIRTUAL_STAGES]. The first process of
-each pipeline drives it and writes what the test compares to
+Usage: worker.py SCENARIO OUT_DIR PARTITIONS SCHEDULES. SCHEDULES is
+``PIPELINE[/VIRTUAL_STAGES]`` or, for ``custom_loop`` and ``fit``, several
+of them separated by commas: the driver runs the scenario once per schedule
+(a new `smp.init` and a new model each time; the servers serve them all),
+and its results are under ``runs[schedule]``. The first process of each
+pipeline drives it and writes what the test compares to
 OUT_DIR/rank<rank>.json; the others serve their stages and never get past
 `smp.init`. The ``dp_*`` scenarios run 2 replicas of the pipeline (4
 processes) with data parallelism, each replica on its half of every batch.
@@ -19,11 +23,17 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 import smp_tf as smp  # noqa: E402
 
-SCENARIO, OUT, PARTITIONS, PIPELINE = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4]
-VIRTUAL_STAGES = int(sys.argv[5]) if len(sys.argv) > 5 else 1
-smp.init({"partitions": PARTITIONS, "microbatches": 4, "pipeline": PIPELINE, "pipeline_processes": 2,
-          "virtual_stages": VIRTUAL_STAGES,
-          "dp_timeout": 8.0 if SCENARIO == "loop" else 20.0, "horovod": SCENARIO.startswith("dp_")})
+SCENARIO, OUT, PARTITIONS, SCHEDULES = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4].split(",")
+
+
+def init(schedule: str) -> None:
+    pipeline, _, virtual_stages = schedule.partition("/")
+    smp.init({"partitions": PARTITIONS, "microbatches": 4, "pipeline": pipeline, "pipeline_processes": 2,
+              "virtual_stages": int(virtual_stages or 1),
+              "dp_timeout": 8.0 if SCENARIO == "loop" else 20.0, "horovod": SCENARIO.startswith("dp_")})
+
+
+init(SCHEDULES[0])
 
 import keras  # noqa: E402
 import numpy as np  # noqa: E402
@@ -37,9 +47,30 @@ result = {"rank": smp.rank(), "size": smp.size(), "dp_rank": smp.dp_rank(), "dp_
           "pp_rank": smp.pp_rank(), "mp_size": smp.mp_size(), "local_partitions": list(smp.local_partitions())}
 x, y = common.batches(3)
 
-if SCENARIO == "custom_loop":
-    train = common.train_function(model, keras.optimizers.SGD(common.LR))
-    result["losses"] = [float(train(x[s], y[s])) for s in range(3)]
+
+def weights_and_devices(model) -> dict:
+    return {"weights": [v.numpy().tolist() for v in model.trainable_variables],
+            "devices": [v.value.device for v in model.trainable_variables]}
+
+
+if SCENARIO in ("custom_loop", "fit"):
+    result["runs"] = {}
+    for k, schedule in enumerate(SCHEDULES):
+        if k:
+            init(schedule)
+            model = common.build(seed=100 + smp.dp_rank())
+        run = {}
+        if SCENARIO == "custom_loop":
+            train = common.train_function(model, keras.optimizers.SGD(common.LR))
+            run["losses"] = [float(train(x[s], y[s])) for s in range(3)]
+        else:
+            model.compile(optimizer=keras.optimizers.SGD(common.LR), loss=common.loss)
+            history = model.fit(x.reshape(-1, 16), y.reshape(-1, 4), batch_size=common.GLOBAL_BATCH, epochs=2,
+                                shuffle=False, verbose=0)
+            run["losses"] = history.history["loss"]
+            run["predict"] = model.predict(x[0], batch_size=common.GLOBAL_BATCH, verbose=0).tolist()
+        run.update(weights_and_devices(model))
+        result["runs"][schedule] = run
 elif SCENARIO == "profile":
     # The custom loop inside smp.profile.
     with smp.profile(os.path.join(OUT, "timeline")) as prof:
@@ -54,12 +85,6 @@ elif SCENARIO == "profile":
                            [r for r in tl.step_records(s) if r.device == d]))),
         "files": [os.path.basename(f) for f in prof.files],
     }
-elif SCENARIO == "fit":
-    model.compile(optimizer=keras.optimizers.SGD(common.LR), loss=common.loss)
-    history = model.fit(x.reshape(-1, 16), y.reshape(-1, 4), batch_size=common.GLOBAL_BATCH, epochs=2,
-                        shuffle=False, verbose=0)
-    result["losses"] = history.history["loss"]
-    result["predict"] = model.predict(x[0], batch_size=common.GLOBAL_BATCH, verbose=0).tolist()
 elif SCENARIO == "loop":
     # Trains until the test kills or stops the other process.
     train = common.train_function(model, keras.optimizers.SGD(common.LR))
@@ -91,7 +116,6 @@ elif SCENARIO == "dp_fit":
 else:
     raise SystemExit(f"unknown scenario {SCENARIO!r}")
 
-result["weights"] = [v.numpy().tolist() for v in model.trainable_variables]
-result["devices"] = [v.value.device for v in model.trainable_variables]
+result.update(weights_and_devices(model))
 with open(os.path.join(OUT, f"rank{smp.rank()}.json"), "w") as f:
     json.dump(result, f)
