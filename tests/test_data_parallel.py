@@ -158,10 +158,25 @@ def test_zero_bubble_set_through_the_environment_under_data_parallelism_matches_
     _assert_matches_whole_batch(a, b)
 
 
-def test_fit_with_sharded_global_batches_matches_one_process(tmp_path):
-    codes, outputs, _ = run_replicas("fit", tmp_path)
-    assert codes == [0, 0], outputs
-    a, b = results(tmp_path)
+_COMM_FIT: dict = {}
+
+
+def _comm_fit(tmp_path_factory):
+    """The replicas' results of the ``comm_fit`` job (the communication
+    helpers, then `fit`), started once per test run."""
+    if "job" not in _COMM_FIT:
+        _COMM_FIT["job"] = AssertionError("the comm_fit job failed in an earlier test")
+        out = tmp_path_factory.mktemp("comm_fit")
+        codes, outputs, _ = run_replicas("comm_fit", out)
+        assert codes == [0, 0], outputs
+        _COMM_FIT["job"] = results(out)
+    if isinstance(_COMM_FIT["job"], Exception):
+        raise _COMM_FIT["job"]
+    return _COMM_FIT["job"]
+
+
+def test_fit_with_sharded_global_batches_matches_one_process(tmp_path_factory):
+    a, b = _comm_fit(tmp_path_factory)
     assert_same_weights(a["weights"], b["weights"])
     assert a["losses"] == b["losses"]  # the epoch's logs describe the global data
     smp.init({"partitions": 2, "microbatches": 4})
@@ -241,10 +256,8 @@ def results_of_rank(out, rank: int) -> dict:
     return json.load(open(os.path.join(out, f"rank{rank}.json")))
 
 
-def test_comm_helpers(tmp_path):
-    codes, outputs, _ = run_replicas("comm", tmp_path)
-    assert codes == [0, 0], outputs
-    a, b = results(tmp_path)
+def test_comm_helpers(tmp_path_factory):
+    a, b = _comm_fit(tmp_path_factory)
     assert a["allgather"] == b["allgather"] == [{"rank": 0, "square": 0}, {"rank": 1, "square": 1}]
     assert b["broadcast"] == {"from": 0, "payload": [0, 1, 2, 3, 4]}
     assert b["received"] == "to one" and a["received"] == ["back", 1]

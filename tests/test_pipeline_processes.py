@@ -236,13 +236,21 @@ def _assert_fit_equals_plain_keras(got: dict) -> keras.Model:
 # --------------------------------------------------------------------------
 # 2 replicas of a pipeline over 2 processes each: data parallelism
 # --------------------------------------------------------------------------
-def _replicas_result(scenario: str, tmp_path):
-    codes, outputs = run_pipeline([scenario, "2", "interleaved"], tmp_path, processes=4)
-    assert codes == [0] * 4, f"exit codes {codes}\n" + "\n".join(
-        f"--- rank {r}:\n{o[-2500:]}" for r, o in enumerate(outputs))
-    # Ranks 0 and 2 drive pipelines 0 and 1; ranks 1 and 3 only serve.
-    assert sorted(f for f in os.listdir(tmp_path) if f.endswith(".json")) == ["rank0.json", "rank2.json"]
-    return [json.load(open(os.path.join(tmp_path, f"rank{r}.json"))) for r in (0, 2)]
+def _replicas_result(tmp_path_factory):
+    """The drivers' results of the 4-process ``dp`` job (the custom loop,
+    then `fit`) and its directory, started once per test run."""
+    if "dp" not in _JOBS:
+        _JOBS["dp"] = AssertionError("the 4-process dp job failed in an earlier test")
+        out = tmp_path_factory.mktemp("dp")
+        codes, outputs = run_pipeline(["dp", "2", "interleaved"], out, processes=4)
+        assert codes == [0] * 4, f"exit codes {codes}\n" + "\n".join(
+            f"--- rank {r}:\n{o[-2500:]}" for r, o in enumerate(outputs))
+        # Ranks 0 and 2 drive pipelines 0 and 1; ranks 1 and 3 only serve.
+        assert sorted(f for f in os.listdir(out) if f.endswith(".json")) == ["rank0.json", "rank2.json"]
+        _JOBS["dp"] = ([json.load(open(os.path.join(out, f"rank{r}.json"))) for r in (0, 2)], out)
+    if isinstance(_JOBS["dp"], Exception):
+        raise _JOBS["dp"]
+    return _JOBS["dp"]
 
 
 def _reference(batches):
@@ -254,8 +262,8 @@ def _reference(batches):
     return model, losses
 
 
-def test_two_replicas_of_a_pipeline_over_four_processes_equal_one_process_on_the_whole_batch(tmp_path):
-    a, b = _replicas_result("dp_custom_loop", tmp_path)
+def test_two_replicas_of_a_pipeline_over_four_processes_equal_one_process_on_the_whole_batch(tmp_path_factory):
+    (a, b), tmp_path = _replicas_result(tmp_path_factory)
     assert [(r["rank"], r["dp_rank"], r["dp_size"], r["pp_rank"], r["local_partitions"]) for r in (a, b)] == [
         (0, 0, 2, 0, [0]), (2, 1, 2, 0, [0])]
     assert a["allgather"] == b["allgather"] == [{"dp_rank": 0, "rank": 0}, {"dp_rank": 1, "rank": 2}]
@@ -293,8 +301,8 @@ def test_two_replicas_of_a_pipeline_over_four_processes_equal_one_process_on_the
     np.testing.assert_allclose(served.serve(tf.constant(x[0])), predicted, rtol=1e-5, atol=1e-6)
 
 
-def test_fit_with_two_replicas_of_a_pipeline_over_four_processes_equals_plain_keras(tmp_path):
-    a, b = _replicas_result("dp_fit", tmp_path)
+def test_fit_with_two_replicas_of_a_pipeline_over_four_processes_equals_plain_keras(tmp_path_factory):
+    a, b = (r["fit"] for r in _replicas_result(tmp_path_factory)[0])
     assert a["losses"] == b["losses"]  # the epoch's logs describe the global data
     for u, v in zip(a["weights"], b["weights"]):
         np.testing.assert_array_equal(np.array(u), np.array(v))

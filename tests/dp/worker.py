@@ -3,7 +3,8 @@
 Usage: worker.py SCENARIO OUT_DIR. ``custom_loops`` is ``custom_loop``
 followed by the same loop with ``virtual_stages=2`` (`smp.init` again, a new
 model); ``uneven_both`` runs the custom loop under `smp.join` on uneven
-data, then `fit` on the same data. Every scenario trains the same small
+data, then `fit` on the same data; ``comm_fit`` the communication helpers,
+then `fit`. Every scenario trains the same small
 model on 2 partitions with 4 micro-batches, starting from weights that
 differ per rank (the initial broadcast must equalise them), and writes what
 the test compares to OUT_DIR/rank{r}.json.
@@ -79,14 +80,6 @@ elif SCENARIO == "uneven_raise":
             train(*common.half(x[s], y[s], RANK))
     finish()
 
-elif SCENARIO == "fit":
-    model.compile(optimizer=keras.optimizers.SGD(common.LR), loss=common.loss)
-    x, y = common.batches(5)
-    history = model.fit(x.reshape(-1, 16), y.reshape(-1, 4), batch_size=common.GLOBAL_BATCH, epochs=1,
-                        shuffle=False, verbose=0)
-    result["losses"] = history.history["loss"]
-    finish()
-
 elif SCENARIO == "uneven_both":
     # The custom loop under smp.join, then `fit` on the same uneven data
     # (smp.init again with shard_inputs=False, a new model).
@@ -125,7 +118,8 @@ elif SCENARIO in ("killed", "stalled"):
         finish()
         raise
 
-elif SCENARIO == "comm":
+elif SCENARIO == "comm_fit":
+    # The communication helpers, then `fit` on global batches.
     smp.barrier()
     smp.dp_barrier()
     smp.mp_barrier()
@@ -141,6 +135,11 @@ elif SCENARIO == "comm":
     smp.send("to myself", 0, smp.RankType.MP_RANK)
     result["self"] = smp.recv_from(0, smp.RankType.MP_RANK)
     smp.barrier(smp.CommGroup.WORLD)
+    model.compile(optimizer=keras.optimizers.SGD(common.LR), loss=common.loss)
+    x, y = common.batches(5)
+    history = model.fit(x.reshape(-1, 16), y.reshape(-1, 4), batch_size=common.GLOBAL_BATCH, epochs=1,
+                        shuffle=False, verbose=0)
+    result["losses"] = history.history["loss"]
     finish()
 
 else:

@@ -7,8 +7,9 @@ of them separated by commas: the driver runs the scenario once per schedule
 and its results are under ``runs[schedule]``. The first process of each
 pipeline drives it and writes what the test compares to
 OUT_DIR/rank<rank>.json; the others serve their stages and never get past
-`smp.init`. The ``dp_*`` scenarios run 2 replicas of the pipeline (4
-processes) with data parallelism, each replica on its half of every batch.
+`smp.init`. The ``dp`` scenario runs 2 replicas of the pipeline (4
+processes) with data parallelism, each replica on its half of every batch:
+the custom loop, then `fit`.
 """
 
 import json
@@ -30,7 +31,7 @@ def init(schedule: str) -> None:
     pipeline, _, virtual_stages = schedule.partition("/")
     smp.init({"partitions": PARTITIONS, "microbatches": 4, "pipeline": pipeline, "pipeline_processes": 2,
               "virtual_stages": int(virtual_stages or 1),
-              "dp_timeout": 8.0 if SCENARIO == "loop" else 20.0, "horovod": SCENARIO.startswith("dp_")})
+              "dp_timeout": 8.0 if SCENARIO == "loop" else 20.0, "horovod": SCENARIO == "dp"})
 
 
 init(SCHEDULES[0])
@@ -92,7 +93,8 @@ elif SCENARIO == "loop":
     open(os.path.join(OUT, "ready"), "w").close()
     while True:
         train(x[0], y[0])
-elif SCENARIO == "dp_custom_loop":
+elif SCENARIO == "dp":
+    # The custom loop (smp.join on uneven data, saving), then `fit` on a new model.
     result["allgather"] = smp.allgather({"dp_rank": smp.dp_rank(), "rank": smp.rank()})
     smp.barrier()
     train = common.train_function(model, keras.optimizers.SGD(common.LR))
@@ -108,14 +110,16 @@ elif SCENARIO == "dp_custom_loop":
         smp.CheckpointManager(tf.train.Checkpoint(model=model), os.path.join(OUT, "ckpt")).save()
         model.save_model(os.path.join(OUT, "export"))
         np.save(os.path.join(OUT, "predict.npy"), model.predict(x[0], verbose=0))
-elif SCENARIO == "dp_fit":
+    result.update(weights_and_devices(model))
+    model = common.build(seed=100 + smp.dp_rank())
     model.compile(optimizer=keras.optimizers.SGD(common.LR), loss=common.loss)
     history = model.fit(x.reshape(-1, 16), y.reshape(-1, 4), batch_size=common.GLOBAL_BATCH, epochs=2,
                         shuffle=False, verbose=0)
-    result["losses"] = history.history["loss"]
+    result["fit"] = {"losses": history.history["loss"], **weights_and_devices(model)}
 else:
     raise SystemExit(f"unknown scenario {SCENARIO!r}")
 
-result.update(weights_and_devices(model))
+if SCENARIO != "dp":
+    result.update(weights_and_devices(model))
 with open(os.path.join(OUT, f"rank{smp.rank()}.json"), "w") as f:
     json.dump(result, f)
