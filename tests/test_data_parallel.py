@@ -21,6 +21,7 @@ import numpy as np
 import pytest
 
 import smp_tf as smp
+from tests import jobs
 from tests.dp import common
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.xdist_group("data_parallel")]
@@ -91,27 +92,20 @@ def reference(batches, epoch_loss_rows=None):
     return losses, [v.numpy() for v in model.trainable_variables]
 
 
-#: The launcher's run of the ``custom_loops`` job, shared by the tests that
-#: read it (one job instead of three): (exit code, stdout, stderr, out dir),
-#: or the error of a job that failed.
-_LAUNCHED: dict = {}
-
-
 def _launched_custom_loops(tmp_path_factory):
     """``python -m smp_tf.launch -n 2`` running the custom loop, then the same
-    loop with virtual_stages=2; started once per test run."""
-    if "job" not in _LAUNCHED:
-        _LAUNCHED["job"] = AssertionError("the launched custom_loops job failed in an earlier test")
+    loop with virtual_stages=2 (one job for three tests): (the launcher's
+    completed process, the output directory)."""
+    def start():
         out = tmp_path_factory.mktemp("custom_loops")
         proc = subprocess.run(
             [sys.executable, "-m", "smp_tf.launch", "-n", "2", "--timeout", "170", WORKER, "custom_loops", str(out)],
             cwd=ROOT, env=dict(os.environ, PYTHONPATH=ROOT), capture_output=True, text=True, timeout=200,
         )
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-        _LAUNCHED["job"] = (proc, out)
-    if isinstance(_LAUNCHED["job"], Exception):
-        raise _LAUNCHED["job"]
-    return _LAUNCHED["job"]
+        return proc, out
+
+    return jobs.once("dp/custom_loops", start)
 
 
 def _assert_matches_whole_batch(a: dict, b: dict) -> None:
@@ -158,25 +152,19 @@ def test_zero_bubble_set_through_the_environment_under_data_parallelism_matches_
     _assert_matches_whole_batch(a, b)
 
 
-_COMM_FIT: dict = {}
-
-
-def _comm_fit(tmp_path_factory):
-    """The replicas' results of the ``comm_fit`` job (the communication
-    helpers, then `fit`), started once per test run."""
-    if "job" not in _COMM_FIT:
-        _COMM_FIT["job"] = AssertionError("the comm_fit job failed in an earlier test")
-        out = tmp_path_factory.mktemp("comm_fit")
-        codes, outputs, _ = run_replicas("comm_fit", out)
+def _replicas_once(scenario: str, tmp_path_factory) -> List[dict]:
+    """Both replicas' results of `scenario`, run once for the tests that read it."""
+    def start():
+        out = tmp_path_factory.mktemp(scenario)
+        codes, outputs, _ = run_replicas(scenario, out)
         assert codes == [0, 0], outputs
-        _COMM_FIT["job"] = results(out)
-    if isinstance(_COMM_FIT["job"], Exception):
-        raise _COMM_FIT["job"]
-    return _COMM_FIT["job"]
+        return results(out)
+
+    return jobs.once(f"dp/{scenario}", start)
 
 
 def test_fit_with_sharded_global_batches_matches_one_process(tmp_path_factory):
-    a, b = _comm_fit(tmp_path_factory)
+    a, b = _replicas_once("comm_fit", tmp_path_factory)  # the helpers, then fit
     assert_same_weights(a["weights"], b["weights"])
     assert a["losses"] == b["losses"]  # the epoch's logs describe the global data
     smp.init({"partitions": 2, "microbatches": 4})
@@ -198,21 +186,10 @@ def _uneven_reference():
     return reference(batches)
 
 
-_UNEVEN: dict = {}
-
-
 @pytest.mark.parametrize("scenario", ["uneven", "uneven_fit"], ids=["custom_loop", "fit"])
 def test_uneven_inputs_join(scenario, tmp_path_factory):
-    # One job runs both (the custom loop, then fit), started once.
-    if "job" not in _UNEVEN:
-        _UNEVEN["job"] = AssertionError("the uneven_both job failed in an earlier test")
-        out = tmp_path_factory.mktemp("uneven")
-        codes, outputs, _ = run_replicas("uneven_both", out)
-        assert codes == [0, 0], outputs
-        _UNEVEN["job"] = results(out)
-    if isinstance(_UNEVEN["job"], Exception):
-        raise _UNEVEN["job"]
-    a, b = (r[scenario] for r in _UNEVEN["job"])
+    # One job runs both: the custom loop, then fit.
+    a, b = (r[scenario] for r in _replicas_once("uneven_both", tmp_path_factory))
     if scenario == "uneven":  # smp.join reports what it did
         assert (a["joined_steps"], b["joined_steps"]) == (2, 0)
     else:  # the epoch's logs describe the global data
@@ -257,7 +234,7 @@ def results_of_rank(out, rank: int) -> dict:
 
 
 def test_comm_helpers(tmp_path_factory):
-    a, b = _comm_fit(tmp_path_factory)
+    a, b = _replicas_once("comm_fit", tmp_path_factory)  # the helpers, then fit
     assert a["allgather"] == b["allgather"] == [{"rank": 0, "square": 0}, {"rank": 1, "square": 1}]
     assert b["broadcast"] == {"from": 0, "payload": [0, 1, 2, 3, 4]}
     assert b["received"] == "to one" and a["received"] == ["back", 1]

@@ -24,6 +24,7 @@ import pytest
 import tensorflow as tf
 
 import smp_tf as smp
+from tests import jobs
 from tests.dp import common
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.xdist_group("pipeline_processes")]
@@ -126,9 +127,6 @@ _SCHEDULES = {
     ("custom_loop", 4): ("interleaved/1", "simple/1"),
     ("fit", 2): ("interleaved/1", "zero_bubble/2"),
 }
-#: The driver's results of those jobs (with the launcher's stderr for the
-#: 4-partition job), or the error of a job that failed.
-_JOBS: dict = {}
 
 
 def _job(scenario: str, partitions: int, tmp_path_factory) -> dict:
@@ -136,11 +134,9 @@ def _job(scenario: str, partitions: int, tmp_path_factory) -> dict:
     ``_SCHEDULES[scenario, partitions]``, started once per test run. The
     4-partition job is started with the launcher (`smp_tf.launch`), which
     also checks its start-up line."""
-    key = (scenario, partitions)
-    if key not in _JOBS:
-        _JOBS[key] = AssertionError(f"the {scenario} job at partitions={partitions} failed in an earlier test")
+    def start():
         out = tmp_path_factory.mktemp(f"{scenario}{partitions}")
-        schedules = ",".join(_SCHEDULES[key])
+        schedules = ",".join(_SCHEDULES[scenario, partitions])
         if partitions == 4:
             launched = subprocess.run(
                 [sys.executable, "-m", "smp_tf.launch", "-n", "2", "--partitions", "4", "--pipeline-processes", "2",
@@ -152,10 +148,9 @@ def _job(scenario: str, partitions: int, tmp_path_factory) -> dict:
             got["launcher_stderr"] = launched.stderr
         else:
             got = _driver_result([scenario, str(partitions), schedules], out)
-        _JOBS[key] = got
-    if isinstance(_JOBS[key], Exception):
-        raise _JOBS[key]
-    return _JOBS[key]
+        return got
+
+    return jobs.once(f"pp/{scenario}/{partitions}", start)
 
 
 @pytest.mark.parametrize("partitions, pipeline, virtual_stages", [
@@ -239,18 +234,16 @@ def _assert_fit_equals_plain_keras(got: dict) -> keras.Model:
 def _replicas_result(tmp_path_factory):
     """The drivers' results of the 4-process ``dp`` job (the custom loop,
     then `fit`) and its directory, started once per test run."""
-    if "dp" not in _JOBS:
-        _JOBS["dp"] = AssertionError("the 4-process dp job failed in an earlier test")
+    def start():
         out = tmp_path_factory.mktemp("dp")
         codes, outputs = run_pipeline(["dp", "2", "interleaved"], out, processes=4)
         assert codes == [0] * 4, f"exit codes {codes}\n" + "\n".join(
             f"--- rank {r}:\n{o[-2500:]}" for r, o in enumerate(outputs))
         # Ranks 0 and 2 drive pipelines 0 and 1; ranks 1 and 3 only serve.
         assert sorted(f for f in os.listdir(out) if f.endswith(".json")) == ["rank0.json", "rank2.json"]
-        _JOBS["dp"] = ([json.load(open(os.path.join(out, f"rank{r}.json"))) for r in (0, 2)], out)
-    if isinstance(_JOBS["dp"], Exception):
-        raise _JOBS["dp"]
-    return _JOBS["dp"]
+        return [json.load(open(os.path.join(out, f"rank{r}.json"))) for r in (0, 2)], out
+
+    return jobs.once("pp/dp", start)
 
 
 def _reference(batches):
