@@ -1,7 +1,8 @@
 """Test set-up: logical CPU devices, quiet TensorFlow, deterministic kernels;
-the longest test groups first; and, at the end of a run, the table of the zoo's worst errors (each zoo test
-records its worst error as a property of its report; reports reach these
-hooks in the main process also when the tests run in workers)."""
+the longest test groups first; and, at the end of a run, the table of the
+zoo's worst errors (each zoo test records its worst error as a property of
+its report; reports reach these hooks in the main process also when the
+tests run in workers)."""
 
 import os
 

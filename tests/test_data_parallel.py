@@ -1,8 +1,9 @@
 """Data parallelism across processes: 2 replicas x (2 partitions, 4 micro-batches).
 
-Each test starts 2 processes on 127.0.0.1 (tests/dp/worker.py, one scenario
-each), bounds every wait, and ends only the processes it started. The
-references are single-process runs in this process.
+The tests start 2 processes on 127.0.0.1 (tests/dp/worker.py, one scenario
+per job; a job that several tests read runs once, `tests.jobs.once`), bound
+every wait, and end only the processes they started. The references are
+single-process runs in this process.
 """
 
 from __future__ import annotations

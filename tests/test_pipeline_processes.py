@@ -2,9 +2,10 @@
 layout in one process, bit for bit; 2 such pipelines with data parallelism
 (4 processes) equal one process on the whole batch.
 
-Each test starts its processes on 127.0.0.1 (tests/pp/worker.py): the first
-process of each pipeline drives it, the other serves its stages. Every wait
-is bounded, and only the processes a test started are ended. The references
+The tests start their processes on 127.0.0.1 (tests/pp/worker.py; a job
+that several tests read runs once, `tests.jobs.once`): the first process of
+each pipeline drives it, the other serves its stages. Every wait is
+bounded, and only the processes a test started are ended. The references
 run in this process, on its logical CPU devices.
 """
 
