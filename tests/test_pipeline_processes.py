@@ -308,6 +308,7 @@ def test_the_launcher_starts_a_pipeline_over_two_processes_and_counts_their_devi
     assert ("1 pipeline(s) of 4 partition(s), each over 2 process(es) (cluster): 2 partition(s) per process; "
             "2 logical CPU device(s) each") in job["launcher_stderr"]
     assert job["local_partitions"] == [0, 1] and set(job["runs"]) == {"interleaved/1", "simple/1"}
+    assert all(len(run["losses"]) == 3 for run in job["runs"].values())
 
 
 def test_the_launcher_needs_partitions_for_pipeline_processes(tmp_path):

@@ -44,11 +44,15 @@ def train_function(optimizer):
     return common.train_function(model, optimizer)
 
 
+def state_of(model) -> dict:
+    """What the tests compare of a trained model, and the schedule it ran."""
+    return {"weights": [v.numpy().tolist() for v in model.trainable_variables],
+            "devices": sorted({v.value.device for v in model.variables}),
+            "virtual_stages": smp.current_config().virtual_stages, "pipeline": smp.current_config().pipeline}
+
+
 def finish():
-    result["weights"] = [v.numpy().tolist() for v in model.trainable_variables]
-    result["devices"] = sorted({v.value.device for v in model.variables})
-    result["virtual_stages"] = smp.current_config().virtual_stages
-    result["pipeline"] = smp.current_config().pipeline
+    result.update(state_of(model))
     with open(os.path.join(OUT, f"rank{RANK}.json"), "w") as f:
         json.dump(result, f)
 
@@ -59,16 +63,11 @@ if SCENARIO in ("custom_loop", "custom_loops"):
     result["losses"] = [float(train(*common.half(x[s], y[s], RANK))) for s in range(5)]
     if SCENARIO == "custom_loops":
         # Then again with 2 chunks per device (smp.init again, a new model).
-        first = model
         smp.init(dict(CONFIG, virtual_stages=2))
-        model = common.build(seed=100 + RANK)
-        train = train_function(keras.optimizers.SGD(common.LR))
-        run = {"losses": [float(train(*common.half(x[s], y[s], RANK))) for s in range(5)],
-               "weights": [v.numpy().tolist() for v in model.trainable_variables],
-               "devices": sorted({v.value.device for v in model.variables}),
-               "virtual_stages": smp.current_config().virtual_stages, "pipeline": smp.current_config().pipeline}
-        result["virtual_stages_run"] = run
-        model = first
+        chunked = common.build(seed=100 + RANK)
+        train = common.train_function(chunked, keras.optimizers.SGD(common.LR))
+        result["virtual_stages_run"] = {"losses": [float(train(*common.half(x[s], y[s], RANK))) for s in range(5)],
+                                        **state_of(chunked)}
     finish()
 
 elif SCENARIO == "uneven_raise":
@@ -89,16 +88,14 @@ elif SCENARIO == "uneven_both":
     with smp.join() as joined:
         for s in range(steps):
             train(*common.half(x[s], y[s], RANK))
-    result["uneven"] = {"joined_steps": joined.joined_steps,
-                        "weights": [v.numpy().tolist() for v in model.trainable_variables]}
+    result["uneven"] = {"joined_steps": joined.joined_steps, **state_of(model)}
     smp.init(dict(CONFIG, shard_inputs=False))
     model = common.build(seed=100 + RANK)
     model.compile(optimizer=keras.optimizers.SGD(common.LR), loss=common.loss)
     mine = [common.half(x[s], y[s], RANK) for s in range(steps)]
     xs = np.concatenate([a for a, _ in mine]); ys = np.concatenate([b for _, b in mine])
     history = model.fit(xs, ys, batch_size=common.GLOBAL_BATCH // 2, epochs=1, shuffle=False, verbose=0)
-    result["uneven_fit"] = {"losses": history.history["loss"],
-                            "weights": [v.numpy().tolist() for v in model.trainable_variables]}
+    result["uneven_fit"] = {"losses": history.history["loss"], **state_of(model)}
     finish()
 
 elif SCENARIO in ("killed", "stalled"):
