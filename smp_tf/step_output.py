@@ -218,13 +218,13 @@ class StepOutput:
             )
 
     def _divide(self, total: Any) -> Any:
-        count = len(self)
+        # A constant in the values' own dtype (no float32 -> float64 upcast).
+        count = tf.constant(len(self), dtype=total.dtype)
         if total.dtype.is_floating or total.dtype.is_complex:
-            # Divide in the values' own dtype (no float32 -> float64 upcast).
-            return total / tf.cast(count, total.dtype)
+            return total / count
         # Integers: true division, as `tf.add_n(outputs) / M` does (int32 and
         # int64 give float64).
-        return tf.math.truediv(total, tf.cast(count, total.dtype))
+        return tf.math.truediv(total, count)
 
     # -- combinations -------------------------------------------------------
     @_combination

@@ -281,3 +281,52 @@ def test_first_call_bench_table_gives_each_model_a_verdict():
     assert lines["slow"][4] == "3.00" and lines["slow"][-1] == "FAIL"
     assert "broken FAILED:" in table
     assert "overall: FAIL (1 of 3 models within 2.0x)" in table
+
+
+def test_first_call_runtime_breakdown_reads_tensorflows_log():
+    """The --runtime split of a first execution, on a hand-written log: the
+    first function prepared is the outer one; each line lasts until the
+    thread's next one; lines outside the execution are left out."""
+    bench = _bench_module(FIRST_CALL_BENCH)
+    log = "\n".join([
+        "I0000 00:00:99.000000  7 process_function_library_runtime.cc:518] Instantiating MultiDevice function \"warm\"",
+        "I0000 00:00:100.000000  7 process_function_library_runtime.cc:518] Instantiating MultiDevice function \"outer\"",
+        "I0000 00:00:100.100000  7 optimization_registry.cc:72] Running optimization pass: LowerFunctionalOpsPass",
+        "I0000 00:00:100.400000  7 optimization_registry.cc:72] Running optimization pass: ParallelConcatRemovePass",
+        "I0000 00:00:100.500000  7 meta_optimizer.cc:1059] Starting optimization for grappler item: outer",
+        "I0000 00:00:100.600000  7 meta_optimizer.cc:973] function_optimizer: Graph size after: 9 nodes (0), "
+        "9 edges (0), time = 250.0ms.",
+        "I0000 00:00:100.800000  7 meta_optimizer.cc:973] tfg_optimizer{any(tfg-toposort)}: Graph size after: "
+        "9 nodes (0), 9 edges (0), time = 100.0ms.",
+        "Python prints in between are not log lines",
+        "I0000 00:00:101.000000  7 meta_optimizer.cc:1311] Optimized 0 functions: ",
+        "W0000 00:00:101.100000  7 dump_graph.cc:162] Failed to dump after_MetaOptimizer",
+        "I0000 00:00:101.200000  7 optimization_registry.cc:72] Running optimization pass: EncapsulateSubgraphsPass",
+        "I0000 00:00:101.700000  7 optimization_registry.cc:72] Running optimization pass: BuildXlaOpsPass",
+        "I0000 00:00:101.800000  7 process_function_library_runtime.cc:912] Instantiated MultiDevice function "
+        "\"outer\" with handle 3",
+        "I0000 00:00:102.000000  8 process_function_library_runtime.cc:518] Instantiating MultiDevice function \"task\"",
+        "I0000 00:00:102.100000  8 meta_optimizer.cc:1059] Starting optimization for grappler item: task",
+        "I0000 00:00:102.400000  8 meta_optimizer.cc:1311] Optimized 0 functions: ",
+        "I0000 00:00:102.500000  8 process_function_library_runtime.cc:912] Instantiated MultiDevice function "
+        "\"task\" with handle 4",
+        "I0000 00:00:109.000000  8 process_function_library_runtime.cc:518] Instantiating MultiDevice function \"late\"",
+    ])
+    events = bench.parse_tf_log(log, year=2026)
+    assert len(events) == 17
+    b = bench.runtime_breakdown(events, start=100.0, end=103.0)
+    outer, nested = b["outer"], b["nested"]
+    assert b["outer_name"] == "outer" and b["nested_count"] == 1
+    assert outer["seconds"] == pytest.approx(1.8)
+    assert outer["lowering"] == pytest.approx(0.3)
+    assert outer["grappler"] == pytest.approx(0.6)  # 100.5 until the line after "Optimized 0 functions"
+    assert outer["function_optimizer"] == pytest.approx(0.25) and outer["tfg"] == pytest.approx(0.1)
+    assert outer["encapsulate"] == pytest.approx(0.5) and outer["xla"] == pytest.approx(0.6)
+    assert outer["other"] == pytest.approx(1.8 - 0.3 - 0.6 - 0.6)
+    assert nested["seconds"] == pytest.approx(0.5) and nested["grappler"] == pytest.approx(0.4)
+    # The dated form of a log line (absl initialised) reads as local time.
+    (t, thread, source, message), = bench.parse_tf_log(
+        "I1127 03:12:01.250000    42 meta_optimizer.cc:1092] Optimized main graph.", year=2026)
+    import time as _time
+    assert t == pytest.approx(_time.mktime((2026, 11, 27, 3, 12, 0, 0, 0, -1)) + 1.25)
+    assert (thread, source, message) == ("42", "meta_optimizer.cc", "Optimized main graph.")

@@ -20,7 +20,16 @@ imports, TensorFlow's first-ever tracing), so that neither side pays it.
 
 Run ``python benchmarks/pipeline/first_call.py`` (all models, 1 round),
 ``--models resnet50,bert_classifier --rounds 3`` for a subset with medians,
-``--quick`` for two small models (smoke test).
+``--quick`` for two small models (smoke test), ``--microbatches N`` for
+another M.
+
+``--runtime`` also splits each first execution into what TensorFlow's
+runtime does before the step runs, read from its own log (the children run
+with ``TF_CPP_VMODULE`` set for the function library runtime, the graph
+optimisation passes and grappler): preparing the outer function (its graph
+passes, the function-call lowering among them; grappler, with its function
+optimiser and MLIR (tfg) passes; XLA's clustering passes) and preparing the
+functions it calls (smp_tf's task functions), with their grappler time.
 """
 
 from __future__ import annotations
@@ -29,6 +38,7 @@ import argparse
 import json
 import os
 import platform
+import re
 import statistics
 import subprocess
 import sys
@@ -78,10 +88,10 @@ def _timed(cls, name: str, record: dict) -> None:
     setattr(cls, name, wrapper)
 
 
-def measure(side: str, model_name: str) -> dict:
+def measure(side: str, model_name: str, microbatches: int = M) -> dict:
     import smp_tf as smp
 
-    smp.init({"partitions": P, "microbatches": M, "pipeline": SCHEDULE})
+    smp.init({"partitions": P, "microbatches": microbatches, "pipeline": SCHEDULE})
     import keras
     import tensorflow as tf
 
@@ -143,9 +153,13 @@ def measure(side: str, model_name: str) -> dict:
     t0 = time.perf_counter()
     train.get_concrete_function(x, y)
     t1 = time.perf_counter()
+    start_unix = time.time()
     train(x, y).numpy()
     t2 = time.perf_counter()
-    out = {"trace": t1 - t0, "execute": t2 - t1, "total": t2 - t0}
+    # The runtime's log lines of the first execution lie between these two
+    # (both read the host's real-time clock).
+    out = {"trace": t1 - t0, "execute": t2 - t1, "total": t2 - t0,
+           "execute_from": start_unix, "execute_to": time.time()}
     if side == "smp":
         plan = body.last_plan
         out["step_trace"] = plan.trace_seconds
@@ -159,17 +173,181 @@ def measure(side: str, model_name: str) -> dict:
 
 
 # ---------------------------------------------------------------------------
+# Where the first execution goes, from TensorFlow's own log
+
+# VLOG(1) of these files: the start and end of each function's preparation
+# ("Instantiating MultiDevice function" ... "Instantiated ..."), every graph
+# optimisation pass, and grappler's start, end and per-optimiser times.
+RUNTIME_VMODULE = "process_function_library_runtime=1,optimization_registry=1,meta_optimizer=1"
+# Graph passes that XLA's JIT registers; they run on every function, also
+# with XLA off (auto-clustering finds nothing to cluster).
+XLA_PASSES = frozenset({
+    "EncapsulateXlaComputationsPass", "FunctionalizeControlFlowForXlaPass", "CloneConstantsForBetterClusteringPass",
+    "ClusterScopingPass", "MarkForCompilationPass", "ForceXlaConstantsOnHostPass", "IncreaseDynamismForAutoJitPass",
+    "PartiallyDeclusterPass", "ReportClusteringInfoPass", "EncapsulateSubgraphsPass", "BuildXlaOpsPass",
+})
+_LOG_LINE = re.compile(r"^[IWEF](\d{4}) (\d+):(\d+):(\d+(?:\.\d+)?)\s+(\d+) ([\w.]+):\d+\] (.*)$")
+_OPTIMIZER_TIME = re.compile(r"^([^:{]+)(?:\{.*\})?: Graph size after: .* time = ([\d.]+)ms")
+
+
+def parse_tf_log(text: str, year: int) -> list:
+    """TensorFlow's C++ log lines as (time, thread, source file, message).
+
+    A line reads ``I1127 03:12:01.123456  4321 file.cc:72] message``; before
+    absl's logging is initialised, month, day, hour and minute are printed
+    as zeros and the seconds are the Unix time. `year` completes the date of
+    the other form. Other lines (Python's, continuations) are skipped.
+    """
+    events = []
+    for line in text.splitlines():
+        m = _LOG_LINE.match(line)
+        if not m:
+            continue
+        mmdd, hh, mi, sec, thread, source, message = m.groups()
+        if mmdd == "0000":
+            t = int(hh) * 3600 + int(mi) * 60 + float(sec)
+        else:
+            whole = time.mktime((year, int(mmdd[:2]), int(mmdd[2:]), int(hh), int(mi), 0, 0, 0, -1))
+            t = whole + float(sec)
+        events.append((t, thread, source, message))
+    return events
+
+
+def _new_part() -> dict:
+    return {"seconds": 0.0, "lowering": 0.0, "grappler": 0.0, "function_optimizer": 0.0, "tfg": 0.0,
+            "xla": 0.0, "encapsulate": 0.0, "other": 0.0}
+
+
+def runtime_breakdown(events: list, start: float, end: float) -> dict:
+    """Where the runtime's preparation of a first execution goes.
+
+    Each function the execution prepares is one window on one thread, from
+    "Instantiating MultiDevice function" to "Instantiated MultiDevice
+    function". The first window is the called function itself ("outer");
+    the later ones are the functions it calls, prepared when the call is
+    first reached ("nested": smp_tf's task functions). Inside a window each
+    log line lasts until the thread's next line and counts towards the pass
+    or grappler phase it belongs to: ``lowering`` (LowerFunctionalOpsPass,
+    which also reads the body of every function call, one call node at a
+    time), ``grappler`` (of which its ``function_optimizer`` and MLIR
+    ``tfg`` optimisers, from grappler's own timings), ``xla`` (XLA's
+    clustering passes, of which ``encapsulate``: EncapsulateSubgraphsPass,
+    which instantiates the body of every called function twice per call
+    node) and ``other`` (placement, partitioning, the other passes).
+    Windows of different threads may overlap, so "nested" sums thread
+    time, not wall time.
+    """
+    by_thread: dict = {}
+    for ev in events:
+        if start <= ev[0] <= end:
+            by_thread.setdefault(ev[1], []).append(ev)
+    windows = []
+    for thread_events in by_thread.values():
+        part, phase, name, t_open = None, "other", None, 0.0
+        for i, (t, _, source, message) in enumerate(thread_events):
+            nxt = thread_events[i + 1][0] if i + 1 < len(thread_events) else t
+            if part is None:
+                if message.startswith("Instantiating MultiDevice function"):
+                    m = re.search(r'"([^"]+)"', message)
+                    name = m.group(1) if m else "?"
+                    part, phase, t_open = _new_part(), "other", t
+                    part["other"] += nxt - t
+                continue
+            if message.startswith("Instantiated MultiDevice function"):
+                part["seconds"] = t - t_open
+                windows.append((t_open, name, part))
+                part = None
+                continue
+            if message.startswith("Running optimization pass: "):
+                pass_name = message.split(": ", 1)[1].strip()
+                phase = ("lowering" if pass_name == "LowerFunctionalOpsPass"
+                         else "encapsulate" if pass_name == "EncapsulateSubgraphsPass"
+                         else "xla" if pass_name in XLA_PASSES else "other")
+            elif message.startswith(("Running optimization phase", "Finished optimization of a group")):
+                phase = "other"
+            elif message.startswith("Starting optimization for grappler item"):
+                phase = "grappler"
+            elif phase == "grappler" and source.startswith("meta_optimizer"):
+                m = _OPTIMIZER_TIME.match(message)
+                key = {"function_optimizer": "function_optimizer", "tfg_optimizer": "tfg"}.get(m.group(1)) if m else None
+                if key:
+                    part[key] += float(m.group(2)) / 1000.0
+                if message.startswith("Optimized") and "functions" in message:
+                    # Grappler's last line: it ends when the thread logs again.
+                    part["grappler"] += nxt - t
+                    phase = "other"
+                    continue
+            part[phase] += nxt - t
+            if phase == "encapsulate":
+                part["xla"] += nxt - t
+    windows.sort(key=lambda w: w[0])
+    outer = windows[0][2] if windows else _new_part()
+    nested = _new_part()
+    for _, _, part in windows[1:]:
+        for key, value in part.items():
+            nested[key] += value
+    return {"outer": outer, "outer_name": windows[0][1] if windows else None,
+            "nested": nested, "nested_count": len(windows) - 1 if windows else 0}
+
+
+def build_runtime_table(rows: dict) -> str:
+    """One line per model and side: the first execution and, from the
+    runtime's log, the preparation of the outer function and of the
+    functions it calls (medians over the rounds)."""
+    cols = ["model", "side", "execute", "outer", "lowering", "grappler", "fn-opt", "tfg", "xla", "encaps",
+            "other", "nested n", "nested", "nested grappler"]
+    lines = []
+    for name, sides in rows.items():
+        for side, results in zip(("plain", "smp"), sides):
+            rts = [r for r in results if "runtime" in r]
+            if not rts:
+                continue
+
+            def med(where, key):
+                return f"{statistics.median(r['runtime'][where][key] for r in rts):.2f}"
+
+            lines.append([name, side, f"{_median(rts, 'execute'):.2f}", med("outer", "seconds"),
+                          med("outer", "lowering"), med("outer", "grappler"), med("outer", "function_optimizer"),
+                          med("outer", "tfg"), med("outer", "xla"), med("outer", "encapsulate"),
+                          med("outer", "other"), str(rts[0]["runtime"]["nested_count"]),
+                          med("nested", "seconds"), med("nested", "grappler")])
+    widths = [max([len(cols[i])] + [len(r[i]) for r in lines]) for i in range(len(cols))]
+
+    def fmt(r):
+        return "  ".join(v.ljust(widths[i]) if i < 2 else v.rjust(widths[i]) for i, v in enumerate(r)).rstrip()
+
+    head = [
+        "First execution, from TensorFlow's log (s): outer = preparing the called function, of which lowering "
+        "(LowerFunctionalOpsPass), grappler (of which fn-opt: its function optimiser, tfg: its MLIR passes), "
+        "xla (XLA's clustering passes, of which encaps: EncapsulateSubgraphsPass) and other; "
+        "nested = preparing the functions it calls (summed over threads), n of them, of which their grappler",
+        "",
+        fmt(cols),
+        fmt(["-" * w for w in widths]),
+    ]
+    return "\n".join(head + [fmt(r) for r in lines])
+
+
+# ---------------------------------------------------------------------------
 # Driver and table
 
 
-def run_one(side: str, model: str) -> dict:
-    cmd = [sys.executable, os.path.abspath(__file__), "--side", side, "--models", model]
+def run_one(side: str, model: str, microbatches: int = M, runtime: bool = False) -> dict:
+    cmd = [sys.executable, os.path.abspath(__file__), "--side", side, "--models", model,
+           "--microbatches", str(microbatches)]
     env = dict(os.environ)
     env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
+    if runtime:
+        env["TF_CPP_MIN_LOG_LEVEL"] = "0"
+        env["TF_CPP_VMODULE"] = RUNTIME_VMODULE
     proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT)
     for line in reversed(proc.stdout.splitlines()):
         if line.startswith(_MARK):
-            return json.loads(line[len(_MARK):])
+            result = json.loads(line[len(_MARK):])
+            if runtime:
+                events = parse_tf_log(proc.stderr, year=time.localtime(result["execute_from"]).tm_year)
+                result["runtime"] = runtime_breakdown(events, result["execute_from"], result["execute_to"])
+            return result
     tail = (proc.stdout[-1500:] + "\n" + proc.stderr[-3000:]).strip()
     return {"error": f"exit code {proc.returncode}\n{tail}"}
 
@@ -206,7 +384,8 @@ def build_table(rows: dict, args) -> str:
                          for i, v in enumerate(r)).rstrip()
 
     head = [
-        f"smp_tf first-call benchmark: P={P} M={M} {SCHEDULE} vs a plain tf.function on one device; "
+        f"smp_tf first-call benchmark: P={P} M={getattr(args, 'microbatches', M)} {SCHEDULE} "
+        "vs a plain tf.function on one device; "
         f"medians of {args.rounds} round(s), each first call in a fresh process",
         f"python {platform.python_version()}, {versions()}, {os.cpu_count()} CPUs visible",
         "smp breakdown (s): trace = tracing the micro-batch step, partition = graph view + partitioner, "
@@ -229,13 +408,18 @@ def main(argv=None) -> int:
     ap.add_argument("--rounds", type=int, default=1, help="fresh first calls per model and side (median)")
     ap.add_argument("--quick", action="store_true", help="two small models, one round (smoke test)")
     ap.add_argument("--side", choices=["plain", "smp"], help="measure one first call in this process (internal)")
+    ap.add_argument("--microbatches", type=int, default=M, help=f"micro-batches of the smp step (default {M})")
+    ap.add_argument("--runtime", action="store_true",
+                    help="also split each first execution by what TensorFlow's runtime prepares (from its log)")
     ap.add_argument("--json", metavar="FILE", help="also write the raw results to FILE")
     args = ap.parse_args(argv)
     if args.rounds < 1:
         ap.error(f"--rounds must be >= 1. Received: {args.rounds}")
+    if args.microbatches < 1:
+        ap.error(f"--microbatches must be >= 1. Received: {args.microbatches}")
 
     if args.side:
-        result = measure(args.side, args.models)
+        result = measure(args.side, args.models, args.microbatches)
         sys.stdout.write(_MARK + json.dumps(result) + "\n")
         return 0
 
@@ -255,7 +439,7 @@ def main(argv=None) -> int:
             # Alternate the order so that neither side always runs first.
             for side in (("plain", "smp") if r % 2 == 0 else ("smp", "plain")):
                 t0 = time.perf_counter()
-                res = run_one(side, name)
+                res = run_one(side, name, args.microbatches, args.runtime)
                 (plain if side == "plain" else smp).append(res)
                 print(f"[first_call] {name} {side} round {r}: "
                       f"{res.get('total', float('nan')):.2f} s (process {time.perf_counter() - t0:.1f} s)",
@@ -265,6 +449,9 @@ def main(argv=None) -> int:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)
     print(build_table(rows, args))
+    if args.runtime:
+        print()
+        print(build_runtime_table(rows))
     return 1 if any("error" in r for p, s in rows.values() for r in p + s) else 0
 
 
