@@ -52,8 +52,12 @@ def parse_args():
     parser.add_argument("--partitions", type=int, default=4, help="pipeline stages (devices)")
     parser.add_argument("--microbatches", type=int, default=4, help="micro-batches per batch")
     parser.add_argument(
-        "--pipeline", choices=("interleaved", "simple"), default="interleaved",
-        help="schedule: interleaved (1F1B) or simple (GPipe)",
+        "--pipeline", choices=("interleaved", "simple", "zero_bubble"), default="interleaved",
+        help="schedule: interleaved (1F1B), simple (GPipe) or zero_bubble (weight gradients in the bubbles)",
+    )
+    parser.add_argument(
+        "--virtual-stages", type=int, default=1,
+        help="model chunks per device (Megatron-LM's interleaved schedule with --pipeline interleaved)",
     )
     parser.add_argument("--epochs", type=int, default=8)
     parser.add_argument(
@@ -80,6 +84,7 @@ smp.init({
     "partitions": args.partitions,
     "microbatches": args.microbatches,
     "pipeline": args.pipeline,
+    "virtual_stages": args.virtual_stages,
 })
 if args.batch_size % args.microbatches:
     raise SystemExit(

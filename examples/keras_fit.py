@@ -38,8 +38,12 @@ def parse_args():
     parser.add_argument("--partitions", type=int, default=2, help="pipeline stages (devices)")
     parser.add_argument("--microbatches", type=int, default=4, help="micro-batches per batch")
     parser.add_argument(
-        "--pipeline", choices=("interleaved", "simple"), default="interleaved",
-        help="schedule: interleaved (1F1B) or simple (GPipe)",
+        "--pipeline", choices=("interleaved", "simple", "zero_bubble"), default="interleaved",
+        help="schedule: interleaved (1F1B), simple (GPipe) or zero_bubble (weight gradients in the bubbles)",
+    )
+    parser.add_argument(
+        "--virtual-stages", type=int, default=1,
+        help="model chunks per device (Megatron-LM's interleaved schedule with --pipeline interleaved)",
     )
     parser.add_argument("--epochs", type=int, default=10)
     parser.add_argument("--batch-size", type=int, default=64, help="rows per batch")
@@ -53,7 +57,12 @@ args = parse_args()
 
 # 1. smp.init comes first: it creates one device per partition, which
 #    TensorFlow only allows before its first operation runs.
-smp.init({"partitions": args.partitions, "microbatches": args.microbatches, "pipeline": args.pipeline})
+smp.init({
+    "partitions": args.partitions,
+    "microbatches": args.microbatches,
+    "pipeline": args.pipeline,
+    "virtual_stages": args.virtual_stages,
+})
 keras.utils.set_random_seed(args.seed)
 
 # The data: 8x8 grey images with values 0..16, scaled to [0, 1].
