@@ -330,3 +330,33 @@ def test_first_call_runtime_breakdown_reads_tensorflows_log():
     import time as _time
     assert t == pytest.approx(_time.mktime((2026, 11, 27, 3, 12, 0, 0, 0, -1)) + 1.25)
     assert (thread, source, message) == ("42", "meta_optimizer.cc", "Optimized main graph.")
+
+
+def test_first_call_runtime_breakdown_reads_a_real_log():
+    """The same split on the log of a real first execution: a function that
+    calls a `_noinline` function once is one outer window with grappler
+    time and one nested window. Catches a change of TensorFlow's log lines."""
+    bench = _bench_module(FIRST_CALL_BENCH)
+    code = (
+        "import time, tensorflow as tf\n"
+        "def inner_fn(x):\n    return tf.tanh(x) * 2.0\n"
+        "def outer_fn(x):\n    return inner(x) + 1.0\n"
+        "inner = tf.function(inner_fn, autograph=False, experimental_attributes={'_noinline': True})\n"
+        "outer = tf.function(outer_fn, autograph=False)\n"
+        "x = tf.ones([4])\n"
+        "outer.get_concrete_function(x)\n"
+        "t0 = time.time(); outer(x).numpy(); t1 = time.time()\n"
+        "print('WINDOW', t0, t1)\n"
+    )
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="0", TF_CPP_VMODULE=bench.RUNTIME_VMODULE)
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    t0, t1 = (float(v) for v in proc.stdout.split("WINDOW")[1].split())
+    import time as _time
+    events = bench.parse_tf_log(proc.stderr, year=_time.localtime(t0).tm_year)
+    b = bench.runtime_breakdown(events, t0, t1)
+    assert "outer_fn" in b["outer_name"], b
+    assert b["nested_count"] == 1, b
+    assert 0 < b["outer"]["seconds"] <= t1 - t0
+    assert b["outer"]["grappler"] > 0 and b["nested"]["grappler"] > 0
+    assert b["outer"]["function_optimizer"] > 0  # the outer graph has a function library
