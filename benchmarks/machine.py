@@ -7,7 +7,7 @@ as ``benchmarks.machine``.
 from __future__ import annotations
 
 import os
-from typing import Iterable, List, Optional
+from typing import Collection, Iterable, List, Optional, Sequence
 
 
 def _physical_core(cpu: int):
@@ -77,3 +77,15 @@ def versions() -> str:
         return f"tensorflow {tfv}, keras {version('keras')}"
     except Exception:  # pragma: no cover - metadata missing
         return ""
+
+
+def aligned(cols: Sequence[str], rows: Sequence[Sequence[str]], left: Collection[int]) -> List[str]:
+    """A text table as lines: the header, a rule and the rows, columns two
+    spaces apart, the columns in `left` (indices) left-aligned and the
+    others right-aligned."""
+    widths = [max([len(c)] + [len(r[i]) for r in rows]) for i, c in enumerate(cols)]
+
+    def fmt(r):
+        return "  ".join(v.ljust(widths[i]) if i in left else v.rjust(widths[i]) for i, v in enumerate(r)).rstrip()
+
+    return [fmt(cols), fmt(["-" * w for w in widths])] + [fmt(r) for r in rows]

@@ -9,6 +9,7 @@ table counts its targets is tested on made-up results, in the default run.
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -327,8 +328,7 @@ def test_first_call_runtime_breakdown_reads_tensorflows_log():
     # The dated form of a log line (absl initialised) reads as local time.
     (t, thread, source, message), = bench.parse_tf_log(
         "I1127 03:12:01.250000    42 meta_optimizer.cc:1092] Optimized main graph.", year=2026)
-    import time as _time
-    assert t == pytest.approx(_time.mktime((2026, 11, 27, 3, 12, 0, 0, 0, -1)) + 1.25)
+    assert t == pytest.approx(time.mktime((2026, 11, 27, 3, 12, 0, 0, 0, -1)) + 1.25)
     assert (thread, source, message) == ("42", "meta_optimizer.cc", "Optimized main graph.")
 
 
@@ -352,8 +352,7 @@ def test_first_call_runtime_breakdown_reads_a_real_log():
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     t0, t1 = (float(v) for v in proc.stdout.split("WINDOW")[1].split())
-    import time as _time
-    events = bench.parse_tf_log(proc.stderr, year=_time.localtime(t0).tm_year)
+    events = bench.parse_tf_log(proc.stderr, year=time.localtime(t0).tm_year)
     b = bench.runtime_breakdown(events, t0, t1)
     assert "outer_fn" in b["outer_name"], b
     assert b["nested_count"] == 1, b

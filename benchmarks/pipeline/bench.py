@@ -48,7 +48,7 @@ ROOT = Path(__file__).resolve().parents[2]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from benchmarks.machine import choose_cpus, pin_all_threads, versions  # noqa: E402
+from benchmarks.machine import aligned, choose_cpus, pin_all_threads, versions  # noqa: E402
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
@@ -733,22 +733,14 @@ def build_table(res: dict, args) -> str:
                _f(d.get("partition_s"), "{:.2f}"), _f(d.get("execute_s"), "{:.2f}")))
         notes.append(f"first-call part: {fc['pinning']}")
 
-    widths = [max(len(cols[i]), *(len(r[i]) for r in rows)) if rows else len(cols[i]) for i in range(len(cols))]
-    left = {0, 1, 10, 11}
-
-    def fmt(r):
-        return "  ".join(v.ljust(widths[i]) if i in left else v.rjust(widths[i]) for i, v in enumerate(r)).rstrip()
-
     mode = "quick" if args.quick else "full"
     head = [
         f"smp_tf pipeline benchmark ({mode}): medians of {args.repeats} timed steps after {args.warmup} warm-up steps "
         f"(first call: median of {args.firstcall_repeats} fresh models)",
         f"python {platform.python_version()}, {versions()}, {os.cpu_count()} CPUs visible",
         "",
-        fmt(cols),
-        fmt(["-" * w for w in widths]),
     ]
-    out = head + [fmt(r) for r in rows] + [""] + notes
+    out = head + aligned(cols, rows, left={0, 1, 10, 11}) + [""] + notes
     overall = "PASS" if verdicts and all(v == "PASS" for v in verdicts) else "FAIL"
     out.append("")
     out.append(f"overall: {overall} ({verdicts.count('PASS')} of {len(verdicts)} targets met)")

@@ -49,7 +49,7 @@ ROOT = Path(__file__).resolve().parents[2]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from benchmarks.machine import versions  # noqa: E402
+from benchmarks.machine import aligned, versions  # noqa: E402
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
@@ -311,21 +311,14 @@ def build_runtime_table(rows: dict) -> str:
                           med("outer", "tfg"), med("outer", "xla"), med("outer", "encapsulate"),
                           med("outer", "other"), str(rts[0]["runtime"]["nested_count"]),
                           med("nested", "seconds"), med("nested", "grappler")])
-    widths = [max([len(cols[i])] + [len(r[i]) for r in lines]) for i in range(len(cols))]
-
-    def fmt(r):
-        return "  ".join(v.ljust(widths[i]) if i < 2 else v.rjust(widths[i]) for i, v in enumerate(r)).rstrip()
-
     head = [
         "First execution, from TensorFlow's log (s): outer = preparing the called function, of which lowering "
         "(LowerFunctionalOpsPass), grappler (of which fn-opt: its function optimiser, tfg: its MLIR passes), "
         "xla (XLA's clustering passes, of which encaps: EncapsulateSubgraphsPass) and other; "
         "nested = preparing the functions it calls (summed over threads), n of them, of which their grappler",
         "",
-        fmt(cols),
-        fmt(["-" * w for w in widths]),
     ]
-    return "\n".join(head + [fmt(r) for r in lines])
+    return "\n".join(head + aligned(cols, lines, left={0, 1}))
 
 
 # ---------------------------------------------------------------------------
@@ -377,12 +370,6 @@ def build_table(rows: dict, args) -> str:
         notes.append(f"{name}: plain trace {_median(plain, 'trace'):.2f} + execute {_median(plain, 'execute'):.2f} s; "
                      f"smp {smp[0].get('tasks_n')} tasks; smp totals {[round(r['total'], 2) for r in smp]}, "
                      f"plain totals {[round(r['total'], 2) for r in plain]}")
-    widths = [max([len(cols[i])] + [len(r[i]) for r in lines]) for i in range(len(cols))]
-
-    def fmt(r):
-        return "  ".join(v.ljust(widths[i]) if i in (0, len(cols) - 2, len(cols) - 1) else v.rjust(widths[i])
-                         for i, v in enumerate(r)).rstrip()
-
     head = [
         f"smp_tf first-call benchmark: P={P} M={getattr(args, 'microbatches', M)} {SCHEDULE} "
         "vs a plain tf.function on one device; "
@@ -392,10 +379,8 @@ def build_table(rows: dict, args) -> str:
         "tasks = cutting tasks + schedule, functions = building the task functions, "
         "emit+rest = emitting the pipeline and the rest of the outer tracing, execute = first execution",
         "",
-        fmt(cols),
-        fmt(["-" * w for w in widths]),
     ]
-    out = head + [fmt(r) for r in lines] + [""] + notes + [""]
+    out = head + aligned(cols, lines, left={0, len(cols) - 2, len(cols) - 1}) + [""] + notes + [""]
     overall = "PASS" if verdicts and all(v == "PASS" for v in verdicts) else "FAIL"
     out.append(f"overall: {overall} ({verdicts.count('PASS')} of {len(verdicts)} models within {TARGET}x)")
     return "\n".join(out)
