@@ -79,13 +79,16 @@ def versions() -> str:
         return ""
 
 
-def aligned(cols: Sequence[str], rows: Sequence[Sequence[str]], left: Collection[int]) -> List[str]:
+def aligned(cols: Sequence[str], rows: Sequence[Optional[Sequence[str]]], left: Collection[int]) -> List[str]:
     """A text table as lines: the header, a rule and the rows, columns two
     spaces apart, the columns in `left` (indices) left-aligned and the
-    others right-aligned."""
-    widths = [max([len(c)] + [len(r[i]) for r in rows]) for i, c in enumerate(cols)]
+    others right-aligned. A row that is None is an empty line."""
+    present = [r for r in rows if r is not None]
+    widths = [max([len(c)] + [len(r[i]) for r in present]) for i, c in enumerate(cols)]
 
     def fmt(r):
+        if r is None:
+            return ""
         return "  ".join(v.ljust(widths[i]) if i in left else v.rjust(widths[i]) for i, v in enumerate(r)).rstrip()
 
     return [fmt(cols), fmt(["-" * w for w in widths])] + [fmt(r) for r in rows]

@@ -245,13 +245,11 @@ def main() -> None:
                  f"{two['step'] * 1e3:.1f} ms", "", f"{two['step'] / one['step']:.2f}"))
     rows.append(("(c)", "2 replicas, 1 core each, all-reduce after the pipeline",
                  f"{two_serial['step'] * 1e3:.1f} ms", "", f"{two_serial['step'] / one['step']:.2f}"))
+    sys.path.insert(0, ROOT)
+    from benchmarks.machine import aligned
+
     header = ("part", "case", "median time", "bandwidth", "ratio")
-    widths = [max(len(str(r[i])) for r in rows + [header]) for i in range(len(header))]
-    line = "  ".join(h.ljust(w) for h, w in zip(header, widths))
-    print(line)
-    print("  ".join("-" * w for w in widths))
-    for r in rows:
-        print("  ".join(str(v).ljust(w) for v, w in zip(r, widths)))
+    print("\n".join(aligned(header, rows, left=range(len(header)))))
     print("\nratio: (a) TCP time / all-reduce time (the all-reduce's share of the transport's ceiling); "
           "(c) step time / 1 replica's (1.00 = data parallelism costs nothing)")
     print(f"bandwidth: (a) bus bandwidth 2(n-1)/n * bytes / time, n=2; medians of {args.repeats}; "

@@ -44,7 +44,7 @@ ROOT = Path(__file__).resolve().parents[2]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from benchmarks.machine import choose_cpus, pin_all_threads, threads_pinned, versions  # noqa: E402
+from benchmarks.machine import aligned, choose_cpus, pin_all_threads, threads_pinned, versions  # noqa: E402
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
@@ -309,11 +309,7 @@ def build_table(results: list, args, seconds: float) -> str:
                      _f(time_ratio), _f(speedup), _f(vs_same_m), _f(bound), _f(sim_bound), _f(eff),
                      f"{r['first_epoch_s']:.2f} s", target, result])
 
-    widths = [max(len(c), *(len(r[i]) for r in rows)) for i, c in enumerate(cols)]
-    left = {0, 3, len(cols) - 2, len(cols) - 1}
-
-    def fmt(r):
-        return "  ".join(v.ljust(widths[i]) if i in left else v.rjust(widths[i]) for i, v in enumerate(r)).rstrip()
+    table = aligned(cols, rows, left={0, 3, len(cols) - 2, len(cols) - 1})
 
     any_ok = next(iter(ok.values()), None)
     s = any_ok["sizes"] if any_ok else sizes(args.quick)
@@ -328,8 +324,7 @@ def build_table(results: list, args, seconds: float) -> str:
         f"python {platform.python_version()}, {versions()}, {os.cpu_count()} CPUs visible; "
         f"run took {seconds:.0f} s",
         "",
-        fmt(cols),
-        fmt(["-" * w for w in widths]),
+        *table[:2],
     ]
     if any_ok:
         dims = {str(d) for r in ok.values() for d in r["traced_batch_dims"]}
@@ -370,7 +365,7 @@ def build_table(results: list, args, seconds: float) -> str:
                      f"{r['cpu_s_per_sample'] / ref['cpu_s_per_sample']:.3f}x; samples/s per round: plain Keras "
                      f"{', '.join(f'{v:.1f}' for v in ref['round_samples_per_s'])}, smp "
                      f"{', '.join(f'{v:.1f}' for v in r['round_samples_per_s'])})")
-    return "\n".join(head + [fmt(r) for r in rows] + [""] + notes)
+    return "\n".join(head + table[2:] + [""] + notes)
 
 
 def main(argv=None) -> int:

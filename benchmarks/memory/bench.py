@@ -67,7 +67,7 @@ ROOT = Path(__file__).resolve().parents[2]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from benchmarks.machine import choose_cpus, pin_all_threads, threads_pinned, versions  # noqa: E402
+from benchmarks.machine import aligned, choose_cpus, pin_all_threads, threads_pinned, versions  # noqa: E402
 
 PARTITIONS = (1, 2, 4)
 MAX_PARTITIONS = max(PARTITIONS)
@@ -365,14 +365,7 @@ def build_table(results: list, reference: dict, args, s: dict, seconds: float, p
                          "-", "-", format_bytes(reference["measured_process_peak"]), "-", "",
                          format_bytes(reference["held"]), f"{1e3 * reference['time']:.1f}", ""])
 
-    present = [r for r in rows if r is not None]
-    widths = [max(len(col), *(len(r[i]) for r in present)) if present else len(col) for i, col in enumerate(cols)]
-    left = {0, 6, 11}
-
-    def fmt(r):
-        if r is None:
-            return ""
-        return "  ".join(v.ljust(widths[i]) if i in left else v.rjust(widths[i]) for i, v in enumerate(r)).rstrip()
+    table = aligned(cols, rows, left={0, 6, 11})
 
     mode = "quick" if args.quick else "full"
     variables = next((sum(p["variables"] for p in r["parts"]) for r in results if "error" not in r), None)
@@ -386,8 +379,7 @@ def build_table(results: list, reference: dict, args, s: dict, seconds: float, p
         f"{args.repeats} timed steps after {args.warmup} warm-up per row (median); "
         f"intra-op/inter-op threads {INTRA_OP_THREADS}/{INTER_OP_THREADS}; run took {seconds:.0f} s",
         "",
-        fmt(cols),
-        fmt(["-" * w for w in widths]),
+        *table[:2],
     ]
     legend = [
         "",
@@ -403,7 +395,7 @@ def build_table(results: list, reference: dict, args, s: dict, seconds: float, p
                                         else " (NOT all threads stayed pinned)"),
     ]
     targets = build_targets(results, by_key, s)
-    return "\n".join(head + [fmt(r) for r in rows] + legend + notes + [""] + targets)
+    return "\n".join(head + table[2:] + legend + notes + [""] + targets)
 
 
 def build_targets(results: list, by_key: dict, s: dict) -> list:
