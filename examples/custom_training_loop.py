@@ -137,9 +137,14 @@ def train_on_batch(x, y):
 
 
 def short_device(name):
-    """'/job:localhost/replica:0/task:0/device:CPU:1' -> '/device:CPU:1'."""
+    """'/job:localhost/replica:0/task:0/device:CPU:1' -> '/device:CPU:1'; a device of
+    another process of the job (``pipeline_processes``) keeps its task:
+    '/job:worker/replica:0/task:1/device:CPU:0' -> 'task:1/device:CPU:0'."""
     spec = tf.DeviceSpec.from_string(name)
-    return f"/device:{spec.device_type}:{spec.device_index}"
+    short = f"/device:{spec.device_type}:{spec.device_index}"
+    if spec.job not in (None, "localhost"):
+        short = f"task:{spec.task}{short}"
+    return short
 
 
 def batches(x, y, batch_size, rng):

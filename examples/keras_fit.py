@@ -138,9 +138,20 @@ print(f"test: loss {test_loss:.4f}, accuracy {test_accuracy:.4f} "
       f"(from predict: {np.mean(predictions == y_test):.4f})")
 
 # 5. Where the variables live: each on the device of its partition.
+def short_device(name):
+    """'/job:localhost/replica:0/task:0/device:CPU:1' -> 'CPU:1'; a device of
+    another process of the job (``pipeline_processes``) keeps its task:
+    '/job:worker/replica:0/task:1/device:CPU:0' -> 'task:1/CPU:0'."""
+    spec = tf.DeviceSpec.from_string(name)
+    short = f"{spec.device_type}:{spec.device_index}"
+    if spec.job not in (None, "localhost"):
+        short = f"task:{spec.task}/{short}"
+    return short
+
+
 print("\nWhere each layer's variables live:")
 for layer in model.layers:
-    where = sorted({tf.DeviceSpec.from_string(v.value.device).to_string().split("device:")[-1] for v in layer.weights})
+    where = sorted({short_device(v.value.device) for v in layer.weights})
     if where:
         print(f"  {layer.name:<8} {', '.join(where)}")
 

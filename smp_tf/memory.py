@@ -254,14 +254,19 @@ class MemoryReport:
         if self.budget is not None:
             head += f", budget {format_bytes(self.budget)} per device"
         cols = ("variables", "optimizer", "gradients", "activations", "buffers", "transient", "total", "measured")
+        # Devices of other processes (`pipeline_processes`) carry their job
+        # and task, longer than a local device's name.
+        width = max([16] + [len(r.device) for r in self.partitions])
         lines = [
             head,
-            f"{'part':>4}  {'device':<16} {'recompute':<9} " + " ".join(f"{c:>11}" for c in cols),
+            f"{'part':>4}  {'device':<{width}} {'recompute':<9} " + " ".join(f"{c:>11}" for c in cols),
         ]
         for r in self.partitions:
             cells = [format_bytes(getattr(r, c)) for c in cols[:-1]]
             cells.append("-" if r.measured is None else format_bytes(r.measured))
-            lines.append(f"{r.partition:>4}  {r.device:<16} {r.recompute:<9} " + " ".join(f"{c:>11}" for c in cells))
+            lines.append(
+                f"{r.partition:>4}  {r.device:<{width}} {r.recompute:<9} " + " ".join(f"{c:>11}" for c in cells)
+            )
         totals = self.device_totals()
         if len(totals) < len(self.partitions):
             lines.append("per device, sum of its partitions' peaks (an upper bound): " + ", ".join(

@@ -580,6 +580,17 @@ def test_partition_plan_summary_and_report():
     assert "75.0%" in row1 and "50.0%" in row1 and "2.000" in row1
 
 
+def test_partition_plan_report_widens_the_device_column_for_devices_of_other_processes():
+    # With pipeline_processes the devices carry their job and task.
+    devices = [f"/job:worker/replica:0/task:{t}/device:CPU:0" for t in range(3)]
+    p = _plan().PartitionPlan(None, _plan_graph(), [0, 0, 1, 2, 0, 2], 3, devices=devices, seconds=0.5)
+    lines = p.report().splitlines()[1:]
+    assert len({len(line) for line in lines}) == 1, lines  # every column lines up
+    end = lines[0].index("ops") + 3  # the counts are right-aligned under "ops"
+    assert [line[:end].split()[-1] for line in lines[1:]] == ["3", "1", "2"]
+    assert lines[2].split()[1] == devices[1]
+
+
 def test_partition_plan_rejects_invalid_assignment():
     with pytest.raises(RuntimeError):
         _plan().PartitionPlan(None, _plan_graph(), [0, 0, 1, 3, 0, 2], 3)

@@ -340,6 +340,22 @@ def test_predicted_parts_add_up():
     assert (r[0].variables, r[0].optimizer, r[0].gradients) == (16, 32, 32)
 
 
+def test_memory_table_widens_the_device_column_for_devices_of_other_processes():
+    g, parts, outputs = _chain()
+    tasks = build_tasks(g, parts, outputs)
+    sim = make_schedule(task_specs(tasks), 4, "interleaved").simulate()
+    devices = ["/job:worker/replica:0/task:0/device:CPU:0", "/job:worker/replica:0/task:1/device:CPU:0"]
+    report = predict_memory(
+        g, parts, tasks, sim, num_partitions=2, partition_of_variable={"w0": 0, "w1": 1},
+        gradient_bytes={0: 16, 1: 16}, slots=2.0, recompute=["never"] * 2, devices=devices,
+    )
+    lines = report.table().splitlines()
+    header, rows = lines[1], lines[2:4]
+    assert [row.split()[1] for row in rows] == devices
+    assert {len(row) for row in rows} == {len(header)}  # the columns after the device line up
+    assert {row.index("never") for row in rows} == {header.index("recompute")}
+
+
 def test_schedule_multiplies_kept_activations():
     # Stage 0 keeps r0 (100 bytes, one 256-byte granule) per live
     # micro-batch: at most 2 under 1F1B with 2 stages, all 4 under GPipe.

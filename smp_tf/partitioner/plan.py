@@ -607,14 +607,18 @@ class PartitionPlan:
         rows = self.summary()
         tot_f = sum(r["flops"] for r in rows) or 1.0
         tot_v = sum(r["variable_bytes"] for r in rows) or 1
+        # Devices of other processes (`pipeline_processes`) carry their job
+        # and task, longer than a local device's name.
+        width = max([16] + [len(str(r["device"] or "-")) for r in rows])
         lines = [
             f"PartitionPlan: {self.num_partitions} partitions, {len(self.op_graph)} ops, "
             f"{format_bytes(self.cut_bytes)} cut per micro-batch, {self.seconds:.2f} s",
-            f"{'part':>4}  {'device':<16} {'ops':>7} {'vars':>5} {'var bytes':>10} {'share':>6} {'GFLOP':>9} {'share':>6}",
+            f"{'part':>4}  {'device':<{width}} {'ops':>7} {'vars':>5} {'var bytes':>10} {'share':>6} {'GFLOP':>9} "
+            f"{'share':>6}",
         ]
         for r in rows:
             lines.append(
-                f"{r['partition']:>4}  {str(r['device'] or '-'):<16} {r['ops']:>7} {r['variables']:>5} "
+                f"{r['partition']:>4}  {str(r['device'] or '-'):<{width}} {r['ops']:>7} {r['variables']:>5} "
                 f"{format_bytes(r['variable_bytes']):>10} {100 * r['variable_bytes'] / tot_v:>5.1f}% "
                 f"{r['flops'] / 1e9:>9.3f} {100 * r['flops'] / tot_f:>5.1f}%"
             )
