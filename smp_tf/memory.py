@@ -196,6 +196,43 @@ class PartitionMemory:
     measured: Optional[int] = None
 
 
+def _process_of(device: str) -> str:
+    """The process a device name belongs to, as ``/job:NAME/task:N``
+    (``/job:localhost/task:0`` for a name without them, a device of this
+    process)."""
+    job, task = "localhost", "0"
+    for part in device.split("/"):
+        if part.startswith("job:"):
+            job = part[4:]
+        elif part.startswith("task:"):
+            task = part[5:]
+    return f"/job:{job}/task:{task}"
+
+
+def _processes(devices: Iterable[str]) -> List[str]:
+    """The processes of `devices`, in order of first appearance."""
+    return list(dict.fromkeys(_process_of(d) for d in devices))
+
+
+def _one_allocator(devices: Sequence[str]) -> bool:
+    """Whether all of `devices` draw on one allocator: logical CPU devices
+    of one process do (so a peak of all partitions together is what that
+    allocator sees); GPUs and the devices of several processes do not. True
+    where a device is not known."""
+    if not devices or not all(devices):
+        return True
+    return {_kind_of(d) for d in devices} == {"CPU"} and len(_processes(devices)) == 1
+
+
+def _kind_of(device: str) -> str:
+    """``"CPU"`` for ``/job:w/task:1/device:CPU:0``, ``/device:CPU:1``,
+    ``/cpu:0`` or ``CPU:0``; ``"GPU"`` likewise."""
+    last = device.rsplit("/", 1)[-1]
+    if last.lower().startswith("device:"):
+        last = last[len("device:"):]
+    return last.split(":")[0].upper()
+
+
 def _device_of(r: "PartitionMemory") -> str:
     """The device a row counts against: its device, or the partition itself
     where no device is known (one partition per device)."""
@@ -271,11 +308,21 @@ class MemoryReport:
         if len(totals) < len(self.partitions):
             lines.append("per device, sum of its partitions' peaks (an upper bound): " + ", ".join(
                 f"{d or '-'} {format_bytes(b)}" for d, b in totals.items()))
-        line = f"all partitions, one allocator: predicted {format_bytes(self.process_peak)}"
-        if self.measured_process_peak is not None:
-            ratio = self.measured_process_peak / self.process_peak if self.process_peak else float("nan")
-            line += f", measured {format_bytes(self.measured_process_peak)} ({ratio:.2f}x)"
-        lines.append(line)
+        devices = [r.device for r in self.partitions]
+        if self.measured_process_peak is not None or _one_allocator(devices):
+            line = f"all partitions, one allocator: predicted {format_bytes(self.process_peak)}"
+            if self.measured_process_peak is not None:
+                ratio = self.measured_process_peak / self.process_peak if self.process_peak else float("nan")
+                line += f", measured {format_bytes(self.measured_process_peak)} ({ratio:.2f}x)"
+            lines.append(line)
+        elif len(_processes(devices)) > 1:
+            # A pipeline across processes: each process's devices are its own.
+            per_process: Dict[str, int] = {}
+            for r in self.partitions:
+                key = _process_of(r.device)
+                per_process[key] = per_process.get(key, 0) + r.total
+            lines.append("per process, sum of its partitions' peaks (an upper bound): " + ", ".join(
+                f"{k} {format_bytes(b)}" for k, b in per_process.items()))
         if self.method:
             lines.append(f"measured: {self.method}")
         return "\n".join(lines)

@@ -22,6 +22,7 @@ from smp_tf.memory import (
     MemoryReport,
     PartitionMemory,
     choose_recompute,
+    format_bytes,
     optimizer_slots,
     predict_assignment,
     predict_memory,
@@ -354,6 +355,26 @@ def test_memory_table_widens_the_device_column_for_devices_of_other_processes():
     assert [row.split()[1] for row in rows] == devices
     assert {len(row) for row in rows} == {len(header)}  # the columns after the device line up
     assert {row.index("never") for row in rows} == {header.index("recompute")}
+    # Each process has its own allocator: no peak of "one allocator" for all
+    # partitions, a line per process instead.
+    assert "one allocator" not in report.table()
+    assert lines[-1] == (
+        "per process, sum of its partitions' peaks (an upper bound): "
+        f"/job:worker/task:0 {format_bytes(report[0].total)}, /job:worker/task:1 {format_bytes(report[1].total)}"
+    )
+
+
+@pytest.mark.parametrize("devices, one", [
+    (["/device:CPU:0", "/device:CPU:1"], True),  # logical CPU devices of this process
+    (["/job:localhost/replica:0/task:0/device:CPU:0", "/cpu:1"], True),
+    (["", ""], True),  # not known: the figure is still shown
+    (["/device:GPU:0", "/device:GPU:1"], False),  # an allocator per GPU
+    (["/job:worker/replica:0/task:0/device:CPU:0", "/job:worker/replica:0/task:1/device:CPU:0"], False),
+])
+def test_the_one_allocator_line_only_where_the_devices_share_one(devices, one):
+    rows = [PartitionMemory(p, device=d, total=1024) for p, d in enumerate(devices)]
+    text = MemoryReport(rows, process_peak=2048).table()
+    assert ("all partitions, one allocator: predicted 2.0 KiB" in text) == one, text
 
 
 def test_schedule_multiplies_kept_activations():
