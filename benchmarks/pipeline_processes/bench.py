@@ -281,22 +281,38 @@ def part_tcp_receiver(args) -> dict:
     conn, _ = server.accept()
     conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     buf = bytearray(1 << 20)
-    while True:
-        try:
-            header = conn.recv(16, socket.MSG_WAITALL)
-        except ConnectionError:  # the sender closed: done
-            return {}
-        if len(header) < 16:
-            return {}
-        kind, n = int(header[:8]), int(header[8:])
-        got = 0
-        view = memoryview(buf)
-        while got < n:
-            got += conn.recv_into(view[: min(len(buf), n - got)])
-        if kind == 0:
-            conn.sendall(b"k")
-        else:  # echo n bytes
-            conn.sendall(bytes(n))
+    view = memoryview(buf)
+    try:
+        while True:
+            header = _recv_exactly(conn, 16)
+            if len(header) < 16:
+                return {}  # the sender closed: done
+            kind, n = int(header[:8]), int(header[8:])
+            got = 0
+            while got < n:
+                k = conn.recv_into(view[: min(len(buf), n - got)])
+                if k == 0:
+                    return {}
+                got += k
+            if kind == 0:
+                conn.sendall(b"k")
+            else:  # echo n bytes
+                conn.sendall(bytes(n))
+    except ConnectionError:  # the sender closed: done
+        return {}
+
+
+def _recv_exactly(conn: socket.socket, n: int) -> bytes:
+    """`n` bytes from `conn`, fewer only when the peer closed
+    (``MSG_WAITALL`` alone may return early, on a signal)."""
+    parts, got = [], 0
+    while got < n:
+        chunk = conn.recv(n - got)
+        if not chunk:
+            break
+        parts.append(chunk)
+        got += len(chunk)
+    return b"".join(parts)
 
 
 def tcp_copy(args, nbytes: int, small: int, repeats: int) -> dict:
@@ -325,13 +341,13 @@ def tcp_copy(args, nbytes: int, small: int, repeats: int) -> dict:
         for i in range(repeats + 2):
             start = time.perf_counter()
             conn.sendall(b"%08d%08d" % (0, nbytes) + payload)
-            conn.recv(1, socket.MSG_WAITALL)
+            _recv_exactly(conn, 1)
             if i >= 2:
                 big_s.append(time.perf_counter() - start)
             start = time.perf_counter()
             for _ in range(PINGS):
                 conn.sendall(b"%08d%08d" % (1, small) + reply)
-                conn.recv(small, socket.MSG_WAITALL)
+                _recv_exactly(conn, small)
             if i >= 2:
                 small_s.append((time.perf_counter() - start) / (2 * PINGS))
         conn.close()
