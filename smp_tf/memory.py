@@ -315,14 +315,14 @@ class MemoryReport:
                 ratio = self.measured_process_peak / self.process_peak if self.process_peak else float("nan")
                 line += f", measured {format_bytes(self.measured_process_peak)} ({ratio:.2f}x)"
             lines.append(line)
-        elif len(_processes(devices)) > 1:
-            # A pipeline across processes: each process's devices are its own.
+        else:
             per_process: Dict[str, int] = {}
             for r in self.partitions:
                 key = _process_of(r.device)
                 per_process[key] = per_process.get(key, 0) + r.total
-            lines.append("per process, sum of its partitions' peaks (an upper bound): " + ", ".join(
-                f"{k} {format_bytes(b)}" for k, b in per_process.items()))
+            if len(per_process) > 1:  # a pipeline across processes: each has its own allocator
+                lines.append("per process, sum of its partitions' peaks (an upper bound): " + ", ".join(
+                    f"{k} {format_bytes(b)}" for k, b in per_process.items()))
         if self.method:
             lines.append(f"measured: {self.method}")
         return "\n".join(lines)
