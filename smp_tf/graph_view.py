@@ -161,6 +161,9 @@ class OpNode:
         call: key of the call of that layer that created it (a layer called
             twice, like a tied embedding used as the output projection, has
             two); None when unknown, then `layer` stands for it.
+        glue: created directly by a layer call that also called other layers
+            (a composite layer's residual additions, gating products and
+            masks, between the calls of its sublayers).
         forward: for a gradient op, the index of the forward op it belongs to.
         colocate_with: op names TensorFlow asks to colocate with (``_class``).
         manual_partition: partition of the enclosing `smp.partition` block.
@@ -186,6 +189,7 @@ class OpNode:
     writes: Tuple[str, ...] = ()
     layer: Optional[str] = None
     call: Optional[str] = None
+    glue: bool = False
     forward: Optional[int] = None
     is_gradient: bool = False
     stateful: bool = False
@@ -287,6 +291,7 @@ class OpGraph:
                 writes=tuple(s.get("writes", ())),
                 layer=s.get("layer"),
                 call=s.get("call"),
+                glue=bool(s.get("glue", False)),
                 forward=index[s["forward"]] if s.get("forward") else None,
                 is_gradient=bool(s.get("forward")) or bool(s.get("is_gradient", False)),
                 stateful=bool(s.get("stateful", bool(s.get("writes")))),
@@ -632,6 +637,7 @@ def from_tf_graph(
     captured_ops: Optional[Iterable[str]] = None,
     layer_of: Optional[Callable[[Any], Optional[str]]] = None,
     layer_call_of: Optional[Callable[[Any], Optional[str]]] = None,
+    glue_of: Optional[Callable[[Any], bool]] = None,
     manual_partition_of: Optional[Callable[[Any], Optional[int]]] = None,
     graph_def: Any = None,
 ) -> OpGraph:
@@ -652,6 +658,8 @@ def from_tf_graph(
             that is not a step argument.
         layer_of: op -> key of the Keras layer that created it.
         layer_call_of: op -> key of the layer call that created it.
+        glue_of: op -> whether it is the glue of a composite layer call
+            (`OpNode.glue`).
         manual_partition_of: op -> partition of its `smp.partition` block.
         graph_def: ``graph.as_graph_def()``, if the caller has it.
     """
@@ -776,6 +784,7 @@ def from_tf_graph(
                 writes=tuple(writes),
                 layer=layer_of(op) if layer_of else None,
                 call=layer_call_of(op) if layer_call_of else None,
+                glue=bool(glue_of(op)) if glue_of else False,
                 stateful=stateful,
                 colocate_with=coloc,
                 manual_partition=manual_partition_of(op) if manual_partition_of else None,

@@ -90,6 +90,10 @@ class TraceRecord:
         # layer call that created the op.
         self.layer_of_op: Dict[int, Tuple[Any, int]] = {}
         self.calls = 0
+        # Ordinals of the layer calls open now (innermost last), and of the
+        # calls that called another layer (composite layers).
+        self.open_calls: List[int] = []
+        self.composite_calls: set = set()
         self.partition_of_op: Dict[int, int] = {}
         self.layers: List[Any] = []
         self.models: List[Any] = []
@@ -108,6 +112,13 @@ class TraceRecord:
         """Key of the layer call that created `op`: one per call of a layer."""
         call = self.layer_of_op.get(op._id)
         return None if call is None else f"{_layer_key(call[0])}@{call[1]}"
+
+    def is_glue(self, op: Any) -> bool:
+        """Whether `op` was created directly by a layer call that also called
+        other layers (the glue of a composite layer: residual additions, a
+        gating product, masks)."""
+        call = self.layer_of_op.get(op._id)
+        return call is not None and call[1] in self.composite_calls
 
     def partition_of(self, op: Any) -> Optional[int]:
         return self.partition_of_op.get(op._id)
@@ -147,8 +158,15 @@ def _patched_layer_call(self, *args, **kwargs):
     if not any(l is self for l in record.layers):
         record.layers.append(self)
     record.calls += 1
-    with _in_graph_context(record, record.layer_of_op, (self, record.calls)):
-        return _original_call(self, *args, **kwargs)
+    ordinal = record.calls
+    if record.open_calls:
+        record.composite_calls.add(record.open_calls[-1])
+    record.open_calls.append(ordinal)
+    try:
+        with _in_graph_context(record, record.layer_of_op, (self, ordinal)):
+            return _original_call(self, *args, **kwargs)
+    finally:
+        record.open_calls.pop()
 
 
 def _is_model(layer: Any) -> bool:
@@ -452,6 +470,7 @@ def _trace_microbatch(fn, mb_args, mb_kwargs, shapes, extra_variables, tf_functi
         captured_ops=captures,
         layer_of=record.layer_name_of if record is not None else None,
         layer_call_of=record.layer_call_of if record is not None else None,
+        glue_of=record.is_glue if record is not None else None,
         manual_partition_of=record.partition_of if record is not None else None,
         graph_def=graph_def,
     )

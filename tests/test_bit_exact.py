@@ -12,11 +12,19 @@ for exact equality:
 - a gradient that sums three or more terms (a tensor read by several
   branches) is an ``AddN``; its kernel accumulates into the first input
   buffer it owns and moves that input to the front of the sum, and a term
-  received from another partition is a buffer the task does not own.
+  received from another partition is a buffer the task does not own;
+- a product read only by a product with a constant (a gated unit and the
+  dropout after it) is reassociated by the graph optimiser on one device,
+  ``a * (b * c)``, which a cut between the two products prevented;
+- the own ops of a composite layer (a transformer layer's residual
+  additions and gated product), joined into one group, pulled part of the
+  layer back to the partition of its first sublayers.
 """
 
 import keras
 import numpy as np
+import pytest
+import tensorflow as tf
 
 import smp_tf as smp
 from tests import models
@@ -101,3 +109,99 @@ def test_received_terms_of_a_sum_are_added_in_the_same_order():
     x = rng.normal(size=(16, 8, 8, 3)).astype("float32")
     y = rng.normal(size=(16, 4)).astype("float32")
     _assert_bit_exact(model, x, y)
+
+
+def _assert_step_bit_exact(model, x, y, loss_fn):
+    """Like `_assert_bit_exact`, for inputs that may be dicts of arrays: the
+    step returns its loss and gradients only."""
+
+    def body(x, y):
+        with tf.GradientTape() as tape:
+            loss = loss_fn(y, model(x, training=True))
+        return loss, [tf.convert_to_tensor(g) for g in tape.gradient(loss, model.trainable_variables)]
+
+    init = [v.numpy() for v in model.variables]
+    reference = tf.function(body)
+    ref = [reference(tf.nest.map_structure(lambda a: tf.constant(a[m::M]), x), tf.constant(y[m::M]))
+           for m in range(M)]
+    for v, value in zip(model.variables, init):
+        v.assign(value)
+    step = smp.step(body)
+    loss, grads = step(x, y)
+    for m in range(M):
+        np.testing.assert_array_equal(loss.outputs[m], ref[m][0], err_msg=f"loss of micro-batch {m}")
+        for g, r, v in zip(grads, ref[m][1], model.trainable_variables):
+            np.testing.assert_array_equal(g.outputs[m], r, err_msg=f"gradient of {v.path}, micro-batch {m}")
+    return step
+
+
+class Scale(keras.layers.Layer):
+    """Multiplies by a constant (what a dropout does to the values it keeps)."""
+
+    def __init__(self, factor, **kwargs):
+        super().__init__(**kwargs)
+        self.factor = factor
+
+    def call(self, x):
+        return x * self.factor
+
+
+class GatedProduct(smp.DistributedModel):
+    """A gated unit ``a * b`` written in the model's `call`, outside the
+    `smp.partition` blocks, and scaled by a constant in the next block. One
+    device's graph optimiser computes ``(a * b) * c`` as ``a * (b * c)``."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.a = keras.layers.Dense(16, activation="relu", name="a")
+        self.b = keras.layers.Dense(16, name="b")
+        self.scale = Scale(1.0 / 0.9, name="scale")
+        self.head = keras.layers.Dense(4, name="head")
+
+    def call(self, x):
+        with smp.partition(0):
+            a, b = self.a(x), self.b(x)
+        product = a * b
+        with smp.partition(1):
+            return self.head(self.scale(product))
+
+
+def test_a_product_scaled_on_the_next_partition_is_scaled_as_on_one_device():
+    smp.init({"partitions": 2, "microbatches": M, "auto_partition": False, "default_partition": 0})
+    keras.utils.set_random_seed(7)
+    model = GatedProduct()
+    model(np.zeros((2, 8), "float32"))
+    rng = np.random.default_rng(2)
+    x = rng.normal(size=(16, 8)).astype("float32")
+    y = rng.normal(size=(16, 4)).astype("float32")
+    _assert_bit_exact(model, x, y)
+
+
+@pytest.mark.filterwarnings("ignore:Layer .* does not support masking")
+def test_an_encoder_decoder_of_composite_layers_with_dropout():
+    # keras_hub's T5: each transformer layer is a composite layer whose own
+    # ops (residual additions, the gated product of its feed-forward part,
+    # masks) lie between the calls of its sublayers, and each dropout scales
+    # what it keeps by a constant. The decoder's first layer straddles the
+    # two partitions.
+    import keras_hub
+
+    smp.init({"partitions": 2, "microbatches": M})
+    keras.utils.set_random_seed(7)
+    vocabulary, length = 97, 12
+    backbone = keras_hub.models.T5Backbone(
+        vocabulary_size=vocabulary, num_layers=2, num_heads=2, hidden_dim=32, intermediate_dim=48,
+        key_value_dim=16, dropout=0.1, tie_embedding_weights=True,
+    )
+    inputs = {k: keras.Input(v.shape[1:], dtype=v.dtype, name=k) for k, v in backbone.input.items()}
+    logits = keras.layers.Dense(vocabulary, name="lm_head")(backbone(inputs)["decoder_sequence_output"])
+    model = smp.DistributedModel(inputs, logits)
+    rng = np.random.default_rng(0)
+    x = {k: np.ones((8, length), "int32") if "mask" in k else rng.integers(1, vocabulary, (8, length)).astype("int32")
+         for k in backbone.input}
+    y = rng.integers(0, vocabulary, (8, length)).astype("int32")
+    step = _assert_step_bit_exact(model, x, y, keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    # The glue of a layer follows its neighbours: the step crosses from
+    # partition 0 to 1 and back once (F0, F1 with B1, B0), instead of
+    # bringing a gated product back to partition 0 and sending it on again.
+    assert [(t.partition, t.wave) for t in step.last_compiled.tasks] == [(0, 0), (1, 1), (0, 2)]

@@ -306,6 +306,90 @@ def test_manual_partition_conflict_in_one_group_raises_naming_both_ops():
     assert "emb" in msg
 
 
+def test_the_glue_of_a_composite_layer_goes_with_its_neighbours():
+    # A block layer (call "B@1") calls two sublayers and creates glue
+    # between them: a product of the first sublayer's outputs and, after
+    # the second sublayer, a residual addition. Rule 2 joins the ops of
+    # one call, but not the glue: joined, the product and the addition
+    # would pull each other (and the sublayers between them) onto one
+    # partition; apart, each follows its neighbours.
+    g = OpGraph.from_spec(
+        [
+            {"name": "x", "type": "Placeholder", "kind": "arg"},
+            {"name": "A/f", "inputs": ["x"], "variables": ["wa"], "layer": "A", "call": "A@2"},
+            {"name": "B/gate", "type": "Relu", "inputs": ["A/f"], "layer": "B", "call": "B@1", "glue": True},
+            {"name": "C/f", "inputs": ["B/gate"], "variables": ["wc"], "layer": "C", "call": "C@3"},
+            {"name": "B/residual", "type": "Maximum", "inputs": ["x", "C/f"], "layer": "B", "call": "B@1",
+             "glue": True},
+            {"name": "D/leaf1", "inputs": ["B/residual"], "layer": "D", "call": "D@4"},
+            {"name": "D/leaf2", "inputs": ["D/leaf1"], "layer": "D", "call": "D@4"},
+        ]
+    )
+    groups = colocation_groups(g)
+    assert not _same_group(groups, g, "B/gate", "B/residual")
+    # The ops of a leaf layer's call are one group, as before.
+    assert _same_group(groups, g, "D/leaf1", "D/leaf2")
+
+
+def _gated_product(reader_type="Mul", dtype="float32", extra_reader=False, manual=(None, None)):
+    """Two layers' outputs a and b, their product m (no layer, as in a
+    subclassed model's call) and m's reader d in a third layer."""
+    spec = [
+        {"name": "x", "type": "Placeholder", "kind": "arg"},
+        {"name": "A/f", "inputs": ["x"], "variables": ["wa"], "layer": "A", "call": "A@1"},
+        {"name": "B/f", "inputs": ["x"], "variables": ["wb"], "layer": "B", "call": "B@2"},
+        {"name": "m", "type": "Mul", "inputs": ["A/f", "B/f"], "dtype": dtype, "manual_partition": manual[0]},
+        {"name": "c", "type": "Const"},
+        {"name": "D/d", "type": reader_type, "inputs": ["m", "c"], "layer": "D", "call": "D@3",
+         "manual_partition": manual[1]},
+        {"name": "D/rng", "inputs": ["D/d"], "layer": "D", "call": "D@3", "stateful": True},
+    ]
+    if extra_reader:
+        spec.append({"name": "E/f", "inputs": ["m"], "layer": "E", "call": "E@4"})
+    return OpGraph.from_spec(spec)
+
+
+def test_an_arithmetic_op_joins_the_only_op_that_reads_it():
+    # m = a * b is read only by d = m * c (a dropout's scaling, say). One
+    # device's graph optimiser computes a * (b * c) instead; the pipelined
+    # step can do the same only if m and d run in one task (rule 6).
+    g = _gated_product()
+    groups = colocation_groups(g)
+    assert _same_group(groups, g, "m", "D/d", "D/rng")
+    # Not the layers whose outputs m reads.
+    assert not _same_group(groups, g, "m", "A/f")
+    assert not _same_group(groups, g, "m", "B/f")
+
+
+@pytest.mark.parametrize("case", ["two readers", "reader is not arithmetic", "integers"])
+def test_an_arithmetic_op_stays_apart_when_the_optimiser_could_not_fold_it(case):
+    # A second reader keeps m (the optimiser rewrites a chain only through
+    # an op with one reader); a MatMul is not reassociated with a product;
+    # integer arithmetic does not round.
+    g = _gated_product(
+        extra_reader=case == "two readers",
+        reader_type="MatMul" if case == "reader is not arithmetic" else "Mul",
+        dtype="int32" if case == "integers" else "float32",
+    )
+    groups = colocation_groups(g)
+    assert not _same_group(groups, g, "m", "D/d")
+
+
+def test_an_arithmetic_chain_cut_by_smp_partition_blocks_stays_cut():
+    # The user put m in block 0 and its reader in block 1: honoured, with no
+    # error, although the two ops then round differently from one device.
+    g = _gated_product(manual=(0, 1))
+    groups = colocation_groups(g)
+    assert not _same_group(groups, g, "m", "D/d")
+    assert groups.manual[groups.group_of[g.op_index["m"]]] == 0
+    assert groups.manual[groups.group_of[g.op_index["D/d"]]] == 1
+    # Only one side in a block: the chain joins that block.
+    g = _gated_product(manual=(None, 1))
+    groups = colocation_groups(g)
+    assert _same_group(groups, g, "m", "D/d")
+    assert groups.manual[groups.group_of[g.op_index["m"]]] == 1
+
+
 # --------------------------------------------------------------------------
 # plan: assign_partitions, check_assignment, PartitionPlan
 # --------------------------------------------------------------------------

@@ -159,13 +159,15 @@ def check_gradients_follow_forward(plan: PartitionPlan) -> List[int]:
 def check_layers_whole(plan: PartitionPlan) -> int:
     """The (non-free) ops of each Keras layer call share a partition; returns #calls.
 
-    A read of a variable for its second use sits with the variable instead.
+    A read of a variable for its second use sits with the variable instead,
+    and the glue of a composite layer (a `MultiHeadAttention`'s own einsums
+    between its projections) goes with its neighbours.
     """
     free = colocation_groups(plan.op_graph).free
     second = second_uses(plan.op_graph)
     by_layer: Dict[str, set] = {}
     for op, p in zip(plan.op_graph.ops, plan.partition_of_op):
-        if op.layer is not None and not free[op.index] and op.index not in second:
+        if op.layer is not None and not free[op.index] and op.index not in second and not op.glue:
             by_layer.setdefault(op.call or op.layer, set()).add(p)
     split = {k: ps for k, ps in by_layer.items() if len(ps) > 1}
     assert not split, f"layers split across partitions: {split}"
@@ -493,14 +495,21 @@ def test_manual_placement_is_honoured():
         elif "manual_relu" in fwd.name:
             assert part[op.index] == 1, op.name
             seen.add("relu")
+        elif fwd.name.startswith("mean_squared_error/sub"):
+            # The loss's difference reads only the head's bias addition: an
+            # arithmetic chain (groups rule 6), which joins the head's block.
+            assert fwd.manual_partition is None, op.name
+            assert part[op.index] == 0, op.name
+            seen.add("loss difference")
         elif not op.is_gradient or op.forward is not None:
-            # Outside every block (the loss, the step outputs): default partition.
+            # Outside every block (the rest of the loss, the step outputs):
+            # default partition.
             assert fwd.manual_partition is None, op.name
             assert part[op.index] == default, op.name
         # Ops recorded in a block are on that block's partition.
         if fwd.manual_partition is not None:
             assert part[op.index] == fwd.manual_partition, op.name
-    assert seen == {"d0", "d1", "d2", "head", "relu"}
+    assert seen == {"d0", "d1", "d2", "head", "relu", "loss difference"}
     by_var = plan.partition_of_variable()
     assert by_var[model.d0.kernel.path] == 1
     assert by_var[model.d1.kernel.path] == 2
@@ -612,3 +621,39 @@ def test_benchmark_quick_runs():
     assert len(rows) >= 12
     assert any("eq-layers" in r for r in rows) and any("eq-ops" in r for r in rows)
     assert "target checks PASS" in out.stdout
+
+
+class GatedBlock(keras.layers.Layer):
+    """A composite layer: its own ops (the gated product, the residual
+    addition) lie between the calls of its sublayers."""
+
+    def __init__(self, width, **kwargs):
+        super().__init__(**kwargs)
+        self.up = keras.layers.Dense(width, activation="relu", name="up")
+        self.gate = keras.layers.Dense(width, name="gate")
+        self.down = keras.layers.Dense(width, name="down")
+
+    def call(self, x):
+        return x + self.down(self.up(x) * self.gate(x))
+
+
+def test_the_own_ops_of_a_composite_layer_are_its_glue():
+    inp = keras.Input((8,))
+    h = GatedBlock(8, name="block")(keras.layers.Dense(8, name="embed")(inp))
+    model = smp.DistributedModel(inp, keras.layers.Dense(2, name="head")(h))
+    x, y = np.ones((4, 8), "float32"), np.ones((4, 2), "float32")
+    plan = trace_plan(model, keras.losses.MeanSquaredError(), x, y)
+    forward = [op for op in plan.op_graph.ops if not op.is_gradient and op.kind == "op"]
+    glue = {op.type for op in forward if op.glue}
+    # The block's product and residual addition; nothing of its sublayers
+    # (Dense ops, their variable reads) nor of the leaf layers around it.
+    assert glue == {"Mul", "AddV2"}
+    for op in forward:
+        if op.layer is not None and not op.layer.startswith("block"):
+            assert not op.glue, op.name
+    # Each sublayer's ops are still one group.
+    groups = colocation_groups(plan.op_graph)
+    for name in ("up", "gate", "down", "embed", "head"):
+        ids = {groups.group_of[op.index] for op in forward
+               if op.layer is not None and op.layer.startswith(name + "#") and groups.group_of[op.index] >= 0}
+        assert len(ids) == 1, (name, ids)

@@ -5,7 +5,10 @@ Rules (each one is a union in a union-find over op indices):
 1. ops that take the handle of the same variable, and the ops that consume
    the value read from it (through ``Identity`` / ``Cast``), so that a
    layer's weights are not sent across partitions every micro-batch;
-2. ops created by one call of a Keras layer;
+2. ops created by one call of a Keras layer, except the *glue* of a
+   composite layer (the ops its call creates directly, between the calls of
+   its own sublayers: residual additions, a gating product, masks), which,
+   like the glue in a model's ``call``, goes wherever its neighbours are;
 3. a gradient op and the forward op it differentiates, except the sums of
    gradient contributions (``AddN``): a sum goes where its terms come from
    (it follows the neighbours it exchanges most bytes with), so that when
@@ -14,7 +17,16 @@ Rules (each one is a union in a union-find over op indices):
    in one function, as in a single-device run;
 4. TensorFlow's own colocation (``_class = ["loc:@other"]``) of forward ops;
 5. ops *tied* together by the graph view: a while loop and the accumulators
-   (and the gradient loop) its gradient added to it.
+   (and the gradient loop) its gradient added to it;
+6. an element-wise arithmetic op (``Mul``, ``AddV2``, ``RealDiv``, ...) on
+   floating-point values and the only op that reads its output, when that
+   op is element-wise arithmetic too. In the single-device graph
+   TensorFlow's graph optimiser reassociates such a chain (``(a * b) * c``
+   becomes ``a * (b * c)`` when ``c`` is a constant, as in a dropout after
+   a gated product) and the result rounds differently; across a partition
+   boundary it could not, and the pipelined step would not compute what one
+   device computes. Unless the user put the two ops in different
+   `smp.partition` blocks.
 
 A *second use* of a variable is the exception to rule 1: a read made in
 another layer call than the variable's first use (a tied embedding used
@@ -38,11 +50,11 @@ nothing to duplicate, so they follow the ops that consume them.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Tuple
 
 from smp_tf.graph_view import OpGraph
 
-__all__ = ["Groups", "free_ops", "second_uses", "colocation_groups"]
+__all__ = ["Groups", "arithmetic_chains", "free_ops", "second_uses", "colocation_groups"]
 
 
 class _UnionFind:
@@ -187,6 +199,43 @@ def _forward_exchange(graph: OpGraph, in_group: List[bool], skip: set) -> int:
     return total
 
 
+#: Element-wise arithmetic that TensorFlow's graph optimiser folds,
+#: reorders or reassociates when one op is the only reader of the other
+#: (constant push-down, hoisting, add chains, broadcast minimisation).
+ELEMENTWISE_ARITHMETIC = frozenset([
+    "Add", "AddV2", "Sub", "Mul", "MulNoNan", "RealDiv", "Div", "DivNoNan", "Neg", "Reciprocal", "Sqrt", "Rsqrt",
+    "Square", "SquaredDifference", "Pow", "BiasAdd",
+])
+#: Dtypes whose arithmetic rounds, so that a reassociation changes values.
+_ROUNDING_DTYPES = ("float", "bfloat", "half", "complex")
+
+
+def arithmetic_chains(graph: OpGraph, free: Optional[List[bool]] = None) -> List[Tuple[int, int]]:
+    """The (producer, reader) pairs that rule 6 joins (see the module doc).
+
+    A pair is an element-wise arithmetic op with a floating-point output
+    and the one op that reads that output, itself element-wise arithmetic.
+    Free ops and the sums of gradient contributions (rule 3's exception)
+    take no part.
+    """
+    free = free_ops(graph) if free is None else free
+    pairs = []
+    for t in graph.tensors:
+        producer = graph.ops[t.producer]
+        if free[producer.index] or producer.type not in ELEMENTWISE_ARITHMETIC or _is_gradient_sum(producer):
+            continue
+        if not t.dtype.startswith(_ROUNDING_DTYPES):
+            continue
+        readers = set(t.consumers)
+        if len(readers) != 1:
+            continue
+        reader = graph.ops[next(iter(readers))]
+        if free[reader.index] or reader.type not in ELEMENTWISE_ARITHMETIC or _is_gradient_sum(reader):
+            continue
+        pairs.append((producer.index, reader.index))
+    return pairs
+
+
 def _requested(graph: OpGraph, uf: _UnionFind, root: int, second: Dict[int, str]) -> set:
     """The `smp.partition` blocks of the ops of one group (second-use reads aside)."""
     return {
@@ -219,7 +268,10 @@ def colocation_groups(graph: OpGraph, free: Optional[List[bool]] = None) -> Grou
         site = _site(op)
         # A second use's read belongs to its variable, not to the call it was
         # made in (that call may run on another partition).
-        if site is not None and i not in second:
+        # A composite layer's glue is not joined: like a model's, it spans
+        # the calls of the layer's sublayers, which may land on different
+        # partitions, and joined it would pull them back and forth.
+        if site is not None and i not in second and not op.glue:
             j = first_op_of_call.setdefault(site, i)
             uf.union(i, j)
         if op.forward is not None and not free[op.forward] and not _is_gradient_sum(op):
@@ -239,6 +291,24 @@ def colocation_groups(graph: OpGraph, free: Optional[List[bool]] = None) -> Grou
             for j in _value_users(graph, i):
                 if not free[j]:
                     uf.union(i, j)
+
+    # Rule 6, once rules 1 to 5 have made the groups: a pair joins unless
+    # the two groups were put in different smp.partition blocks.
+    requested: Dict[int, set] = {}
+    for op in graph.ops:
+        if op.manual_partition is not None and not free[op.index] and op.index not in second:
+            requested.setdefault(uf.find(op.index), set()).add(op.manual_partition)
+    for a, b in arithmetic_chains(graph, free):
+        ra, rb = uf.find(a), uf.find(b)
+        if ra == rb:
+            continue
+        wants_a, wants_b = requested.pop(ra, set()), requested.pop(rb, set())
+        if wants_a and wants_b and wants_a != wants_b:
+            requested[ra], requested[rb] = wants_a, wants_b
+            continue
+        uf.union(a, b)
+        if wants_a | wants_b:
+            requested[uf.find(a)] = wants_a | wants_b
 
     # Second uses, once every other rule has joined what it joins: the users
     # of the value stay with the variable only when moving the variable
