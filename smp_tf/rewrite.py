@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Dict, List, Optional, Sequence, Set, Tuple, Union
 
 from smp_tf.graph_view import OpGraph, OpNode
-from smp_tf.partitioner.groups import free_ops
+from smp_tf.partitioner.groups import ROUNDING_DTYPES, free_ops
 from smp_tf.schedules import TaskKind, TaskSpec
 from smp_tf.schedules.tasks import KindFlags
 
@@ -916,10 +916,6 @@ def split_backward(graph: OpGraph, task: Task, tasks: Sequence[Task]) -> Optiona
     )
 
 
-#: Dtypes whose arithmetic rounds, so that a rewrite can change the values.
-_ROUNDING_DTYPES = ("float", "bfloat", "complex")
-
-
 def pinned_tensors(graph: OpGraph, task: Task) -> List[int]:
     """Tensors of `task` read by one op of the task but by several in the step.
 
@@ -953,7 +949,7 @@ def pinned_tensors(graph: OpGraph, task: Task) -> List[int]:
             continue
         for t in op.outputs:
             info = graph.tensors[t]
-            if t in returned or not info.dtype.startswith(_ROUNDING_DTYPES):
+            if t in returned or not info.dtype.startswith(ROUNDING_DTYPES):
                 continue
             readers = set(info.consumers)
             if len(readers) >= 2 and len(readers & own) == 1:

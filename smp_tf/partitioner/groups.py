@@ -54,7 +54,7 @@ from typing import Dict, List, Optional, Tuple
 
 from smp_tf.graph_view import OpGraph
 
-__all__ = ["Groups", "arithmetic_chains", "free_ops", "second_uses", "colocation_groups"]
+__all__ = ["ROUNDING_DTYPES", "Groups", "arithmetic_chains", "free_ops", "second_uses", "colocation_groups"]
 
 
 class _UnionFind:
@@ -206,8 +206,9 @@ ELEMENTWISE_ARITHMETIC = frozenset([
     "Add", "AddV2", "Sub", "Mul", "MulNoNan", "RealDiv", "Div", "DivNoNan", "Neg", "Reciprocal", "Sqrt", "Rsqrt",
     "Square", "SquaredDifference", "Pow", "BiasAdd",
 ])
-#: Dtypes whose arithmetic rounds, so that a reassociation changes values.
-_ROUNDING_DTYPES = ("float", "bfloat", "half", "complex")
+#: Prefixes of the dtype names whose arithmetic rounds (``float16``,
+#: ``bfloat16``, ``complex64``, ...), so that a rewrite can change values.
+ROUNDING_DTYPES = ("float", "bfloat", "complex")
 
 
 def arithmetic_chains(graph: OpGraph, free: Optional[List[bool]] = None) -> List[Tuple[int, int]]:
@@ -224,7 +225,7 @@ def arithmetic_chains(graph: OpGraph, free: Optional[List[bool]] = None) -> List
         producer = graph.ops[t.producer]
         if free[producer.index] or producer.type not in ELEMENTWISE_ARITHMETIC or _is_gradient_sum(producer):
             continue
-        if not t.dtype.startswith(_ROUNDING_DTYPES):
+        if not t.dtype.startswith(ROUNDING_DTYPES):
             continue
         readers = set(t.consumers)
         if len(readers) != 1:
