@@ -33,7 +33,9 @@ M = 4
 
 
 def _assert_bit_exact(model, x, y):
-    """The pipelined step equals the per-micro-batch tf.function exactly."""
+    """The pipelined step equals the per-micro-batch tf.function exactly.
+
+    Returns the step, for a look at its plan."""
     body = models.make_body(model, "mlp")  # mean squared error
     init = [v.numpy() for v in model.variables]
     ref = models.reference(body, x, y, M)
@@ -41,13 +43,15 @@ def _assert_bit_exact(model, x, y):
     for v, value in zip(model.variables, init):
         v.assign(value)
 
-    loss, grads, _ = smp.step(body)(x, y)
+    step = smp.step(body)
+    loss, grads, _ = step(x, y)
     for m in range(M):
         np.testing.assert_array_equal(loss.outputs[m], ref[m][0], err_msg=f"loss of micro-batch {m}")
         for g, r, v in zip(grads, ref[m][1], model.trainable_variables):
             np.testing.assert_array_equal(g.outputs[m], r, err_msg=f"gradient of {v.path}, micro-batch {m}")
     for v, r in zip(model.variables, ref_state):
         np.testing.assert_array_equal(v.numpy(), r, err_msg=f"state of {v.path}")
+    return step
 
 
 def test_captured_constants_stay_arguments():
@@ -175,6 +179,84 @@ def test_a_product_scaled_on_the_next_partition_is_scaled_as_on_one_device():
     x = rng.normal(size=(16, 8)).astype("float32")
     y = rng.normal(size=(16, 4)).astype("float32")
     _assert_bit_exact(model, x, y)
+
+
+class SharedBlock(keras.layers.Layer):
+    """A residual block with a dropout and a batch normalisation, one set
+    of weights and state for every call (as ALBERT shares its layer)."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.inner = keras.layers.Dense(64, activation="relu")
+        self.outer = keras.layers.Dense(32)
+        self.drop = keras.layers.Dropout(0.2, seed=5)
+        self.norm = keras.layers.BatchNormalization()
+
+    def call(self, x, training=False):
+        return self.norm(x + self.drop(self.outer(self.inner(x)), training=training), training=training)
+
+
+def test_a_block_called_four_times_is_split_between_its_calls():
+    # Each call of the block advances the dropout's seed and the moving
+    # averages: those updates stay where the state lives, while the calls
+    # themselves are split 2 and 2, with the block's weights (and their
+    # gradients) crossing instead of every call's activations.
+    smp.init({"partitions": 2, "microbatches": M})
+    keras.utils.set_random_seed(4)
+    # Sequences of 64 steps: a call's activations outweigh the block's weights.
+    inp = keras.Input((64, 32))
+    block = SharedBlock()
+    h = keras.layers.Dense(32)(inp)
+    for _ in range(4):
+        h = block(h)
+    model = smp.DistributedModel(inp, keras.layers.Dense(5)(h))
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(16, 64, 32)).astype("float32")
+    y = rng.normal(size=(16, 64, 5)).astype("float32")
+    step = _assert_bit_exact(model, x, y)
+    plan = step.last_plan
+    # The ops of each call of the block's first layer, but its weight reads
+    # (which stay with the weights, on partition 0).
+    by_call = {}
+    for op in plan.op_graph.ops:
+        if op.forward is None and op.layer and op.layer.startswith(block.inner.name + "#") and op.type != "ReadVariableOp":
+            by_call.setdefault(int(op.call.rsplit("@", 1)[1]), set()).add(plan.partition_of_op[op.index])
+    assert [by_call[c] for c in sorted(by_call)] == [{0}, {0}, {1}, {1}]
+    # Before, every call's dropout and normalisation ran where their state
+    # lives, and the step was 13 tasks.
+    assert len(step.last_compiled.tasks) <= 5
+
+
+class DropoutInTwoBlocks(smp.DistributedModel):
+    """One Dropout layer called in two `smp.partition` blocks."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.first = keras.layers.Dense(16)
+        self.second = keras.layers.Dense(4)
+        self.drop = keras.layers.Dropout(0.3, seed=2)
+
+    def call(self, x, training=False):
+        with smp.partition(0):
+            h = self.drop(self.first(x), training=training)
+        with smp.partition(1):
+            return self.drop(self.second(h), training=training)
+
+
+def test_a_dropout_called_in_two_blocks_draws_as_on_one_device():
+    # Its second call advances the seed where the seed lives (partition 0)
+    # and draws its mask in its own block; this used to be refused.
+    smp.init({"partitions": 2, "microbatches": M, "auto_partition": False, "default_partition": 0})
+    keras.utils.set_random_seed(6)
+    model = DropoutInTwoBlocks()
+    model(tf.zeros([2, 8]))
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(16, 8)).astype("float32")
+    y = rng.normal(size=(16, 4)).astype("float32")
+    step = _assert_bit_exact(model, x, y)
+    plan = step.last_plan
+    second = [op for op in plan.op_graph.ops if op.forward is None and op.layer and op.layer.startswith(model.second.name + "#")]
+    assert {plan.partition_of_op[op.index] for op in second if op.type != "ReadVariableOp"} == {1}
 
 
 @pytest.mark.filterwarnings("ignore:Layer .* does not support masking")

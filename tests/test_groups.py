@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 
 from smp_tf.graph_view import OpGraph
-from smp_tf.partitioner.groups import colocation_groups, free_ops, second_uses
+from smp_tf.partitioner.groups import colocation_groups, free_ops, second_updates, second_uses
 
 
 def _names(graph, indices):
@@ -172,6 +172,57 @@ def test_a_read_outside_layers_is_a_second_use_only_when_differentiated():
     groups = colocation_groups(g)
     assert _same_group(groups, g, "emb/read", "glue/read", "glue/mm", "call2/read")
     assert not _same_group(groups, g, "call2/read", "call2/mm")
+
+
+def _dropout_called_twice(first_block=None, second_block=None):
+    """A dropout layer called twice: each call reads its seed generator's
+    state, advances it (read, add one, assign) and draws a mask from the
+    seed it read. The second call runs on activations of another layer."""
+    def call(n, x, block):
+        site = {"layer": "drop", "call": f"drop@{n}", "manual_partition": block}
+        return [
+            {"name": f"c{n}/read", "type": "ReadVariableOp", "inputs": ["seed/h"], "variables": ["seed"], **site},
+            {"name": f"c{n}/plus_one", "type": "AddV2", "inputs": [f"c{n}/read"], "dtype": "int64", **site},
+            {"name": f"c{n}/assign", "type": "AssignVariableOp", "inputs": ["seed/h", f"c{n}/plus_one"],
+             "variables": ["seed"], "writes": ["seed"], **site},
+            {"name": f"c{n}/mask", "type": "StatelessRandomUniformV2", "inputs": [f"c{n}/read"], **site},
+            {"name": f"c{n}/apply", "type": "Mul", "inputs": [x, f"c{n}/mask"], "bytes": 1 << 16, **site},
+        ]
+    return OpGraph.from_spec(
+        [
+            {"name": "x", "kind": "arg"},
+            {"name": "seed/h", "kind": "capture", "variables": ["seed"]},
+            {"name": "a", "type": "MatMul", "inputs": ["x"], "layer": "a", "stateful": True, "bytes": 1 << 16,
+             "manual_partition": first_block},
+            *call(1, "a", first_block),
+            {"name": "b", "type": "MatMul", "inputs": ["c1/apply"], "layer": "b", "bytes": 1 << 16,
+             "manual_partition": second_block},
+            *call(2, "b", second_block),
+        ]
+    )
+
+
+def test_a_later_call_updates_the_state_where_it_lives_and_draws_with_its_neighbours():
+    # The second call's read, increment and write of the seed go with the
+    # seed (they must run where it lives); its mask and product are free
+    # to follow the layer b it reads (only the 16-byte seed would cross).
+    g = _dropout_called_twice()
+    assert _names(g, second_updates(g)) == ["c2/assign", "c2/plus_one"]
+    groups = colocation_groups(g)
+    assert _same_group(groups, g, "c1/read", "c1/assign", "c2/read", "c2/plus_one", "c2/assign")
+    assert _same_group(groups, g, "c2/mask", "c2/apply")
+    assert not _same_group(groups, g, "c2/read", "c2/apply")
+    # The first call is one group with its state, as any layer call.
+    assert _same_group(groups, g, "c1/read", "c1/plus_one", "c1/mask", "c1/apply")
+
+
+def test_a_layer_with_state_may_be_called_again_in_another_block():
+    # Calling one Dropout in two smp.partition blocks used to be refused:
+    # the second call's state update tied it to the first block.
+    g = _dropout_called_twice(first_block=0, second_block=1)
+    groups = colocation_groups(g)
+    assert groups.manual[groups.group_of[g.op_index["c2/assign"]]] == 0
+    assert groups.manual[groups.group_of[g.op_index["c2/apply"]]] == 1
 
 
 def test_shared_variable_alone_joins_ops_without_layers():

@@ -42,6 +42,12 @@ its gradient) crosses partitions instead: an output projection then runs
 on the last stage, next to its loss, instead of sending the hidden state
 back to the first stage and the logits forward again.
 
+A *second update* is the same for a layer's state: a later call's update
+(its reads, the arithmetic that computes the new value from the old one,
+and the write; a dropout's seed advanced, a shared batch normalisation's
+moving averages) stays with the variable, while the rest of that call is
+placed like any other (`second_updates`).
+
 "Free" ops are left out of every group: ops that read nothing but constants
 and step arguments (constants, shapes, argument placeholders). They cost
 nothing to duplicate, so they follow the ops that consume them.
@@ -54,7 +60,9 @@ from typing import Dict, List, Optional, Tuple
 
 from smp_tf.graph_view import OpGraph
 
-__all__ = ["ROUNDING_DTYPES", "Groups", "arithmetic_chains", "free_ops", "second_uses", "colocation_groups"]
+__all__ = [
+    "ROUNDING_DTYPES", "Groups", "arithmetic_chains", "free_ops", "second_uses", "second_updates", "colocation_groups",
+]
 
 
 class _UnionFind:
@@ -163,13 +171,9 @@ def second_uses(graph: OpGraph, free: Optional[List[bool]] = None) -> Dict[int, 
     """
     free = free_ops(graph) if free is None else free
     differentiated = {op.forward for op in graph.ops if op.forward is not None}
-    home: Dict[str, Optional[str]] = {}
+    home = _home_sites(graph, free)
     out: Dict[int, str] = {}
-    for op in graph.ops:
-        if free[op.index] or op.is_gradient or op.kind != "op":
-            continue  # a captured handle is the variable, not a use of it
-        for v in op.variables:
-            home.setdefault(v, _site(op))
+    for op in _forward_uses(graph, free):
         if op.type != "ReadVariableOp" or len(op.variables) != 1:
             continue
         v = op.variables[0]
@@ -180,6 +184,89 @@ def second_uses(graph: OpGraph, free: Optional[List[bool]] = None) -> Dict[int, 
         # use of the model's (the optimizer's reads are outside layers too).
         if site is not None or any(u in differentiated for u in _value_users(graph, op.index)):
             out[op.index] = v
+    return out
+
+
+def _forward_uses(graph: OpGraph, free: List[bool]):
+    """The forward ops that may use a variable (a captured handle is the
+    variable itself, not a use of it)."""
+    return (op for op in graph.ops if not (free[op.index] or op.is_gradient or op.kind != "op"))
+
+
+def _home_sites(graph: OpGraph, free: List[bool]) -> Dict[str, Optional[str]]:
+    """Variable key -> the layer call (site) of its first use."""
+    home: Dict[str, Optional[str]] = {}
+    for op in _forward_uses(graph, free):
+        for v in op.variables:
+            home.setdefault(v, _site(op))
+    return home
+
+
+#: Ops that write a resource variable's value.
+_RESOURCE_WRITES = frozenset(["AssignVariableOp", "AssignAddVariableOp", "AssignSubVariableOp"])
+
+
+def second_updates(graph: OpGraph, free: Optional[List[bool]] = None) -> Dict[int, str]:
+    """State updates made in another layer call than the variable's first use.
+
+    A layer called twice updates its state twice: a dropout's seed
+    generator advances its seed, a shared batch normalisation moves its
+    averages. The write must run where the variable lives, and so must the
+    ops that compute the new value from the variable's old one (the seed
+    plus one, the old average times the momentum): they form a chain from
+    the call's reads of the variable to its write. The rest of the call
+    (the random mask, the normalisation) is free to run elsewhere, and only
+    the small values it reads from that chain (the seed, the batch's
+    mean) cross partitions.
+
+    Returns:
+        op index -> variable key, for every such write and every op of its
+        chain (the reads are `second_uses`).
+    """
+    free = free_ops(graph) if free is None else free
+    home = _home_sites(graph, free)
+    out: Dict[int, str] = {}
+    feeders: Optional[Dict[int, List[int]]] = None
+    for op in _forward_uses(graph, free):
+        if op.type not in _RESOURCE_WRITES or len(op.variables) != 1:
+            continue
+        v, site = op.variables[0], _site(op)
+        if site == home[v]:
+            continue
+        out[op.index] = v
+        # The write's ancestors in its own call, back to the call's reads of v.
+        ancestors, stack = set(), [op.index]
+        while stack:
+            for t in graph.ops[stack.pop()].inputs:
+                k = graph.tensors[t].producer
+                up = graph.ops[k]
+                if k in ancestors or free[k] or up.is_gradient or up.kind != "op" or _site(up) != site:
+                    continue
+                ancestors.add(k)
+                if tuple(up.variables) != (v,):
+                    stack.append(k)
+        # Of those, the ones computed from a read of v.
+        chain: set = set()
+        for k in sorted(ancestors):
+            up = graph.ops[k]
+            if tuple(up.variables) == (v,) or any(graph.tensors[t].producer in chain for t in up.inputs):
+                chain.add(k)
+        # And the arithmetic that only feeds it (the batch's mean times
+        # `1 - momentum`): rule 6 keeps such a pair together, and it
+        # belongs with the update rather than pulling the call along.
+        if feeders is None:
+            feeders = {}
+            for a, b in arithmetic_chains(graph, free):
+                feeders.setdefault(b, []).append(a)
+        stack = list(chain)
+        while stack:
+            for a in feeders.get(stack.pop(), ()):
+                if a not in chain and _site(graph.ops[a]) == site:
+                    chain.add(a)
+                    stack.append(a)
+        for k in chain:
+            if graph.ops[k].type != "ReadVariableOp":
+                out[k] = v
     return out
 
 
@@ -237,12 +324,13 @@ def arithmetic_chains(graph: OpGraph, free: Optional[List[bool]] = None) -> List
     return pairs
 
 
-def _requested(graph: OpGraph, uf: _UnionFind, root: int, second: Dict[int, str]) -> set:
-    """The `smp.partition` blocks of the ops of one group (second-use reads aside)."""
+def _requested(graph: OpGraph, uf: _UnionFind, root: int, follows: Dict[int, str]) -> set:
+    """The `smp.partition` blocks of the ops of one group (the ops that
+    follow their variable, second-use reads and updates, aside)."""
     return {
         op.manual_partition
         for op in graph.ops
-        if op.manual_partition is not None and op.index not in second and uf.find(op.index) == root
+        if op.manual_partition is not None and op.index not in follows and uf.find(op.index) == root
     }
 
 
@@ -257,6 +345,9 @@ def colocation_groups(graph: OpGraph, free: Optional[List[bool]] = None) -> Grou
     free = free_ops(graph) if free is None else free
     uf = _UnionFind(n)
     second = second_uses(graph, free)
+    updates = second_updates(graph, free)
+    # Ops that go with their variable rather than with the call that made them.
+    follows = {**second, **updates}
     first_user_of_var: Dict[str, int] = {}
     first_op_of_call: Dict[str, int] = {}
     for op in graph.ops:
@@ -267,12 +358,13 @@ def colocation_groups(graph: OpGraph, free: Optional[List[bool]] = None) -> Grou
             j = first_user_of_var.setdefault(v, i)
             uf.union(i, j)
         site = _site(op)
-        # A second use's read belongs to its variable, not to the call it was
-        # made in (that call may run on another partition).
+        # A second use's read, and a second update of the variable's state,
+        # belong to the variable, not to the call they were made in (that
+        # call may run on another partition).
         # A composite layer's glue is not joined: like a model's, it spans
         # the calls of the layer's sublayers, which may land on different
         # partitions, and joined it would pull them back and forth.
-        if site is not None and i not in second and not op.glue:
+        if site is not None and i not in follows and not op.glue:
             j = first_op_of_call.setdefault(site, i)
             uf.union(i, j)
         if op.forward is not None and not free[op.forward] and not _is_gradient_sum(op):
@@ -293,11 +385,14 @@ def colocation_groups(graph: OpGraph, free: Optional[List[bool]] = None) -> Grou
                 if not free[j]:
                     uf.union(i, j)
 
+    for i, v in updates.items():
+        uf.union(i, first_user_of_var[v])
+
     # Rule 6, once rules 1 to 5 have made the groups: a pair joins unless
     # the two groups were put in different smp.partition blocks.
     requested: Dict[int, set] = {}
     for op in graph.ops:
-        if op.manual_partition is not None and not free[op.index] and op.index not in second:
+        if op.manual_partition is not None and not free[op.index] and op.index not in follows:
             requested.setdefault(uf.find(op.index), set()).add(op.manual_partition)
     for a, b in arithmetic_chains(graph, free):
         ra, rb = uf.find(a), uf.find(b)
@@ -327,8 +422,8 @@ def colocation_groups(graph: OpGraph, free: Optional[List[bool]] = None) -> Grou
             if root == uf.find(r):
                 continue
             in_group = [uf.find(k) == root for k in range(n)]
-            home = _requested(graph, uf, uf.find(r), second)
-            there = _requested(graph, uf, root, second)
+            home = _requested(graph, uf, uf.find(r), follows)
+            there = _requested(graph, uf, root, follows)
             if home and there and home != there:
                 continue  # the user put this use in another smp.partition block
             if graph.variable_bytes.get(v, 0) > _forward_exchange(graph, in_group, skip):
@@ -352,8 +447,10 @@ def colocation_groups(graph: OpGraph, free: Optional[List[bool]] = None) -> Grou
     for g, ms in enumerate(members):
         requested = {}
         for i in ms:
-            if i in second and any(group_of[j] != g for j in _value_users(graph, i) if not free[j]):
-                continue  # a read for a use elsewhere follows its variable
+            if i in second and any(group_of[j] != g or j in updates for j in _value_users(graph, i) if not free[j]):
+                continue  # a read for a use elsewhere, or for an update, follows its variable
+            if i in updates:
+                continue  # so does the update of its state by a later call
             p = graph.ops[i].manual_partition
             if p is not None:
                 requested.setdefault(p, graph.ops[i].name)
