@@ -206,7 +206,9 @@ def _home_sites(graph: OpGraph, free: List[bool]) -> Dict[str, Optional[str]]:
 _RESOURCE_WRITES = frozenset(["AssignVariableOp", "AssignAddVariableOp", "AssignSubVariableOp"])
 
 
-def second_updates(graph: OpGraph, free: Optional[List[bool]] = None) -> Dict[int, str]:
+def second_updates(
+    graph: OpGraph, free: Optional[List[bool]] = None, chains: Optional[List[Tuple[int, int]]] = None
+) -> Dict[int, str]:
     """State updates made in another layer call than the variable's first use.
 
     A layer called twice updates its state twice: a dropout's seed
@@ -218,6 +220,11 @@ def second_updates(graph: OpGraph, free: Optional[List[bool]] = None) -> Dict[in
     (the random mask, the normalisation) is free to run elsewhere, and only
     the small values it reads from that chain (the seed, the batch's
     mean) cross partitions.
+
+    Args:
+        graph: the traced graph.
+        free: `free_ops` of the graph, if already computed.
+        chains: `arithmetic_chains` of the graph, if already computed.
 
     Returns:
         op index -> variable key, for every such write and every op of its
@@ -256,7 +263,7 @@ def second_updates(graph: OpGraph, free: Optional[List[bool]] = None) -> Dict[in
         # belongs with the update rather than pulling the call along.
         if feeders is None:
             feeders = {}
-            for a, b in arithmetic_chains(graph, free):
+            for a, b in arithmetic_chains(graph, free) if chains is None else chains:
                 feeders.setdefault(b, []).append(a)
         stack = list(chain)
         while stack:
@@ -345,7 +352,8 @@ def colocation_groups(graph: OpGraph, free: Optional[List[bool]] = None) -> Grou
     free = free_ops(graph) if free is None else free
     uf = _UnionFind(n)
     second = second_uses(graph, free)
-    updates = second_updates(graph, free)
+    chains = arithmetic_chains(graph, free)
+    updates = second_updates(graph, free, chains)
     # Ops that go with their variable rather than with the call that made them.
     follows = {**second, **updates}
     first_user_of_var: Dict[str, int] = {}
@@ -394,7 +402,7 @@ def colocation_groups(graph: OpGraph, free: Optional[List[bool]] = None) -> Grou
     for op in graph.ops:
         if op.manual_partition is not None and not free[op.index] and op.index not in follows:
             requested.setdefault(uf.find(op.index), set()).add(op.manual_partition)
-    for a, b in arithmetic_chains(graph, free):
+    for a, b in chains:
         ra, rb = uf.find(a), uf.find(b)
         if ra == rb:
             continue
