@@ -331,16 +331,6 @@ def arithmetic_chains(graph: OpGraph, free: Optional[List[bool]] = None) -> List
     return pairs
 
 
-def _requested(graph: OpGraph, uf: _UnionFind, root: int, follows: Dict[int, str]) -> set:
-    """The `smp.partition` blocks of the ops of one group (the ops that
-    follow their variable, second-use reads and updates, aside)."""
-    return {
-        op.manual_partition
-        for op in graph.ops
-        if op.manual_partition is not None and op.index not in follows and uf.find(op.index) == root
-    }
-
-
 def colocation_groups(graph: OpGraph, free: Optional[List[bool]] = None) -> Groups:
     """Computes the colocation groups of `graph` (see the module doc).
 
@@ -396,23 +386,28 @@ def colocation_groups(graph: OpGraph, free: Optional[List[bool]] = None) -> Grou
     for i, v in updates.items():
         uf.union(i, first_user_of_var[v])
 
-    # Rule 6, once rules 1 to 5 have made the groups: a pair joins unless
-    # the two groups were put in different smp.partition blocks.
+    # The smp.partition blocks of each group's ops (the ops that follow
+    # their variable aside), by root, kept up to date by `join`.
     requested: Dict[int, set] = {}
     for op in graph.ops:
         if op.manual_partition is not None and not free[op.index] and op.index not in follows:
             requested.setdefault(uf.find(op.index), set()).add(op.manual_partition)
-    for a, b in chains:
+
+    def join(a: int, b: int) -> None:
+        """Joins the groups of `a` and `b` unless they were put in different blocks."""
         ra, rb = uf.find(a), uf.find(b)
-        if ra == rb:
-            continue
-        wants_a, wants_b = requested.pop(ra, set()), requested.pop(rb, set())
-        if wants_a and wants_b and wants_a != wants_b:
-            requested[ra], requested[rb] = wants_a, wants_b
-            continue
+        wants_a, wants_b = requested.get(ra, set()), requested.get(rb, set())
+        if ra == rb or (wants_a and wants_b and wants_a != wants_b):
+            return
+        requested.pop(ra, None)
+        requested.pop(rb, None)
         uf.union(a, b)
         if wants_a | wants_b:
             requested[uf.find(a)] = wants_a | wants_b
+
+    # Rule 6, once rules 1 to 5 have made the groups.
+    for a, b in chains:
+        join(a, b)
 
     # Second uses, once every other rule has joined what it joins: the users
     # of the value stay with the variable only when moving the variable
@@ -429,13 +424,12 @@ def colocation_groups(graph: OpGraph, free: Optional[List[bool]] = None) -> Grou
         for root in dict.fromkeys(uf.find(j) for j in users):
             if root == uf.find(r):
                 continue
-            in_group = [uf.find(k) == root for k in range(n)]
-            home = _requested(graph, uf, uf.find(r), follows)
-            there = _requested(graph, uf, root, follows)
+            home, there = requested.get(uf.find(r), set()), requested.get(root, set())
             if home and there and home != there:
                 continue  # the user put this use in another smp.partition block
+            in_group = [uf.find(k) == root for k in range(n)]
             if graph.variable_bytes.get(v, 0) > _forward_exchange(graph, in_group, skip):
-                uf.union(r, root)
+                join(r, root)
 
     group_of = [-1] * n
     members: List[List[int]] = []
