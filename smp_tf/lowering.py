@@ -16,11 +16,13 @@ of its body, so the device runs its actions exactly in schedule order.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import logging
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import tensorflow as tf
+from tensorflow.core.framework import attr_value_pb2
 
 from smp_tf.boundary import raw_input, raw_output
 from smp_tf.config import Config
@@ -209,6 +211,44 @@ class FusedValue:
     def __init__(self, op: FusedOp, inputs: Tuple[tf.Tensor, ...]) -> None:
         self.op = op
         self.inputs = inputs
+
+
+#: The op types of a function call in a graph.
+_CALL_OP_TYPES = frozenset({"PartitionedCall", "StatefulPartitionedCall"})
+
+
+@contextlib.contextmanager
+def calls_without_body_shape_inference(graph: tf.Graph) -> Iterator[None]:
+    """Call ops created in `graph` inside the block skip shape inference
+    through the called function's body.
+
+    When it adds a call op to a graph, TensorFlow infers the call's output
+    shapes by running shape inference over every op of the called function,
+    at every call. A task function is called once per micro-batch, so this
+    walks each task's body M times while the step is emitted (a fifth of the
+    emission of a small transformer at P=3, M=8). It adds nothing here: the
+    call's outputs get the function's output shapes right after (as
+    `ConcreteFunction` does for every call). TensorFlow's shape refiner skips
+    the body of a call node that carries ``_disable_call_shape_inference``;
+    TensorFlow's call path sets no attributes of its own, so the graph's
+    `create_op` adds it to the call ops made inside the block.
+    """
+    create_op = graph.create_op
+    if tf.executing_eagerly() or getattr(create_op, "__func__", None) is not type(graph).create_op:
+        yield  # eager, or inside such a block already
+        return
+    flag = attr_value_pb2.AttrValue(b=True)
+
+    def create_call_op(op_type, inputs, dtypes=None, input_types=None, name=None, attrs=None, *args, **kwargs):
+        if op_type in _CALL_OP_TYPES:
+            attrs = {**(attrs or {}), "_disable_call_shape_inference": flag}
+        return create_op(op_type, inputs, dtypes, input_types, name, attrs, *args, **kwargs)
+
+    graph.create_op = create_call_op
+    try:
+        yield
+    finally:
+        del graph.create_op
 
 
 class CompiledStep:
@@ -474,7 +514,8 @@ class CompiledStep:
                     # Starts once the inputs are there and the device's
                     # previous action is done; the call waits for it.
                     starts.append(timeline.emit_probe([x for x in inputs if isinstance(x, tf.Tensor)], device))
-                with tf.control_dependencies(starts[-1:] if probing else []):
+                with tf.control_dependencies(starts[-1:] if probing else []), \
+                        calls_without_body_shape_inference(tf.compat.v1.get_default_graph()):
                     outs = self._functions[task.key](*inputs)
                 if probing:
                     ends.append(timeline.emit_probe(list(outs), device))

@@ -385,3 +385,48 @@ def test_task_functions_read_their_inputs_under_the_traced_names():
         for arg in task.arg_names:
             assert graph.get_operation_by_name(arg).type == "EnsureShape"
     assert checked > 0
+
+
+def test_task_calls_skip_shape_inference_through_their_bodies_and_keep_their_shapes():
+    """Each task call of the emitted step carries the attribute that makes
+    TensorFlow skip shape inference through the task's body, and its outputs
+    still have the task function's output shapes."""
+    import keras
+
+    keras.utils.set_random_seed(0)
+    model = models.mlp()
+    smp.init({"partitions": 2, "microbatches": 3})
+    step = smp.step(models.make_body(model, "mlp"))
+    x, y = models.data("mlp")
+    ops = _lowered_ops(step, x, y)
+    calls = [op for op in ops if op.type in ("PartitionedCall", "StatefulPartitionedCall")]
+    assert len(calls) == 3 * len(step.last_compiled.tasks)
+    functions = {f.function_def.signature.name: f for f in step.last_compiled._functions.values()}
+    for op in calls:
+        assert op.get_attr("_disable_call_shape_inference") is True
+        fn = functions[op.get_attr("f").name]
+        expected = [o.shape for o in tf.nest.flatten(fn.structured_outputs)]
+        assert [t.shape for t in op.outputs] == expected
+
+
+def test_calls_without_body_shape_inference_restores_the_graph_and_nests():
+    from smp_tf.lowering import calls_without_body_shape_inference
+
+    inner = tf.function(lambda a: tf.reduce_sum(a * 2.0)).get_concrete_function(tf.TensorSpec([4]))
+    g = tf.Graph()
+    with g.as_default():
+        a = tf.ones([4])
+        with calls_without_body_shape_inference(g):
+            with calls_without_body_shape_inference(g):
+                inside = inner(a)
+            also_inside = inner(a)
+        outside = inner(a)
+    assert inside.op.get_attr("_disable_call_shape_inference") is True
+    assert also_inside.op.get_attr("_disable_call_shape_inference") is True
+    with pytest.raises(ValueError):
+        outside.op.get_attr("_disable_call_shape_inference")
+    assert inside.shape == outside.shape == tf.TensorShape([])
+    assert g.create_op.__func__ is tf.Graph.create_op
+    # Eagerly, nothing to do.
+    with calls_without_body_shape_inference(g):
+        assert float(inner(tf.ones([4]))) == 8.0
