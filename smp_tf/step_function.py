@@ -62,10 +62,13 @@ def register_post_partition_hook(fn: Callable[[], Any]) -> Callable[[], Any]:
 def _config_key() -> tuple:
     """What a compiled step depends on: the config but its schedule kind
     (only whether its backward tasks are split into B and W, which
-    ``zero_bubble`` needs), and the devices."""
+    ``zero_bubble`` needs), and the devices. With ``optimize="memory"`` the
+    split itself depends on the schedule (how many micro-batches each stage
+    keeps alive), so the schedule kind is part of the key."""
     cfg = state.config()
     fields = tuple((f.name, getattr(cfg, f.name)) for f in dataclasses.fields(cfg) if f.name != "pipeline")
-    return fields + (schedule_builder(cfg.pipeline).split_weight, tuple(state.topology().devices))
+    schedule = cfg.pipeline if cfg.optimize == "memory" else schedule_builder(cfg.pipeline).split_weight
+    return fields + (schedule, tuple(state.topology().devices))
 
 
 #: Boundary moves at most when ``optimize="memory"`` settles its split on the
@@ -230,7 +233,8 @@ class StepFunction:
 
     def _check_generation(self) -> None:
         """After `smp.init`, keeps only what was compiled for the same config
-        (except the schedule kind, which `_compile` changes without a retrace)."""
+        (except the schedule kind, which `_compile` changes without a retrace,
+        unless ``optimize="memory"`` splits by it)."""
         if self._generation != state.generation():
             key = _config_key()
             self._compiled = {k: v for k, v in self._compiled.items() if k[1] == key}

@@ -199,6 +199,31 @@ def test_reinit_discards_cached_pipelines(mlp):
     assert step.last_plan.num_partitions == 3
 
 
+def test_memory_split_follows_the_schedule_of_each_init():
+    """With ``optimize="memory"`` the split depends on the schedule (GPipe
+    keeps every micro-batch alive on every stage, 1F1B fewer on later ones):
+    a step compiled under one schedule and called after an `smp.init` with
+    another is split as a new step under that one."""
+    import keras
+
+    keras.utils.set_random_seed(3)
+    model = models.residual_cnn()
+    x, y = models.data("residual_cnn")
+    config = {"partitions": 3, "microbatches": 4, "optimize": "memory"}
+    plans = {}
+    for schedule in ("simple", "interleaved"):
+        smp.init({**config, "pipeline": schedule})
+        plans[schedule] = smp.step(models.make_body(model, "residual_cnn")).get_plan(x, y).assignment
+    assert plans["simple"] != plans["interleaved"]
+    smp.init({**config, "pipeline": "simple"})
+    step = smp.step(models.make_body(model, "residual_cnn"))
+    step(x, y)
+    assert step.last_plan.assignment == plans["simple"]
+    smp.init({**config, "pipeline": "interleaved"})
+    step(x, y)
+    assert step.last_plan.assignment == plans["interleaved"]
+
+
 def test_optimizer_update_inside_the_step_is_a_clear_error(mlp):
     import keras
 
