@@ -62,12 +62,14 @@ def register_post_partition_hook(fn: Callable[[], Any]) -> Callable[[], Any]:
 def _config_key() -> tuple:
     """What a compiled step depends on: the config but its schedule kind
     (only whether its backward tasks are split into B and W, which
-    ``zero_bubble`` needs), and the devices. With ``optimize="memory"`` the
-    split itself depends on the schedule (how many micro-batches each stage
-    keeps alive), so the schedule kind is part of the key."""
+    ``zero_bubble`` needs), and the devices. With ``optimize="memory"`` or a
+    memory budget, what is compiled depends on how many micro-batches each
+    stage keeps alive under the schedule (the split; what is recomputed to
+    fit the budget), so the schedule kind is part of the key."""
     cfg = state.config()
     fields = tuple((f.name, getattr(cfg, f.name)) for f in dataclasses.fields(cfg) if f.name != "pipeline")
-    schedule = cfg.pipeline if cfg.optimize == "memory" else schedule_builder(cfg.pipeline).split_weight
+    by_memory = cfg.optimize == "memory" or _memory_budget(cfg) is not None
+    schedule = cfg.pipeline if by_memory else schedule_builder(cfg.pipeline).split_weight
     return fields + (schedule, tuple(state.topology().devices))
 
 
@@ -234,7 +236,7 @@ class StepFunction:
     def _check_generation(self) -> None:
         """After `smp.init`, keeps only what was compiled for the same config
         (except the schedule kind, which `_compile` changes without a retrace,
-        unless ``optimize="memory"`` splits by it)."""
+        unless memory decides the split or the recomputation)."""
         if self._generation != state.generation():
             key = _config_key()
             self._compiled = {k: v for k, v in self._compiled.items() if k[1] == key}

@@ -574,6 +574,35 @@ def test_memory_report_of_a_step_and_the_budget_error():
     assert step.memory_report().budget == 2**30
 
 
+def test_the_recomputation_fitted_to_a_budget_follows_the_schedule_of_each_init():
+    """GPipe keeps all 8 micro-batches' activations alive where 1F1B keeps
+    two: under this budget the first must recompute, the second need not. A
+    step switched between them by `smp.init` fits the budget anew."""
+    import keras
+
+    import smp_tf as smp
+    from tests import models
+
+    keras.utils.set_random_seed(3)
+    model = models.tied_transformer()
+    x, y = models.data("tied_transformer")
+    config = {"partitions": 2, "microbatches": 8, "memory_budget": 120_000, "recompute": "auto"}
+    fresh = {}
+    for schedule in ("simple", "interleaved"):
+        smp.init({**config, "pipeline": schedule})
+        step = smp.step(models.make_body(model, "tied_transformer"))
+        step(x, y)
+        fresh[schedule] = step.last_compiled.recompute
+    assert fresh["simple"] != ["never", "never"] and fresh["interleaved"] == ["never", "never"]
+    for first, then in (("simple", "interleaved"), ("interleaved", "simple")):
+        smp.init({**config, "pipeline": first})
+        step = smp.step(models.make_body(model, "tied_transformer"))
+        step(x, y)
+        smp.init({**config, "pipeline": then})
+        step(x, y)
+        assert step.last_compiled.recompute == fresh[then], (first, then)
+
+
 def test_measure_memory_reads_each_gpus_own_peak(monkeypatch):
     """Where partitions are GPUs, each has its own allocator: the measured
     column is the peak of each partition's device, reset before the step."""
