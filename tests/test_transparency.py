@@ -4,6 +4,12 @@ For every model, schedule, partition count and micro-batch count, the loss,
 the predictions, every gradient and the model's state after the step (BatchNorm
 moving statistics, dropout seed state) equal the single-device reference: the
 same body run per micro-batch in a plain loop from the same initial weights.
+
+The tests of one model run in one worker (``xdist_group``), the schedules of
+one layout one after another: the reference of a micro-batch count is
+computed once per model, and the step of a layout is traced and partitioned
+once and called under each schedule after its `smp.init`, as a user who
+switches schedules keeps it (each schedule is still lowered and run anew).
 """
 
 import itertools
@@ -21,10 +27,30 @@ ATOL = 1e-6
 SCHEDULES = ("simple", "interleaved", "zero_bubble")
 PARTITIONS = (1, 2, 3, 4)
 MICROBATCHES = (1, 2, 3, 4, 8)
-GRID = list(itertools.product(SCHEDULES, PARTITIONS, MICROBATCHES))
+#: (partitions, micro-batches, schedule), the schedules of a layout in a row.
+GRID = [(s, p, m) for p, m, s in itertools.product(PARTITIONS, MICROBATCHES, SCHEDULES)]
 KINDS = ["mlp", "residual_cnn", "tied_transformer", "batchnorm", "dropout"]
 
 _MODELS = {}
+#: The current model's single-device results per micro-batch count.
+_REFERENCES = {}
+#: The current layout's step: (key, step).
+_STEP = [None, None]
+
+
+def _grouped(kind):
+    return pytest.mark.xdist_group(f"transparency_{kind}")
+
+
+def _params(kinds, configs):
+    """The test parameters, one model's in a row and in one worker."""
+    def name(value):
+        return "+".join(value) if isinstance(value, tuple) else str(value)
+
+    return [
+        pytest.param(kind, *config, marks=_grouped(kind), id="-".join([name(c) for c in config] + [kind]))
+        for kind in kinds for config in configs
+    ]
 
 
 def _model(kind):
@@ -41,6 +67,26 @@ def _model(kind):
     return model, init
 
 
+def _reference(kind, model, init, body, x, y, microbatches):
+    """The single-device loop's results and the state after it, from `init`."""
+    if (kind, microbatches) not in _REFERENCES:
+        if any(k != kind for k, _ in _REFERENCES):
+            _REFERENCES.clear()
+        ref = models.reference(body, x, y, microbatches)
+        _REFERENCES[(kind, microbatches)] = (ref, [v.numpy() for v in model.variables])
+        for v, value in zip(model.variables, init):
+            v.assign(value)
+    return _REFERENCES[(kind, microbatches)]
+
+
+def _step(kind, model, partitions, microbatches, options, config):
+    """The step of this model and layout, shared by its schedules."""
+    key = (kind, partitions, microbatches, tuple(options), tuple(sorted(config.items())))
+    if _STEP[0] != key:
+        _STEP[:] = [key, smp.step(models.make_body(model, kind))]
+    return _STEP[1]
+
+
 def _check(kind, schedule, partitions, microbatches, options=(), **config):
     model, init = _model(kind)
     x, y = models.data(kind)
@@ -49,13 +95,9 @@ def _check(kind, schedule, partitions, microbatches, options=(), **config):
         **{o: True for o in options}, **config,
     })
     body = models.make_body(model, kind)
+    ref, ref_state = _reference(kind, model, init, body, x, y, microbatches)
 
-    ref = models.reference(body, x, y, microbatches)
-    ref_state = [v.numpy() for v in model.variables]
-    for v, value in zip(model.variables, init):
-        v.assign(value)
-
-    step = smp.step(body)
+    step = _step(kind, model, partitions, microbatches, options, config)
     loss, grads, pred = step(x, y)
     # The accumulated gradients (the mean over micro-batches), checked first:
     # for fused outputs it is one op over all micro-batches.
@@ -65,7 +107,7 @@ def _check(kind, schedule, partitions, microbatches, options=(), **config):
             tf.convert_to_tensor(g.accumulate()), ref_mean, rtol=RTOL, atol=ATOL,
             err_msg=f"accumulated gradient of {var.path}",
         )
-    compiled = next(iter(step._compiled.values()))
+    compiled = step.last_compiled
     if "fuse_weight_gradients" in options:
         fused = sum(g._fused is not None for g in grads)
         assert fused == len(compiled.fused)
@@ -97,8 +139,7 @@ def _check(kind, schedule, partitions, microbatches, options=(), **config):
     return compiled
 
 
-@pytest.mark.parametrize("kind", KINDS)
-@pytest.mark.parametrize("schedule,partitions,microbatches", GRID)
+@pytest.mark.parametrize("kind,schedule,partitions,microbatches", _params(KINDS, GRID))
 def test_transparency(kind, schedule, partitions, microbatches):
     _check(kind, schedule, partitions, microbatches)
 
@@ -110,22 +151,26 @@ OPTION_SETS = [
 ]
 
 
-@pytest.mark.parametrize("kind", KINDS)
-@pytest.mark.parametrize("options", OPTION_SETS, ids=lambda o: "+".join(o))
-@pytest.mark.parametrize("schedule,partitions,microbatches", [
-    ("interleaved", 2, 4), ("simple", 3, 4), ("interleaved", 4, 8), ("interleaved", 2, 1),
-])
+OPTION_CONFIGS = [("interleaved", 2, 4), ("simple", 3, 4), ("interleaved", 4, 8), ("interleaved", 2, 1)]
+
+
+@pytest.mark.parametrize(
+    "kind,options,schedule,partitions,microbatches",
+    _params(KINDS, [(o, *c) for o in OPTION_SETS for c in OPTION_CONFIGS]),
+)
 def test_transparency_with_smp_tf_options(kind, options, schedule, partitions, microbatches):
     """Weight gradients computed once over all micro-batches and kernels
     transposed once per step give the reference values too."""
     _check(kind, schedule, partitions, microbatches, options)
 
 
-@pytest.mark.parametrize("kind", KINDS)
-@pytest.mark.parametrize("schedule,partitions,virtual_stages,microbatches", [
-    ("interleaved", 2, 2, 4), ("interleaved", 2, 2, 3), ("interleaved", 2, 3, 4), ("interleaved", 3, 2, 6),
-    ("simple", 2, 2, 4), ("zero_bubble", 2, 2, 4),
-])
+VIRTUAL_CONFIGS = [
+    ("interleaved", 2, 2, 4), ("simple", 2, 2, 4), ("zero_bubble", 2, 2, 4),
+    ("interleaved", 2, 2, 3), ("interleaved", 2, 3, 4), ("interleaved", 3, 2, 6),
+]
+
+
+@pytest.mark.parametrize("kind,schedule,partitions,virtual_stages,microbatches", _params(KINDS, VIRTUAL_CONFIGS))
 def test_transparency_with_virtual_stages(kind, schedule, partitions, virtual_stages, microbatches):
     """Each device holding several partitions (chunk c on device c % P)
     computes the reference values too, and every device runs its chunks'
@@ -147,8 +192,7 @@ def test_transparency_with_virtual_stages(kind, schedule, partitions, virtual_st
     assert "per device" in report.table()
 
 
-@pytest.mark.parametrize("kind", ["mlp", "tied_transformer"])
-@pytest.mark.parametrize("schedule", SCHEDULES)
+@pytest.mark.parametrize("kind,schedule", _params(["mlp", "tied_transformer"], [(s,) for s in SCHEDULES]))
 def test_transparency_with_memory_aware_partitioning(kind, schedule):
     """``optimize="memory"`` moves the boundaries by the schedule's predicted
     peaks (ZB-H1 keeps more micro-batches on later stages than 1F1B); the
