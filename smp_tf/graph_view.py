@@ -350,6 +350,8 @@ def _link_gradients(ops: List[OpNode], tensors: List[TensorInfo]) -> None:
     by_name: Dict[str, int] = {}
     by_scope: Dict[str, List[int]] = {}
     first_gradient = None
+    # Gradient ops linked through their readers, to one of these forward ops.
+    in_scope: Dict[int, List[int]] = {}
     for op in ops:
         if forward_name_of_gradient(op.name) is None:
             by_name[op.name] = op.index
@@ -373,11 +375,21 @@ def _link_gradients(ops: List[OpNode], tensors: List[TensorInfo]) -> None:
             cands = [c for c in by_scope.get(scope, ()) if c < op.index]
             if cands:
                 # Prefer a forward op it reads, then what its gradient inputs
-                # in the same scope differentiate, then the newest candidate.
+                # in the same scope differentiate. Failing both, the scope
+                # alone does not tell which of its ops this one differentiates
+                # (a concatenation's gradient slices read only the incoming
+                # gradient and constants): it is linked below, through the ops
+                # that read it, to one of the scope's ops, else to the scope's
+                # newest op.
                 direct = [c for c in cands if c in producers]
                 cand_set = set(cands)
                 via = [ops[p].forward for p in sorted(producers) if ops[p].is_gradient and ops[p].forward in cand_set]
-                op.forward = direct[-1] if direct else via[-1] if via else cands[-1]
+                if direct or via:
+                    op.forward = direct[-1] if direct else via[-1]
+                elif op.inputs:
+                    in_scope[op.index] = cands
+                # (A constant differentiates nothing: it is free, copied to
+                # every task that reads it.)
                 break
             scope = scope.rsplit("/", 1)[0] if "/" in scope else ""
     if first_gradient is None:
@@ -416,6 +428,11 @@ def _link_gradients(ops: List[OpNode], tensors: List[TensorInfo]) -> None:
         op.is_gradient = True
     for op in reversed(late):
         fwd = [ops[c].forward for c in consumers.get(op.index, ()) if ops[c].forward is not None]
+        if op.index in in_scope:
+            # The first reader's forward op that is one of its scope's; a
+            # gradient op never leaves the layer its name says it belongs to.
+            allowed = set(in_scope[op.index])
+            fwd = [f for f in fwd if f in allowed] or [in_scope[op.index][-1]]
         op.forward = fwd[0] if fwd else None
     for op in late:
         if op.forward is None:

@@ -631,3 +631,42 @@ def test_from_tf_graph_static_shape_ops_read_no_tensor():
     assert sn.inputs == [] and sn.static_value == ((2, 3), (2, 3))
     assert og.tensors[og.op("x").outputs[0]].consumers == []
     assert len(u.inputs) == 1 and u.static_value is None
+
+
+def test_gradient_ops_of_a_scope_follow_the_ops_that_read_them():
+    """Rows rebuilt by slicing and concatenating in a loop (Qwen3.5's gated
+    delta net): the concatenation's gradient slices and offsets are named in
+    the block's scope and read only the incoming gradient and constants.
+    They are linked through the gradient ops that read them to the forward
+    op of their own iteration, not to the block's last op; no gradient op is
+    linked to a forward op created after it, and constants to none."""
+    w = tf.Variable(tf.ones([4, 4]))
+
+    @tf.function
+    def step(x):
+        with tf.GradientTape() as tape:
+            with tf.name_scope("block"):
+                a = tf.matmul(x, w)
+                for i in range(1, 4):
+                    row = a[:, i:i + 1] * 2.0
+                    a = tf.concat([a[:, :i], row, a[:, i + 1:]], axis=1)
+                out = tf.reshape(a, [-1])
+            loss = tf.reduce_sum(out * out)
+        return loss, tape.gradient(loss, [w])
+
+    fg = step.get_concrete_function(tf.TensorSpec([3, 4])).graph
+    og = from_tf_graph(fg, arg_ops=["x"], layer_of=lambda op: "block" if op.name.startswith("block/") else None)
+    last = max(op.index for op in og.ops if op.name.startswith("block/") and not op.is_gradient)
+    slices = [op for op in og.ops if op.is_gradient and op.type == "Slice" and op.name.startswith("gradient_tape/block/")]
+    assert len(slices) == 3 * 3  # three concatenations of three parts
+    for op in slices:
+        assert op.forward is not None and op.forward != last, op.name
+        # What reads the slice (a strided slice's gradient, a multiplication's)
+        # differentiates the op it is linked to.
+        readers = {c for t in op.outputs for c in og.tensors[t].consumers}
+        assert op.forward in {og.ops[c].forward for c in readers}, op.name
+    for op in og.ops:
+        if op.is_gradient and op.forward is not None:
+            assert op.forward < op.index, op.name
+        if op.type == "Const" and forward_name_of_gradient(op.name) == "block":
+            assert op.forward is None, op.name  # named in the block's scope alone
