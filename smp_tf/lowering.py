@@ -225,8 +225,8 @@ def calls_without_body_shape_inference(graph: tf.Graph) -> Iterator[None]:
     When it adds a call op to a graph, TensorFlow infers the call's output
     shapes by running shape inference over every op of the called function,
     at every call. A task function is called once per micro-batch, so this
-    walks each task's body M times while the step is emitted (a fifth of the
-    emission of a small transformer at P=3, M=8). It adds nothing here: the
+    walks each task's body M times while the step is emitted (almost half
+    the emission of a small transformer at P=3, M=8). It adds nothing here: the
     call's outputs get the function's output shapes right after (as
     `ConcreteFunction` does for every call). TensorFlow's shape refiner skips
     the body of a call node that carries ``_disable_call_shape_inference``;
