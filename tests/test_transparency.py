@@ -9,7 +9,8 @@ The tests of one model run in one worker (``xdist_group``), the schedules of
 one layout one after another: the reference of a micro-batch count is
 computed once per model, and the step of a layout is traced and partitioned
 once and called under each schedule after its `smp.init`, as a user who
-switches schedules keeps it (each schedule is still lowered and run anew).
+switches schedules keeps it (each schedule's pipeline is still built from its
+own schedule, emitted and run anew).
 """
 
 import itertools
