@@ -486,51 +486,52 @@ class CompiledStep:
         probing = timeline.recording()
         starts: List[tf.Tensor] = []
         ends: List[tf.Tensor] = []
-        for action in self.emit_order:
-            task = self._task_by_key[(action.partition, action.wave)]
-            m = action.microbatch
-            device = self.devices[task.partition]
-            # A device runs its actions in schedule order, whichever of its
-            # partitions (virtual stages) they belong to.
-            dev_index = self.plan.device_index[task.partition]
-            prev = last.get(dev_index)
-            deps = [prev] if prev is not None else []
-            scope = f"smp/mb{m}/p{task.partition}w{task.wave}"
-            with tf.name_scope(scope), tf.device(device), tf.control_dependencies(deps):
-                inputs = []
-                for t in task.inputs:
-                    if task.producer_of_input[t][0] != task.partition:
-                        key = (m, t, task.partition)
-                        if key not in received:
-                            received[key] = raw_input(sent[(m, t)])
-                        inputs.append(received[key])
-                    else:
-                        inputs.append(raw[(m, t)])
-                for name in task.arg_names:
-                    inputs.append(arg_values[m][self._arg_index[name]])
-                for r in task.transposed_reads:
-                    inputs.append(transposed[(task.partition, r)])
-                if probing:
-                    # Starts once the inputs are there and the device's
-                    # previous action is done; the call waits for it.
-                    starts.append(timeline.emit_probe([x for x in inputs if isinstance(x, tf.Tensor)], device))
-                with tf.control_dependencies(starts[-1:] if probing else []), \
-                        calls_without_body_shape_inference(tf.compat.v1.get_default_graph()):
-                    outs = self._functions[task.key](*inputs)
-                if probing:
-                    ends.append(timeline.emit_probe(list(outs), device))
-            # Eagerly (Keras's run_eagerly) the actions simply run one after
-            # another in this order; in a graph the next action of the
-            # device waits for this call.
-            done = ends[-1] if probing else outs[-1]
-            # Probing, the device's next action also waits for this one's end
-            # probe, so that the two never overlap in the record.
-            last[dev_index] = done if tf.executing_eagerly() else done.op
-            with tf.name_scope(scope), tf.device(device):
-                for t, value in zip(task.outputs, outs):
-                    raw[(m, t)] = value
-                    if t in self._sent_tensors:
-                        sent[(m, t)] = raw_output(value)
+        # The task calls made here skip shape inference through their bodies.
+        with calls_without_body_shape_inference(tf.compat.v1.get_default_graph()):
+            for action in self.emit_order:
+                task = self._task_by_key[(action.partition, action.wave)]
+                m = action.microbatch
+                device = self.devices[task.partition]
+                # A device runs its actions in schedule order, whichever of its
+                # partitions (virtual stages) they belong to.
+                dev_index = self.plan.device_index[task.partition]
+                prev = last.get(dev_index)
+                deps = [prev] if prev is not None else []
+                scope = f"smp/mb{m}/p{task.partition}w{task.wave}"
+                with tf.name_scope(scope), tf.device(device), tf.control_dependencies(deps):
+                    inputs = []
+                    for t in task.inputs:
+                        if task.producer_of_input[t][0] != task.partition:
+                            key = (m, t, task.partition)
+                            if key not in received:
+                                received[key] = raw_input(sent[(m, t)])
+                            inputs.append(received[key])
+                        else:
+                            inputs.append(raw[(m, t)])
+                    for name in task.arg_names:
+                        inputs.append(arg_values[m][self._arg_index[name]])
+                    for r in task.transposed_reads:
+                        inputs.append(transposed[(task.partition, r)])
+                    if probing:
+                        # Starts once the inputs are there and the device's
+                        # previous action is done; the call waits for it.
+                        starts.append(timeline.emit_probe([x for x in inputs if isinstance(x, tf.Tensor)], device))
+                    with tf.control_dependencies(starts[-1:] if probing else []):
+                        outs = self._functions[task.key](*inputs)
+                    if probing:
+                        ends.append(timeline.emit_probe(list(outs), device))
+                # Eagerly (Keras's run_eagerly) the actions simply run one after
+                # another in this order; in a graph the next action of the
+                # device waits for this call.
+                done = ends[-1] if probing else outs[-1]
+                # Probing, the device's next action also waits for this one's end
+                # probe, so that the two never overlap in the record.
+                last[dev_index] = done if tf.executing_eagerly() else done.op
+                with tf.name_scope(scope), tf.device(device):
+                    for t, value in zip(task.outputs, outs):
+                        raw[(m, t)] = value
+                        if t in self._sent_tensors:
+                            sent[(m, t)] = raw_output(value)
         # Device -> its last action: what runs after the pipeline waits on it.
         self.device_last_ops = dict(last)
         if probing:

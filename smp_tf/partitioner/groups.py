@@ -393,14 +393,17 @@ def colocation_groups(graph: OpGraph, free: Optional[List[bool]] = None) -> Grou
         if op.manual_partition is not None and not free[op.index] and op.index not in follows:
             requested.setdefault(uf.find(op.index), set()).add(op.manual_partition)
 
+    def apart(ra: int, rb: int) -> bool:
+        """Whether the groups of roots `ra` and `rb` were put in different blocks."""
+        wants_a, wants_b = requested.get(ra), requested.get(rb)
+        return bool(wants_a and wants_b and wants_a != wants_b)
+
     def join(a: int, b: int) -> None:
         """Joins the groups of `a` and `b` unless they were put in different blocks."""
         ra, rb = uf.find(a), uf.find(b)
-        wants_a, wants_b = requested.get(ra, set()), requested.get(rb, set())
-        if ra == rb or (wants_a and wants_b and wants_a != wants_b):
+        if ra == rb or apart(ra, rb):
             return
-        requested.pop(ra, None)
-        requested.pop(rb, None)
+        wants_a, wants_b = requested.pop(ra, set()), requested.pop(rb, set())
         uf.union(a, b)
         if wants_a | wants_b:
             requested[uf.find(a)] = wants_a | wants_b
@@ -424,8 +427,7 @@ def colocation_groups(graph: OpGraph, free: Optional[List[bool]] = None) -> Grou
         for root in dict.fromkeys(uf.find(j) for j in users):
             if root == uf.find(r):
                 continue
-            home, there = requested.get(uf.find(r), set()), requested.get(root, set())
-            if home and there and home != there:
+            if apart(uf.find(r), root):
                 continue  # the user put this use in another smp.partition block
             in_group = [uf.find(k) == root for k in range(n)]
             if graph.variable_bytes.get(v, 0) > _forward_exchange(graph, in_group, skip):
