@@ -45,7 +45,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, replace
-from typing import Callable, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
 
 from smp_tf.graph_view import OpGraph, OpNode
 from smp_tf.rewrite import Task
@@ -63,6 +63,7 @@ __all__ = [
     "task_workspace",
     "kernel_scratch",
     "ALLOCATION_GRANULE",
+    "is_view",
     "optimizer_slots",
     "format_bytes",
     "stage_multipliers",
@@ -334,6 +335,49 @@ class MemoryReport:
         return self.table()
 
 
+#: Matrix products whose operands TensorFlow's graph optimiser may take
+#: transposed (``transpose_a``/``adj_x`` and their counterparts).
+_MATMULS = frozenset(["MatMul", "BatchMatMul", "BatchMatMulV2", "BatchMatMulV3"])
+
+
+def _known(shape: Any) -> bool:
+    return shape is not None and all(d is not None for d in shape)
+
+
+def is_view(graph: OpGraph, op: OpNode) -> bool:
+    """Whether `op` allocates nothing of its own: its outputs share its first
+    input's buffer.
+
+    The `ALIASING` ops, and two kinds of ``Transpose`` that the runtime
+    never materialises:
+
+    * one that can only move dimensions of size 1: TensorFlow's kernel hands
+      out its input's buffer under the new shape. Gradients build such
+      transposes from permutations computed at run time (the gradient of a
+      ``gather`` with ``batch_dims``), so the permutation is read from the
+      shapes: when the dimensions larger than 1 have distinct sizes and
+      appear in the same order in the input and the output, no permutation
+      but one that keeps them in place gives that output;
+    * a transpose of the last two dimensions read only by matrix products:
+      the graph optimiser folds it into them (``transpose_b=True``), as for
+      a tied embedding used as the output projection.
+    """
+    if op.type in ALIASING:
+        return bool(op.inputs)
+    if op.type != "Transpose" or not op.inputs or len(op.outputs) != 1:
+        return False
+    src, dst = graph.tensors[op.inputs[0]].shape, graph.tensors[op.outputs[0]].shape
+    if not _known(src) or not _known(dst) or len(src) != len(dst):
+        return False
+    big = [d for d in src if d != 1]
+    if big == [d for d in dst if d != 1] and len(set(big)) == len(big):
+        return True
+    out = graph.tensors[op.outputs[0]]
+    inner = (len(src) == 2 or len(set(src)) == len(src)) and tuple(dst) == tuple(src[:-2]) + (src[-1], src[-2])
+    return (inner and not out.dtype.startswith("complex") and bool(out.consumers)
+            and all(graph.ops[c].type in _MATMULS and out.id in graph.ops[c].inputs[:2] for c in out.consumers))
+
+
 #: TensorFlow's BFC allocator hands out multiples of 256 bytes
 #: (``kMinAllocationSize``): many small tensors take more than their sizes.
 ALLOCATION_GRANULE = 256
@@ -357,7 +401,7 @@ def storage_bytes(graph: OpGraph) -> List[int]:
         if op.kind != "op" or op.type in _NOT_ALLOCATED or op.type == "ReadVariableOp":
             for t in op.outputs:
                 out[t] = 0
-        elif op.type in ALIASING and op.inputs and out[op.inputs[0]] == 0:
+        elif is_view(graph, op) and out[op.inputs[0]] == 0:
             for t in op.outputs:
                 out[t] = 0
     return out
@@ -389,7 +433,7 @@ def task_workspace(
         for t in op.inputs:
             b = buffer.get(t, t)
             last_use[b] = i
-        if op.type in ALIASING and op.inputs:
+        if is_view(graph, op):
             for k, t in enumerate(op.outputs):
                 x = op.inputs[k] if op.type == "IdentityN" and k < len(op.inputs) else op.inputs[0]
                 buffer[t] = buffer.get(x, x)

@@ -13,7 +13,8 @@
   executor: the default one runs independent ops side by side in an order
   that changes from run to run and with the machine's load, and the peak
   moves with it; a task the single-threaded executor cannot run is run
-  under the default one, the median of `TASK_RUNS` runs). The
+  under the default one, the median of `TASK_RUNS` runs), and counting the
+  bytes its ops requested from the allocator (`_peak_of`). The
   ``measured`` column is then the partition's peak computed
   from the measured task peaks instead of the predicted ones (the kept
   tensors have their static sizes, which are exact; a task that reads a
@@ -27,14 +28,16 @@ output, `StepOutput.accumulate`, as a `tf.function`.
 
 from __future__ import annotations
 
+import glob
 import os
-from typing import Any, Dict, Optional
+import tempfile
+from typing import Any, Dict, Iterable, List, Optional, Tuple
 
 import tensorflow as tf
 
-from smp_tf.memory import MemoryReport, with_measurements
+from smp_tf.memory import ALLOCATION_GRANULE, MemoryReport, with_measurements
 
-__all__ = ["measure_step_memory", "cpu_allocator_counts_bytes"]
+__all__ = ["measure_step_memory", "cpu_allocator_counts_bytes", "requested_peak"]
 
 #: How many times a task the single-threaded executor cannot run is run
 #: under the default one; its measured peak is the median.
@@ -56,12 +59,96 @@ def cpu_allocator_counts_bytes() -> bool:
         return False
 
 
-def _peak_of(fn, device: str = "CPU:0") -> int:
-    """Peak bytes above the current allocation while `fn` runs."""
+def _allocator_peak(fn, device: str = "CPU:0") -> int:
+    """Peak bytes above the current allocation while `fn` runs, as the
+    allocator counts them (the chunks it handed out)."""
     tf.config.experimental.reset_memory_stats(device)
     before = tf.config.experimental.get_memory_info(device)["current"]
     fn()
     return tf.config.experimental.get_memory_info(device)["peak"] - before
+
+
+def requested_peak(events: Iterable[Tuple[int, bool, int]]) -> int:
+    """The peak of the bytes in use over a run's allocations, each counted
+    as its request rounded up to the allocator's granule.
+
+    Args:
+        events: ``(time, is_allocation, requested_bytes)`` for every
+            allocation and deallocation of the run, in any order.
+
+    Returns:
+        The largest sum of the live allocations, above what was in use
+        before the run (0 if nothing was allocated).
+    """
+    live = peak = 0
+    # At one instant, frees first: a buffer released as another is taken
+    # is not live at the same time as it.
+    for _, is_allocation, nbytes in sorted(events, key=lambda e: (e[0], e[1])):
+        granules = -(-nbytes // ALLOCATION_GRANULE) * ALLOCATION_GRANULE
+        live += granules if is_allocation else -granules
+        peak = max(peak, live)
+    return peak
+
+
+def _allocation_events(logdir: str) -> Optional[List[Tuple[int, bool, int]]]:
+    """The allocator's events in the profile written under `logdir`."""
+    try:
+        from tensorflow.tsl.profiler.protobuf import xplane_pb2
+    except ImportError:
+        return None
+    files = glob.glob(os.path.join(logdir, "plugins", "profile", "*", "*.xplane.pb"))
+    if len(files) != 1:
+        return None
+    space = xplane_pb2.XSpace()
+    with open(files[0], "rb") as f:
+        space.ParseFromString(f.read())
+    events = []
+    for plane in space.planes:
+        kinds = {k: m.name for k, m in plane.event_metadata.items()
+                 if m.name in ("MemoryAllocation", "MemoryDeallocation")}
+        requested = [k for k, m in plane.stat_metadata.items() if m.name == "requested_bytes"]
+        if not kinds or not requested:
+            continue
+        for line in plane.lines:
+            for ev in line.events:
+                kind = kinds.get(ev.metadata_id)
+                if kind is None:
+                    continue
+                nbytes = next((s.int64_value or s.uint64_value for s in ev.stats if s.metadata_id == requested[0]), 0)
+                events.append((line.timestamp_ns * 1000 + ev.offset_ps, kind == "MemoryAllocation", nbytes))
+    return events
+
+
+def _peak_of(fn, device: str = "CPU:0") -> int:
+    """Peak bytes above the current allocation while `fn` runs.
+
+    Read from the allocator's own events (TensorFlow's profiler records
+    every allocation with its requested size): the peak of the requests,
+    each rounded up to the allocator's 256-byte granule. The allocator's
+    peak counter counts the chunks it handed out instead, and a request
+    may get a free chunk of up to twice its size, depending on which free
+    chunks earlier work in the process left: the same task's peak then
+    moves by up to a seventh between processes. Where the profiler cannot
+    run (another profile is open) the allocator's counter is read.
+    """
+    with tempfile.TemporaryDirectory() as logdir:
+        try:
+            tf.profiler.experimental.start(
+                logdir,
+                tf.profiler.experimental.ProfilerOptions(
+                    host_tracer_level=2, python_tracer_level=0, device_tracer_level=0
+                ),
+            )
+        except (tf.errors.OpError, RuntimeError, ValueError):
+            return _allocator_peak(fn, device)
+        try:
+            fn()
+        finally:
+            tf.profiler.experimental.stop()
+        events = _allocation_events(logdir)
+    if not events:
+        return _allocator_peak(fn, device)
+    return requested_peak(events)
 
 
 def _sequential_peak(fn: Any, inputs: list) -> Optional[int]:
