@@ -846,20 +846,17 @@ for name in sys.argv[2].split(","):
 def test_prediction_within_15_percent_of_measurement_on_zoo_models():
     """Predicted partition peaks against the measured ones (logical CPU
     devices: composed from each task's measured peak, see
-    smp_tf.profiling.memory) on three zoo models, both schedules.
-
-    Convolutional models are not among them: on CPUs the matrix products
-    behind a convolution's gradients pack their operands into buffers that
-    Eigen sizes from the CPU's caches, which the model does not predict
-    (docs/memory.md gives the figures)."""
+    smp_tf.profiling.memory) on four zoo models, both schedules: three
+    transformers and a convolutional UNet, whose convolution gradients
+    allocate scratch buffers of their own (`kernel_scratch`)."""
     env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2")
-    models = "gpt2_lm,bert_classifier,tied_transformer"
+    models = "gpt2_lm,bert_classifier,tied_transformer,unet"
     out = subprocess.run(
         [sys.executable, "-c", _MEASURE, str(ROOT), models], env=env, capture_output=True, text=True, timeout=900
     )
     assert out.returncode == 0, out.stderr[-3000:]
     rows = [line.split() for line in out.stdout.splitlines() if line.startswith("ROW")]
-    assert len(rows) == 3 * 2 * 2
+    assert len(rows) == 4 * 2 * 2
     for _, name, sched, p, total, measured in rows:
         total, measured = int(total), int(measured)
         assert abs(total - measured) <= 0.15 * measured, f"{name} {sched} partition {p}: predicted {total}, measured {measured}"
@@ -868,7 +865,7 @@ def test_prediction_within_15_percent_of_measurement_on_zoo_models():
     # Each task's ops run one at a time (under the default executor the
     # order of independent ops, and with it the peak, moves with the load).
     methods = [line for line in out.stdout.splitlines() if line.startswith("METHOD")]
-    assert len(methods) == 3 * 2 and all(m.endswith("each task run alone, its ops one at a time)") for m in methods)
+    assert len(methods) == 4 * 2 and all(m.endswith("each task run alone, its ops one at a time)") for m in methods)
 
 
 _STABLE = _PRELUDE + r"""
