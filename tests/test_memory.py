@@ -871,8 +871,14 @@ def test_prediction_within_15_percent_of_measurement_on_zoo_models():
 _STABLE = _PRELUDE + r"""
 import smp_tf.profiling.memory as measuring
 if sys.argv[2] == "allocator":
-    measuring._peak_of = measuring._allocator_peak
+    measuring.COUNT_REQUESTS = False
 step, x, y = zoo_step("gpt2_lm")
+if sys.argv[2] == "busy":  # a profile of the user's own is open: the counter is read
+    import tempfile
+    tf.profiler.experimental.start(tempfile.mkdtemp())
+    print("MEASURED", *[row.measured for row in step.measure_memory(x, y)], flush=True)
+    tf.profiler.experimental.stop()
+    sys.exit(0)
 random.seed(0)
 kept = []
 for _ in range(3):
@@ -901,6 +907,8 @@ def test_measured_task_peaks_do_not_move_with_the_allocators_free_chunks():
     rows = measured("events")
     assert len(rows) == 3 and len(set(rows)) == 1, rows
     assert len(set(measured("allocator"))) > 1
+    (busy,) = measured("busy")
+    assert all(int(v) > 0 for v in busy.split()[1:])
 
 
 def test_measured_task_peaks_fall_back_to_the_default_executor_for_loops():

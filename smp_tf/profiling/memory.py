@@ -14,7 +14,7 @@
   that changes from run to run and with the machine's load, and the peak
   moves with it; a task the single-threaded executor cannot run is run
   under the default one, the median of `TASK_RUNS` runs), and counting the
-  bytes its ops requested from the allocator (`_peak_of`). The
+  bytes its ops requested from the allocator (`AllocationRecorder`). The
   ``measured`` column is then the partition's peak computed
   from the measured task peaks instead of the predicted ones (the kept
   tensors have their static sizes, which are exact; a task that reads a
@@ -31,13 +31,13 @@ from __future__ import annotations
 import glob
 import os
 import tempfile
-from typing import Any, Dict, Iterable, List, Optional, Tuple
+from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple
 
 import tensorflow as tf
 
 from smp_tf.memory import ALLOCATION_GRANULE, MemoryReport, with_measurements
 
-__all__ = ["measure_step_memory", "cpu_allocator_counts_bytes", "requested_peak"]
+__all__ = ["measure_step_memory", "cpu_allocator_counts_bytes", "requested_peak", "AllocationRecorder"]
 
 #: How many times a task the single-threaded executor cannot run is run
 #: under the default one; its measured peak is the median.
@@ -90,95 +90,136 @@ def requested_peak(events: Iterable[Tuple[int, bool, int]]) -> int:
     return peak
 
 
-def _allocation_events(logdir: str) -> Optional[List[Tuple[int, bool, int]]]:
-    """The allocator's events in the profile written under `logdir`."""
-    try:
-        from tensorflow.tsl.profiler.protobuf import xplane_pb2
-    except ImportError:
-        return None
-    files = glob.glob(os.path.join(logdir, "plugins", "profile", "*", "*.xplane.pb"))
-    if len(files) != 1:
-        return None
-    space = xplane_pb2.XSpace()
-    with open(files[0], "rb") as f:
-        space.ParseFromString(f.read())
-    events = []
-    for plane in space.planes:
-        kinds = {k: m.name for k, m in plane.event_metadata.items()
-                 if m.name in ("MemoryAllocation", "MemoryDeallocation")}
-        requested = [k for k, m in plane.stat_metadata.items() if m.name == "requested_bytes"]
-        if not kinds or not requested:
-            continue
-        for line in plane.lines:
-            for ev in line.events:
-                kind = kinds.get(ev.metadata_id)
-                if kind is None:
-                    continue
-                nbytes = next((s.int64_value or s.uint64_value for s in ev.stats if s.metadata_id == requested[0]), 0)
-                events.append((line.timestamp_ns * 1000 + ev.offset_ps, kind == "MemoryAllocation", nbytes))
-    return events
+#: Whether a task's peak counts the bytes its ops requested (from the
+#: allocator's events, see `AllocationRecorder`) rather than the
+#: allocator's own peak counter.
+COUNT_REQUESTS = True
+
+# Names of the trace annotations around the measured runs.
+_RUN_MARK = "smp_tf_memory_run:"
 
 
-def _peak_of(fn, device: str = "CPU:0") -> int:
-    """Peak bytes above the current allocation while `fn` runs.
+class AllocationRecorder:
+    """Runs functions under one TensorFlow profile and gives each run's peak.
 
-    Read from the allocator's own events (TensorFlow's profiler records
-    every allocation with its requested size): the peak of the requests,
-    each rounded up to the allocator's 256-byte granule. The allocator's
-    peak counter counts the chunks it handed out instead, and a request
-    may get a free chunk of up to twice its size, depending on which free
-    chunks earlier work in the process left: the same task's peak then
-    moves by up to a seventh between processes. Where the profiler cannot
-    run (another profile is open) the allocator's counter is read.
+    TensorFlow's profiler records every allocation of the BFC allocator
+    with the bytes requested. A run's peak is the largest sum of its live
+    requests, each rounded up to the allocator's 256-byte granule
+    (`requested_peak`). The allocator's own peak counter counts the chunks
+    it handed out instead, and a request may get a free chunk of up to
+    twice its size, depending on which free chunks earlier work in the
+    process left: the same task's peak then moves by up to a seventh
+    between processes. One profile covers all the runs (each start and
+    stop of a profile writes a few lines to TensorFlow's log); each run is
+    marked by a trace annotation, and the allocations inside its span are
+    its own.
+
+    Where the profiler cannot run (another profile is open, or
+    `COUNT_REQUESTS` is off) a run's peak is read from the allocator's
+    counter at once.
+
+    Usage::
+
+        with AllocationRecorder() as rec:
+            now = rec.run("a", fn)   # an int (the counter), or None
+        peak = now if now is not None else rec.peaks["a"]
     """
-    with tempfile.TemporaryDirectory() as logdir:
+
+    def __init__(self) -> None:
+        self._dir: Optional[tempfile.TemporaryDirectory] = None
+        self._labels: List[str] = []
+        self.peaks: Dict[str, int] = {}
+
+    def __enter__(self) -> "AllocationRecorder":
+        if not COUNT_REQUESTS:
+            return self
+        self._dir = tempfile.TemporaryDirectory()
         try:
             tf.profiler.experimental.start(
-                logdir,
-                tf.profiler.experimental.ProfilerOptions(
-                    host_tracer_level=2, python_tracer_level=0, device_tracer_level=0
-                ),
+                self._dir.name,
+                tf.profiler.experimental.ProfilerOptions(host_tracer_level=2, python_tracer_level=0,
+                                                         device_tracer_level=0),
             )
         except (tf.errors.OpError, RuntimeError, ValueError):
-            return _allocator_peak(fn, device)
-        try:
+            self._dir.cleanup()
+            self._dir = None
+        return self
+
+    def run(self, label: str, fn: Callable[[], Any]) -> Optional[int]:
+        """Runs `fn`; returns its peak now if no profile records it, else None
+        (its peak is in ``peaks[label]`` after the block)."""
+        if self._dir is None:
+            return _allocator_peak(fn)
+        with tf.profiler.experimental.Trace(_RUN_MARK + label):
             fn()
-        finally:
+        self._labels.append(label)
+        return None
+
+    def __exit__(self, *exc: Any) -> None:
+        if self._dir is None:
+            return
+        try:
             tf.profiler.experimental.stop()
-        events = _allocation_events(logdir)
-    if not events:
-        return _allocator_peak(fn, device)
-    return requested_peak(events)
+            if exc[0] is None:
+                self.peaks = _peaks_by_run(self._dir.name)
+                missing = [label for label in self._labels if label not in self.peaks]
+                if missing:
+                    raise RuntimeError(
+                        f"The profile of the memory measurement has no record of the runs {missing[:3]}; set "
+                        f"smp_tf.profiling.memory.COUNT_REQUESTS = False to read the allocator's counter instead."
+                    )
+        finally:
+            self._dir.cleanup()
 
 
-def _sequential_peak(fn: Any, inputs: list) -> Optional[int]:
-    """The peak of `fn` with its ops run one at a time (TensorFlow's
-    single-threaded executor), or None where that executor cannot run it.
+def _peaks_by_run(logdir: str) -> Dict[str, int]:
+    """label -> the peak of the requests made inside the run so marked."""
+    from tensorflow.tsl.profiler.protobuf import xplane_pb2
+
+    spans: Dict[str, Tuple[int, int]] = {}
+    events: List[Tuple[int, bool, int]] = []
+    for path in glob.glob(os.path.join(logdir, "plugins", "profile", "*", "*.xplane.pb")):
+        space = xplane_pb2.XSpace()
+        with open(path, "rb") as f:
+            space.ParseFromString(f.read())
+        for plane in space.planes:
+            names = {k: m.name for k, m in plane.event_metadata.items()}
+            requested = next((k for k, m in plane.stat_metadata.items() if m.name == "requested_bytes"), None)
+            for line in plane.lines:
+                for ev in line.events:
+                    name = names.get(ev.metadata_id, "")
+                    at = line.timestamp_ns * 1000 + ev.offset_ps
+                    if name.startswith(_RUN_MARK):
+                        spans[name[len(_RUN_MARK):]] = (at, at + ev.duration_ps)
+                    elif name in ("MemoryAllocation", "MemoryDeallocation") and requested is not None:
+                        nbytes = next((s.int64_value or s.uint64_value for s in ev.stats
+                                       if s.metadata_id == requested), 0)
+                        events.append((at, name == "MemoryAllocation", nbytes))
+    return {label: requested_peak([e for e in events if start <= e[0] <= end])
+            for label, (start, end) in spans.items()}
+
+
+def _one_at_a_time(fn: Any, inputs: list) -> Optional[Callable[[], Any]]:
+    """`fn` on `inputs` with its ops run one at a time (TensorFlow's
+    single-threaded executor), warmed up; None where that executor cannot
+    run it.
 
     The default executor runs a task's independent ops side by side on the
     inter-op threads, in an order that changes from run to run and with the
     load of the machine, and the peak moves with it (by a tenth or more on
-    a small task). One op at a time gives the same figure on every run in
-    a process.
+    a small task). One op at a time gives the same figure on every run.
     """
 
-    def one_at_a_time():
+    def run():
         # An eager call of a function takes its executor from the context.
         with tf.experimental.function_executor_type("SINGLE_THREADED_EXECUTOR"):
             return fn(*inputs)
 
     try:
-        one_at_a_time()  # warm: the first call builds the kernels
+        run()  # warm: the first call builds the kernels
     except (tf.errors.OpError, ValueError, TypeError, NotImplementedError):
         return None
-    return _peak_of(one_at_a_time)
-
-
-def _concurrent_peak(fn: Any, inputs: list) -> int:
-    """The median peak of `TASK_RUNS` runs of `fn` under the default executor."""
-    fn(*inputs)  # warm: the first call builds the kernels
-    peaks = sorted(_peak_of(lambda: fn(*inputs)) for _ in range(TASK_RUNS))
-    return peaks[len(peaks) // 2]
+    return run
 
 
 def _zeros(spec: tf.TensorSpec) -> tf.Tensor:
@@ -231,20 +272,30 @@ def measure_step_memory(step_fn: Any, args: tuple, kwargs: dict, optimizer: Any 
     state_vars = [c.variable for c in entry.traced.captures.values()
                   if getattr(c, "key", None) in written and hasattr(c, "variable")]
     saved = [v.read_value() for v in state_vars]
-    workspace: Dict[tuple, int] = {}
+    runs: Dict[tuple, List[Optional[int]]] = {}
     concurrent = 0
-    for task in entry.tasks:
-        fn = entry._functions[task.key]
-        specs = fn.structured_input_signature[0]
-        if any(s.dtype in (tf.variant, tf.resource, tf.string) for s in specs):
-            continue  # a loop's accumulators cannot be made up: keep the prediction
-        inputs = [_zeros(s) for s in specs]
-        with tf.device(entry.devices[task.partition]):
-            peak = _sequential_peak(fn, inputs)
-            if peak is None:
-                concurrent += 1
-                peak = _concurrent_peak(fn, inputs)
-        workspace[task.key] = peak
+    with AllocationRecorder() as recorder:
+        for task in entry.tasks:
+            fn = entry._functions[task.key]
+            specs = fn.structured_input_signature[0]
+            if any(s.dtype in (tf.variant, tf.resource, tf.string) for s in specs):
+                continue  # a loop's accumulators cannot be made up: keep the prediction
+            inputs = [_zeros(s) for s in specs]
+            label = "{}_{}_".format(*task.key)
+            with tf.device(entry.devices[task.partition]):
+                run = _one_at_a_time(fn, inputs)
+                if run is not None:
+                    runs[task.key] = [recorder.run(label + "0", run)]
+                else:
+                    # Under the default executor: the median of TASK_RUNS runs.
+                    concurrent += 1
+                    fn(*inputs)  # warm: the first call builds the kernels
+                    runs[task.key] = [recorder.run(label + str(r), lambda: fn(*inputs)) for r in range(TASK_RUNS)]
+    workspace: Dict[tuple, int] = {}
+    for key, peaks in runs.items():
+        label = "{}_{}_".format(*key)
+        peaks = sorted(p if p is not None else recorder.peaks[label + str(r)] for r, p in enumerate(peaks))
+        workspace[key] = peaks[len(peaks) // 2]
     for v, value in zip(state_vars, saved):
         v.assign(value)
     composed = entry.memory_report(optimizer, budget=budget, workspace=workspace)
