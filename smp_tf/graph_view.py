@@ -331,6 +331,26 @@ def forward_name_of_gradient(name: str) -> Optional[str]:
     return None
 
 
+def _fed_by(cands: List[int], producers: set, ops: List[OpNode], tensors: List[TensorInfo],
+            readers_of: Dict[int, List[int]]) -> List[int]:
+    """Of `cands` (forward ops of one scope), those whose outputs the layer
+    calls that sent a gradient op its incoming gradients read.
+
+    `producers` are the ops the gradient op reads; the gradient ops among
+    them are linked to forward ops of the layer calls downstream.
+    """
+    calls = {ops[ops[p].forward].call or ops[ops[p].forward].layer for p in producers
+             if ops[p].is_gradient and ops[p].forward is not None}
+    calls.discard(None)
+    if not calls:
+        return []
+    own = {ops[c].call or ops[c].layer for c in cands}
+    if calls & own:
+        return []  # the gradient comes from within the scope's own layer call: `via` decides
+    return [c for c in cands
+            if any((ops[r].call or ops[r].layer) in calls and not ops[r].is_gradient for r in readers_of.get(c, ()))]
+
+
 def _link_gradients(ops: List[OpNode], tensors: List[TensorInfo]) -> None:
     """Marks gradient ops and sets their `forward` op (see module doc).
 
@@ -358,6 +378,10 @@ def _link_gradients(ops: List[OpNode], tensors: List[TensorInfo]) -> None:
             by_scope.setdefault(op.name.rsplit("/", 1)[0] if "/" in op.name else "", []).append(op.index)
         elif first_gradient is None:
             first_gradient = op.index
+    readers_of: Dict[int, List[int]] = {}
+    for op in ops:
+        for t in op.inputs:
+            readers_of.setdefault(tensors[t].producer, []).append(op.index)
     for op in ops:
         scope = forward_name_of_gradient(op.name)
         if scope is None:
@@ -384,8 +408,18 @@ def _link_gradients(ops: List[OpNode], tensors: List[TensorInfo]) -> None:
                 direct = [c for c in cands if c in producers]
                 cand_set = set(cands)
                 via = [ops[p].forward for p in sorted(producers) if ops[p].is_gradient and ops[p].forward in cand_set]
-                if direct or via:
+                # Its incoming gradient is that of the outputs of the op it
+                # differentiates, and comes from the layer calls that read
+                # them: of a product ``z = a * b`` glued in a layer's scope,
+                # ``dz * b`` reads ``b``, but belongs with ``z``, which the
+                # layer that sent ``dz`` reads (with ``b`` made on another
+                # partition, linking it to ``b`` sends the backward there
+                # and back).
+                fed = [] if via else _fed_by(cands, producers, ops, tensors, readers_of)
+                if via:
                     op.forward = direct[-1] if direct else via[-1]
+                elif fed or direct:
+                    op.forward = fed[-1] if fed else direct[-1]
                 elif op.inputs:
                     in_scope[op.index] = cands
                 # (A constant differentiates nothing: it is free, copied to

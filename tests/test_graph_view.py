@@ -670,3 +670,52 @@ def test_gradient_ops_of_a_scope_follow_the_ops_that_read_them():
             assert op.forward < op.index, op.name
         if op.type == "Const" and forward_name_of_gradient(op.name) == "block":
             assert op.forward is None, op.name  # named in the block's scope alone
+
+
+def test_the_gradient_of_a_product_glued_in_a_scope_follows_the_product():
+    """A gated feed-forward block (Llama's): ``z = act * up`` is made by
+    ``tf.multiply`` in the block's own scope, so the tape names its gradients
+    in that scope, not under the product. ``dz * act`` (the gradient for
+    ``up``) reads ``act``, but differentiates the product: its incoming
+    gradient comes from the layer that reads ``z``. Linked to the op that
+    made ``act``, it went with the gate, and a split between the gate and
+    ``up`` sent the backward back and forth (Llama 3 at two partitions: 5
+    tasks instead of 3)."""
+    wg, wu, wo = (tf.Variable(tf.ones([4, 4]) * k) for k in (1.0, 2.0, 3.0))
+
+    @tf.function
+    def step(x):
+        with tf.GradientTape() as tape:
+            with tf.name_scope("gate"):
+                gate = tf.matmul(x, wg)
+            with tf.name_scope("up"):
+                up = tf.matmul(x, wu)
+            with tf.name_scope("block"):
+                act = tf.multiply(gate, tf.sigmoid(gate))
+                z = tf.multiply(act, up)
+            with tf.name_scope("out"):
+                out = tf.matmul(z, wo)
+            loss = tf.reduce_sum(out)
+        return loss, tape.gradient(loss, [wg, wu, wo])
+
+    fg = step.get_concrete_function(tf.TensorSpec([3, 4])).graph
+
+    def layer_of(op):
+        head = op.name.split("/")[0]
+        return head if head in ("gate", "up", "block", "out") else None
+
+    og = from_tf_graph(fg, arg_ops=["x"], layer_of=layer_of)
+    producer = lambda t: og.ops[og.tensors[t].producer]  # noqa: E731
+    z = next(op for op in og.ops if op.name.startswith("block/") and any(producer(t).name == "up/MatMul"
+                                                                          for t in op.inputs))
+    act = next(producer(t) for t in z.inputs if producer(t).name != "up/MatMul")
+    d_up = [op for op in og.ops if op.is_gradient and op.name.startswith("gradient_tape/block/")
+            and act.index in {og.tensors[t].producer for t in op.inputs}
+            and any(producer(t).name.startswith("gradient_tape/out/") for t in op.inputs)]
+    # Named in the block's scope, not under the product.
+    assert len(d_up) == 1 and forward_name_of_gradient(d_up[0].name) == "block", [o.name for o in d_up]
+    assert d_up[0].forward == z.index, og.ops[d_up[0].forward].name
+    # The gradient for `act` (it reads `up`) is the product's as well.
+    d_act = [op for op in og.ops if op.is_gradient and op.name.startswith("gradient_tape/block/")
+             and og.op_index["up/MatMul"] in {og.tensors[t].producer for t in op.inputs}]
+    assert [op.forward for op in d_act] == [z.index]

@@ -782,3 +782,23 @@ def test_cut_costs_count_a_skip_connection_on_every_boundary_it_spans():
     groups = colocation_groups(g)
     unit_of_group = {groups.group_of[i]: i for i in range(4)}
     assert plan._cut_costs(g, groups, unit_of_group, 4) == [100, 110, 101]
+
+
+def test_a_light_unit_is_not_moved_against_the_forward_order():
+    """A cheap glue op C reads a big skip connection from L0 and a small
+    tensor from L1: by bytes alone it would go to L0's partition, but there
+    it would wait for L1's partition, and the forward pass would go
+    0 -> 1 -> 0 -> 2. It stays where the forward order puts it."""
+    spec = [{"name": "x", "type": "Placeholder", "kind": "arg", "flops": 0}]
+    for i, (src, nbytes) in enumerate([("x", 10_000), ("L0/f", 10)]):
+        spec.append({"name": f"L{i}/read", "variables": [f"w{i}"], "layer": f"L{i}", "flops": 0})
+        spec.append({"name": f"L{i}/f", "inputs": [src, f"L{i}/read"], "layer": f"L{i}", "flops": 100,
+                     "bytes": nbytes})
+    spec.append({"name": "C/f", "inputs": ["L0/f", "L1/f"], "layer": "C", "flops": 1, "bytes": 10})
+    spec.append({"name": "L2/read", "variables": ["w2"], "layer": "L2", "flops": 0})
+    spec.append({"name": "L2/f", "inputs": ["C/f", "L2/read"], "layer": "L2", "flops": 100, "bytes": 10})
+    spec.append({"name": "loss", "inputs": ["L2/f"], "flops": 0})
+    g = OpGraph.from_spec(spec)
+    a = _plan().assign_partitions(g, 3)
+    assert [_part(g, a, f"L{i}/f") for i in range(3)] == [0, 1, 2]
+    assert _part(g, a, "C/f") in (1, 2)

@@ -257,9 +257,10 @@ def _refine_light_units(
                 continue
             here = part_of_group[g]
             best = max(sorted(score), key=lambda p: score[p])
-            # Never empty a partition: its device would idle in the pipeline.
+            # Never empty a partition: its device would idle in the pipeline;
+            # never send the forward pass back to an earlier partition.
             if (best != here and count[here] > 1 and score[best] > score.get(here, 0.0)
-                    and load[best] + costs[u] <= bound):
+                    and load[best] + costs[u] <= bound and _keeps_forward_order(graph, groups, g, part_of_group, best)):
                 load[here] -= costs[u]
                 load[best] += costs[u]
                 count[here] -= 1
@@ -268,6 +269,26 @@ def _refine_light_units(
                 moved = True
         if not moved:
             break
+
+
+def _keeps_forward_order(graph: OpGraph, groups: Groups, g: int, part_of_group: List[Optional[int]], p: int) -> bool:
+    """Whether group `g` on partition `p` reads forward values only from
+    partitions up to `p` and sends them only to partitions from `p` on."""
+    for i in groups.members[g]:
+        op = graph.ops[i]
+        if op.is_gradient:
+            continue
+        for t in op.inputs:
+            src = graph.tensors[t].producer
+            pg = groups.group_of[src]
+            if pg >= 0 and pg != g and not graph.ops[src].is_gradient and (part_of_group[pg] or 0) > p:
+                return False
+        for t in op.outputs:
+            for c in graph.tensors[t].consumers:
+                cg = groups.group_of[c]
+                if cg >= 0 and cg != g and not graph.ops[c].is_gradient and (part_of_group[cg] or 0) < p:
+                    return False
+    return True
 
 
 def _follow_neighbours(graph: OpGraph, groups: Groups, part_of_group: List[Optional[int]], default: int) -> None:
