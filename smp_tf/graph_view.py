@@ -331,8 +331,7 @@ def forward_name_of_gradient(name: str) -> Optional[str]:
     return None
 
 
-def _fed_by(cands: List[int], producers: set, ops: List[OpNode], tensors: List[TensorInfo],
-            readers_of: Dict[int, List[int]]) -> List[int]:
+def _fed_by(cands: List[int], producers: set, ops: List[OpNode], readers_of: Dict[int, List[int]]) -> List[int]:
     """Of `cands` (forward ops of one scope), those whose outputs the layer
     calls that sent a gradient op its incoming gradients read.
 
@@ -378,10 +377,10 @@ def _link_gradients(ops: List[OpNode], tensors: List[TensorInfo]) -> None:
             by_scope.setdefault(op.name.rsplit("/", 1)[0] if "/" in op.name else "", []).append(op.index)
         elif first_gradient is None:
             first_gradient = op.index
-    readers_of: Dict[int, List[int]] = {}
+    consumers: Dict[int, List[int]] = {}
     for op in ops:
         for t in op.inputs:
-            readers_of.setdefault(tensors[t].producer, []).append(op.index)
+            consumers.setdefault(tensors[t].producer, []).append(op.index)
     for op in ops:
         scope = forward_name_of_gradient(op.name)
         if scope is None:
@@ -415,7 +414,7 @@ def _link_gradients(ops: List[OpNode], tensors: List[TensorInfo]) -> None:
                 # layer that sent ``dz`` reads (with ``b`` made on another
                 # partition, linking it to ``b`` sends the backward there
                 # and back).
-                fed = [] if via else _fed_by(cands, producers, ops, tensors, readers_of)
+                fed = [] if via else _fed_by(cands, producers, ops, consumers)
                 if via:
                     op.forward = direct[-1] if direct else via[-1]
                 elif fed or direct:
@@ -428,10 +427,6 @@ def _link_gradients(ops: List[OpNode], tensors: List[TensorInfo]) -> None:
             scope = scope.rsplit("/", 1)[0] if "/" in scope else ""
     if first_gradient is None:
         return
-    consumers: Dict[int, List[int]] = {}
-    for op in ops:
-        for t in op.inputs:
-            consumers.setdefault(tensors[t].producer, []).append(op.index)
     # In topological order, so one pass finds the ops that read such ops;
     # one pass in reverse finds those that only such ops read (a custom
     # gradient recomputing ``sigmoid(x)`` from the forward ``x``).

@@ -35,7 +35,7 @@ from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple
 
 import tensorflow as tf
 
-from smp_tf.memory import ALLOCATION_GRANULE, MemoryReport, with_measurements
+from smp_tf.memory import MemoryReport, _granules, with_measurements
 
 __all__ = ["measure_step_memory", "cpu_allocator_counts_bytes", "requested_peak", "AllocationRecorder"]
 
@@ -84,8 +84,7 @@ def requested_peak(events: Iterable[Tuple[int, bool, int]]) -> int:
     # At one instant, frees first: a buffer released as another is taken
     # is not live at the same time as it.
     for _, is_allocation, nbytes in sorted(events, key=lambda e: (e[0], e[1])):
-        granules = -(-nbytes // ALLOCATION_GRANULE) * ALLOCATION_GRANULE
-        live += granules if is_allocation else -granules
+        live += _granules(nbytes) if is_allocation else -_granules(nbytes)
         peak = max(peak, live)
     return peak
 
@@ -272,7 +271,8 @@ def measure_step_memory(step_fn: Any, args: tuple, kwargs: dict, optimizer: Any 
     state_vars = [c.variable for c in entry.traced.captures.values()
                   if getattr(c, "key", None) in written and hasattr(c, "variable")]
     saved = [v.read_value() for v in state_vars]
-    runs: Dict[tuple, List[Optional[int]]] = {}
+    # Task -> (label, peak now or None: read from the recorder after) of each run.
+    runs: Dict[tuple, List[Tuple[str, Optional[int]]]] = {}
     concurrent = 0
     with AllocationRecorder() as recorder:
         for task in entry.tasks:
@@ -281,20 +281,19 @@ def measure_step_memory(step_fn: Any, args: tuple, kwargs: dict, optimizer: Any 
             if any(s.dtype in (tf.variant, tf.resource, tf.string) for s in specs):
                 continue  # a loop's accumulators cannot be made up: keep the prediction
             inputs = [_zeros(s) for s in specs]
-            label = "{}_{}_".format(*task.key)
+            labels = ["{}_{}_{}".format(*task.key, r) for r in range(TASK_RUNS)]
             with tf.device(entry.devices[task.partition]):
                 run = _one_at_a_time(fn, inputs)
                 if run is not None:
-                    runs[task.key] = [recorder.run(label + "0", run)]
+                    runs[task.key] = [(labels[0], recorder.run(labels[0], run))]
                 else:
                     # Under the default executor: the median of TASK_RUNS runs.
                     concurrent += 1
                     fn(*inputs)  # warm: the first call builds the kernels
-                    runs[task.key] = [recorder.run(label + str(r), lambda: fn(*inputs)) for r in range(TASK_RUNS)]
+                    runs[task.key] = [(label, recorder.run(label, lambda: fn(*inputs))) for label in labels]
     workspace: Dict[tuple, int] = {}
-    for key, peaks in runs.items():
-        label = "{}_{}_".format(*key)
-        peaks = sorted(p if p is not None else recorder.peaks[label + str(r)] for r, p in enumerate(peaks))
+    for key, measured in runs.items():
+        peaks = sorted(recorder.peaks[label] if now is None else now for label, now in measured)
         workspace[key] = peaks[len(peaks) // 2]
     for v, value in zip(state_vars, saved):
         v.assign(value)
