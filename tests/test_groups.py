@@ -802,3 +802,33 @@ def test_a_light_unit_is_not_moved_against_the_forward_order():
     a = _plan().assign_partitions(g, 3)
     assert [_part(g, a, f"L{i}/f") for i in range(3)] == [0, 1, 2]
     assert _part(g, a, "C/f") in (1, 2)
+
+
+def test_a_gradient_sum_keeps_the_backward_order():
+    """L0's output is read by Q on partition 0 and by K, V and the residual
+    R on partition 1, so its gradient is a sum of four terms, three of them
+    made on partition 1. By bytes alone the sum would go to partition 1
+    (three terms in, against one term in and the sum out on partition 0),
+    and partition 0 would send Q's term forward: each micro-batch's backward
+    would go 1 -> 0 -> 1 -> 0. The sum goes to partition 0, which reads it."""
+    spec = [{"name": "x", "type": "Placeholder", "kind": "arg", "flops": 0}]
+    fwd = [("L0/f", ["x"], 0), ("Q/f", ["L0/f"], 0), ("K/f", ["L0/f"], 1), ("V/f", ["L0/f"], 1),
+           ("R/f", ["L0/f"], 1), ("C/f", ["Q/f", "K/f", "V/f", "R/f"], 1)]
+    for name, inputs, part in fwd:
+        spec.append({"name": name, "inputs": inputs, "manual_partition": part, "stateful": True, "bytes": 100})
+    spec.append({"name": "dC/f", "inputs": ["C/f"], "forward": "C/f", "bytes": 100})
+    for name in ("Q", "K", "V", "R"):
+        spec.append({"name": f"d{name}/f", "inputs": ["dC/f"], "forward": f"{name}/f", "bytes": 100})
+    spec.append({"name": "sum", "type": "AddN", "inputs": ["dQ/f", "dK/f", "dV/f", "dR/f"], "is_gradient": True,
+                 "bytes": 100})
+    spec.append({"name": "dL0/f", "inputs": ["sum"], "forward": "L0/f", "bytes": 100})
+    g = OpGraph.from_spec(spec)
+    a = _plan().assign_partitions(g, 2, auto_partition=False)
+    assert [_part(g, a, n) for n in ("dQ/f", "dK/f", "dL0/f")] == [0, 1, 0]
+    assert _part(g, a, "sum") == 0
+    # Where no partition keeps the order (a term made on partition 0 and
+    # the sum read on partition 1), the bytes decide as before.
+    spec[-1] = {"name": "dL0/f", "inputs": ["sum"], "forward": "K/f", "bytes": 100}
+    g = OpGraph.from_spec(spec)
+    a = _plan().assign_partitions(g, 2, auto_partition=False)
+    assert _part(g, a, "sum") == 1

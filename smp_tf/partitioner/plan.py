@@ -23,7 +23,7 @@ Everything here is plain Python over `OpGraph`.
 
 from __future__ import annotations
 
-from typing import Any, Dict, List, Mapping, Optional, Sequence
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
 from smp_tf.graph_view import OpGraph
 from smp_tf.memory import format_bytes
@@ -315,12 +315,53 @@ def _follow_neighbours(graph: OpGraph, groups: Groups, part_of_group: List[Optio
                     for p in parts:
                         score[p] = score.get(p, 0.0) + graph.tensors[t].bytes + 1e-9
             if score:
-                part_of_group[g] = max(sorted(score), key=lambda p: score[p])
+                window = _backward_window(graph, groups, g, part_of_group)
+                candidates = sorted(score) if window is None else list(range(window[0], window[1] + 1))
+                part_of_group[g] = max(candidates, key=lambda p: score.get(p, 0.0))
             else:
                 still.append(g)
         pending = still
     for g in pending:
         part_of_group[g] = default
+
+
+def _backward_window(
+    graph: OpGraph, groups: Groups, g: int, part_of_group: List[Optional[int]]
+) -> Optional[Tuple[int, int]]:
+    """For a group of gradient ops only, the partitions on which it keeps the
+    backward order, as ``(first, last)``; None when it is not such a group,
+    when none of the gradients it reads is placed yet, or when no partition
+    keeps the order (then the bytes alone decide).
+
+    The backward runs from the last partition to the first: a gradient op
+    should read gradients only from its own partition or later ones, and
+    send them only to its own or earlier ones. A sum of gradient
+    contributions whose terms come from partitions 0 and 1 and whose result
+    is read on 0 (a tensor read on both sides of a boundary: a Transformer
+    layer's input, read by its query projection on one partition and by its
+    key and value projections on the next) belongs on 0. On 1, where most of
+    its bytes come from, partition 0 would send its term forward, and each
+    micro-batch's backward would go 1 -> 0 -> 1 -> 0: two more tasks, each
+    waiting for the other partition.
+    """
+    if not all(graph.ops[i].is_gradient for i in groups.members[g]):
+        return None
+    first, last = 0, None
+    for i in groups.members[g]:
+        op = graph.ops[i]
+        for t in op.inputs:
+            src = graph.tensors[t].producer
+            pg = groups.group_of[src]
+            if pg >= 0 and pg != g and graph.ops[src].is_gradient and part_of_group[pg] is not None:
+                last = part_of_group[pg] if last is None else min(last, part_of_group[pg])
+        for t in op.outputs:
+            for c in graph.tensors[t].consumers:
+                cg = groups.group_of[c]
+                if cg >= 0 and cg != g and graph.ops[c].is_gradient and part_of_group[cg] is not None:
+                    first = max(first, part_of_group[cg])
+    if last is None or first > last:
+        return None
+    return first, last
 
 
 def assign_partitions(
