@@ -350,6 +350,33 @@ def _fed_by(cands: List[int], producers: set, ops: List[OpNode], readers_of: Dic
             if any((ops[r].call or ops[r].layer) in calls and not ops[r].is_gradient for r in readers_of.get(c, ()))]
 
 
+def _through_sums(producers: set, ops: List[OpNode], tensors: List[TensorInfo], first_gradient: Optional[int]) -> set:
+    """`producers` with each sum of gradient contributions among them replaced
+    by its terms.
+
+    The tape adds up the gradients that reach one forward tensor from several
+    readers in an ``AddN`` named outside every gradient scope, which is only
+    recognised as a gradient op later. Its terms are gradient ops whose
+    forward ops read that tensor: they tell which op of a scope a gradient
+    op reading the sum differentiates (the reshape whose output a
+    mixture-of-experts block's router and experts both read).
+    """
+    out: set = set()
+    seen = set(producers)
+    stack = list(producers)
+    while stack:
+        p = stack.pop()
+        op = ops[p]
+        if op.type == "AddN" and not op.is_gradient and first_gradient is not None and p > first_gradient:
+            terms = {tensors[t].producer for t in op.inputs}
+            if any(ops[q].is_gradient or ops[q].type == "AddN" for q in terms):
+                stack.extend(terms - seen)
+                seen |= terms
+                continue
+        out.add(p)
+    return out
+
+
 def _link_gradients(ops: List[OpNode], tensors: List[TensorInfo]) -> None:
     """Marks gradient ops and sets their `forward` op (see module doc).
 
@@ -414,7 +441,7 @@ def _link_gradients(ops: List[OpNode], tensors: List[TensorInfo]) -> None:
                 # layer that sent ``dz`` reads (with ``b`` made on another
                 # partition, linking it to ``b`` sends the backward there
                 # and back).
-                fed = [] if via else _fed_by(cands, producers, ops, consumers)
+                fed = [] if via else _fed_by(cands, _through_sums(producers, ops, tensors, first_gradient), ops, consumers)
                 if via:
                     op.forward = direct[-1] if direct else via[-1]
                 elif fed or direct:

@@ -719,3 +719,48 @@ def test_the_gradient_of_a_product_glued_in_a_scope_follows_the_product():
     d_act = [op for op in og.ops if op.is_gradient and op.name.startswith("gradient_tape/block/")
              and og.op_index["up/MatMul"] in {og.tensors[t].producer for t in op.inputs}]
     assert [op.forward for op in d_act] == [z.index]
+
+
+def test_a_gradient_reading_a_sum_of_contributions_follows_the_ops_that_read_its_tensor():
+    """A mixture-of-experts block reshapes its input in its own scope, and
+    both the router and the experts read the reshaped tokens; the block
+    reshapes its output back in the same scope. The gradient of the first
+    reshape is named in the block's scope only, and reads the tape's sum
+    (``AddN``, outside every scope) of the router's and the experts'
+    contributions. Those contributions differentiate ops that read the
+    first reshape's output, so the gradient belongs to it, not to the
+    scope's newest op (the output reshape, with the experts: GPT-OSS at two
+    partitions split between router and experts sent the backward back and
+    forth, 5 tasks instead of 3)."""
+    w0, wr, we = (tf.Variable(tf.ones([4, 4]) * k) for k in (1.0, 2.0, 3.0))
+
+    @tf.function
+    def step(x):
+        with tf.GradientTape() as tape:
+            with tf.name_scope("pre"):
+                h = tf.matmul(x, w0)
+            with tf.name_scope("block") as block:
+                tokens = tf.reshape(h, [-1, 4])
+            with tf.name_scope("router"):
+                gates = tf.nn.softmax(tf.matmul(tokens, wr))
+            with tf.name_scope("experts"):
+                experts = tf.matmul(tokens, we)
+            with tf.name_scope(block):
+                out = tf.reshape(experts * gates, [2, 3, 4])
+            loss = tf.reduce_sum(out)
+        return loss, tape.gradient(loss, [w0, wr, we])
+
+    fg = step.get_concrete_function(tf.TensorSpec([6, 4])).graph
+
+    def layer_of(op):
+        head = op.name.split("/")[0]
+        return head if head in ("pre", "block", "router", "experts") else None
+
+    og = from_tf_graph(fg, arg_ops=["x"], layer_of=layer_of)
+    tokens = og.op_index["block/Reshape"]
+    total = [op for op in og.ops if op.type == "AddN"]
+    assert len(total) == 1 and total[0].is_gradient
+    d_tokens = [op for op in og.ops if op.type == "Reshape" and op.name.startswith("gradient_tape/block/")
+                and total[0].index in {og.tensors[t].producer for t in op.inputs}]
+    assert len(d_tokens) == 1 and forward_name_of_gradient(d_tokens[0].name) == "block"
+    assert d_tokens[0].forward == tokens, og.ops[d_tokens[0].forward].name
