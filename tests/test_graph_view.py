@@ -672,6 +672,18 @@ def test_gradient_ops_of_a_scope_follow_the_ops_that_read_them():
             assert op.forward is None, op.name  # named in the block's scope alone
 
 
+def _view_with_layers(step, x_shape, layers):
+    """The op graph of `step` traced for an argument ``x`` of `x_shape`, each
+    op in the layer its top-level name scope names when that is in `layers`."""
+    fg = step.get_concrete_function(tf.TensorSpec(x_shape)).graph
+
+    def layer_of(op):
+        head = op.name.split("/")[0]
+        return head if head in layers else None
+
+    return from_tf_graph(fg, arg_ops=["x"], layer_of=layer_of)
+
+
 def test_the_gradient_of_a_product_glued_in_a_scope_follows_the_product():
     """A gated feed-forward block (Llama's): ``z = act * up`` is made by
     ``tf.multiply`` in the block's own scope, so the tape names its gradients
@@ -698,13 +710,7 @@ def test_the_gradient_of_a_product_glued_in_a_scope_follows_the_product():
             loss = tf.reduce_sum(out)
         return loss, tape.gradient(loss, [wg, wu, wo])
 
-    fg = step.get_concrete_function(tf.TensorSpec([3, 4])).graph
-
-    def layer_of(op):
-        head = op.name.split("/")[0]
-        return head if head in ("gate", "up", "block", "out") else None
-
-    og = from_tf_graph(fg, arg_ops=["x"], layer_of=layer_of)
+    og = _view_with_layers(step, [3, 4], ("gate", "up", "block", "out"))
     producer = lambda t: og.ops[og.tensors[t].producer]  # noqa: E731
     z = next(op for op in og.ops if op.name.startswith("block/") and any(producer(t).name == "up/MatMul"
                                                                           for t in op.inputs))
@@ -750,13 +756,7 @@ def test_a_gradient_reading_a_sum_of_contributions_follows_the_ops_that_read_its
             loss = tf.reduce_sum(out)
         return loss, tape.gradient(loss, [w0, wr, we])
 
-    fg = step.get_concrete_function(tf.TensorSpec([6, 4])).graph
-
-    def layer_of(op):
-        head = op.name.split("/")[0]
-        return head if head in ("pre", "block", "router", "experts") else None
-
-    og = from_tf_graph(fg, arg_ops=["x"], layer_of=layer_of)
+    og = _view_with_layers(step, [6, 4], ("pre", "block", "router", "experts"))
     tokens = og.op_index["block/Reshape"]
     total = [op for op in og.ops if op.type == "AddN"]
     assert len(total) == 1 and total[0].is_gradient
