@@ -440,8 +440,10 @@ def _link_gradients(ops: List[OpNode], tensors: List[TensorInfo]) -> None:
                 # ``dz * b`` reads ``b``, but belongs with ``z``, which the
                 # layer that sent ``dz`` reads (with ``b`` made on another
                 # partition, linking it to ``b`` sends the backward there
-                # and back).
-                fed = [] if via else _fed_by(cands, _through_sums(producers, ops, tensors, first_gradient), ops, consumers)
+                # and back). When the incoming gradient is the tape's sum of
+                # several contributions, their senders count.
+                fed = [] if via else _fed_by(cands, _through_sums(producers, ops, tensors, first_gradient),
+                                             ops, consumers)
                 if via:
                     op.forward = direct[-1] if direct else via[-1]
                 elif fed or direct:
