@@ -434,6 +434,34 @@ def test_loss_scale_optimizer_matches_plain_keras():
     assert float(models[1].optimizer.dynamic_scale) == float(models[0].optimizer.dynamic_scale) > 4.0
 
 
+_OPTIMIZERS = {
+    "clipnorm": lambda: keras.optimizers.Adam(1e-2, clipnorm=0.5),
+    "global_clipnorm": lambda: keras.optimizers.Adam(1e-2, global_clipnorm=0.5),
+    "clipvalue_momentum": lambda: keras.optimizers.SGD(1e-1, momentum=0.9, clipvalue=0.05),
+    "adamw_ema_schedule": lambda: keras.optimizers.AdamW(
+        keras.optimizers.schedules.CosineDecay(1e-2, 20), weight_decay=0.05, use_ema=True, ema_overwrite_frequency=3),
+    "gradient_accumulation": lambda: keras.optimizers.Adam(1e-2, gradient_accumulation_steps=2),
+}
+
+
+@pytest.mark.parametrize("name", sorted(_OPTIMIZERS))
+def test_optimizer_options_act_on_the_whole_batchs_gradients(name):
+    """Clipping, weight decay, EMA, a schedule and Keras's own gradient
+    accumulation see the gradients of the whole batch (the micro-batches'
+    accumulated), as in plain Keras: clipping each micro-batch's gradients
+    would give other weights."""
+    histories, models = [], []
+    for smp_form in (False, True):
+        if smp_form:
+            smp.init({"partitions": 2, "microbatches": M})
+        model = build("functional", smp_form)
+        model.compile(optimizer=_OPTIMIZERS[name](), loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+        histories.append(model.fit(X, Y, batch_size=16, epochs=2, shuffle=False, verbose=0).history)
+        models.append(model)
+    assert_history_equal(histories[1], histories[0])
+    assert_weights_equal(models[1], models[0])
+
+
 def test_evaluate_and_predict_run_forward_only_pipelines():
     smp.init({"partitions": 2, "microbatches": M})
     model = compile_(build("functional", True))
