@@ -415,12 +415,9 @@ def test_fit_before_smp_init_is_a_clear_error(monkeypatch):
         model.fit(X, Y, batch_size=16, verbose=0)
 
 
-def test_loss_scale_optimizer_matches_plain_keras():
-    """The loss scale is read per batch, not frozen into the cached step."""
-    def optimizer():
-        return keras.optimizers.LossScaleOptimizer(keras.optimizers.Adam(1e-2), initial_scale=4.0,
-                                                   dynamic_growth_steps=1)
-
+def _fit_plain_and_pipelined(optimizer):
+    """Two epochs of `fit` with a fresh `optimizer()`, in plain Keras and at
+    P=2; asserts the same history and weights and returns both models."""
     histories, models = [], []
     for smp_form in (False, True):
         if smp_form:
@@ -431,7 +428,17 @@ def test_loss_scale_optimizer_matches_plain_keras():
         models.append(model)
     assert_history_equal(histories[1], histories[0])
     assert_weights_equal(models[1], models[0])
-    assert float(models[1].optimizer.dynamic_scale) == float(models[0].optimizer.dynamic_scale) > 4.0
+    return models
+
+
+def test_loss_scale_optimizer_matches_plain_keras():
+    """The loss scale is read per batch, not frozen into the cached step."""
+    def optimizer():
+        return keras.optimizers.LossScaleOptimizer(keras.optimizers.Adam(1e-2), initial_scale=4.0,
+                                                   dynamic_growth_steps=1)
+
+    plain, pipelined = _fit_plain_and_pipelined(optimizer)
+    assert float(pipelined.optimizer.dynamic_scale) == float(plain.optimizer.dynamic_scale) > 4.0
 
 
 _OPTIMIZERS = {
@@ -450,16 +457,7 @@ def test_optimizer_options_act_on_the_whole_batchs_gradients(name):
     accumulation see the gradients of the whole batch (the micro-batches'
     accumulated), as in plain Keras: clipping each micro-batch's gradients
     would give other weights."""
-    histories, models = [], []
-    for smp_form in (False, True):
-        if smp_form:
-            smp.init({"partitions": 2, "microbatches": M})
-        model = build("functional", smp_form)
-        model.compile(optimizer=_OPTIMIZERS[name](), loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
-        histories.append(model.fit(X, Y, batch_size=16, epochs=2, shuffle=False, verbose=0).history)
-        models.append(model)
-    assert_history_equal(histories[1], histories[0])
-    assert_weights_equal(models[1], models[0])
+    _fit_plain_and_pipelined(_OPTIMIZERS[name])
 
 
 def test_evaluate_and_predict_run_forward_only_pipelines():

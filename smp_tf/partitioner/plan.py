@@ -271,24 +271,37 @@ def _refine_light_units(
             break
 
 
-def _keeps_forward_order(graph: OpGraph, groups: Groups, g: int, part_of_group: List[Optional[int]], p: int) -> bool:
-    """Whether group `g` on partition `p` reads forward values only from
-    partitions up to `p` and sends them only to partitions from `p` on."""
+def _placed_neighbours(
+    graph: OpGraph, groups: Groups, g: int, part_of_group: List[Optional[int]], gradient: bool
+) -> Tuple[List[Optional[int]], List[Optional[int]]]:
+    """The partitions (None: not placed yet) of the other groups whose values
+    the ops of group `g` read, and of those that read its values, counting
+    only values of one pass: between forward ops (`gradient` False) or
+    between gradient ops (True)."""
+    reads: List[Optional[int]] = []
+    sends: List[Optional[int]] = []
     for i in groups.members[g]:
         op = graph.ops[i]
-        if op.is_gradient:
+        if op.is_gradient != gradient:
             continue
         for t in op.inputs:
             src = graph.tensors[t].producer
             pg = groups.group_of[src]
-            if pg >= 0 and pg != g and not graph.ops[src].is_gradient and (part_of_group[pg] or 0) > p:
-                return False
+            if pg >= 0 and pg != g and graph.ops[src].is_gradient == gradient:
+                reads.append(part_of_group[pg])
         for t in op.outputs:
             for c in graph.tensors[t].consumers:
                 cg = groups.group_of[c]
-                if cg >= 0 and cg != g and not graph.ops[c].is_gradient and (part_of_group[cg] or 0) < p:
-                    return False
-    return True
+                if cg >= 0 and cg != g and graph.ops[c].is_gradient == gradient:
+                    sends.append(part_of_group[cg])
+    return reads, sends
+
+
+def _keeps_forward_order(graph: OpGraph, groups: Groups, g: int, part_of_group: List[Optional[int]], p: int) -> bool:
+    """Whether group `g` on partition `p` reads forward values only from
+    partitions up to `p` and sends them only to partitions from `p` on."""
+    reads, sends = _placed_neighbours(graph, groups, g, part_of_group, gradient=False)
+    return all((r or 0) <= p for r in reads) and all((s or 0) >= p for s in sends)
 
 
 def _follow_neighbours(graph: OpGraph, groups: Groups, part_of_group: List[Optional[int]], default: int) -> None:
@@ -346,22 +359,12 @@ def _backward_window(
     """
     if not all(graph.ops[i].is_gradient for i in groups.members[g]):
         return None
-    first, last = 0, None
-    for i in groups.members[g]:
-        op = graph.ops[i]
-        for t in op.inputs:
-            src = graph.tensors[t].producer
-            pg = groups.group_of[src]
-            if pg >= 0 and pg != g and graph.ops[src].is_gradient and part_of_group[pg] is not None:
-                last = part_of_group[pg] if last is None else min(last, part_of_group[pg])
-        for t in op.outputs:
-            for c in graph.tensors[t].consumers:
-                cg = groups.group_of[c]
-                if cg >= 0 and cg != g and graph.ops[c].is_gradient and part_of_group[cg] is not None:
-                    first = max(first, part_of_group[cg])
-    if last is None or first > last:
+    reads, sends = _placed_neighbours(graph, groups, g, part_of_group, gradient=True)
+    reads = [r for r in reads if r is not None]
+    if not reads:
         return None
-    return first, last
+    first, last = max((s for s in sends if s is not None), default=0), min(reads)
+    return (first, last) if first <= last else None
 
 
 def assign_partitions(
