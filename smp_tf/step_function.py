@@ -25,6 +25,7 @@ import functools
 import inspect
 import threading
 import time
+import types
 from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import numpy as np
@@ -188,6 +189,45 @@ class StepFunction:
         # the replicas (Keras's fit turns this off and reduces by itself).
         self.reduce_over_replicas = True
         functools.update_wrapper(self, fn)
+
+    def __get__(self, instance: Any, owner: Optional[type] = None) -> "StepFunction":
+        """`smp.step` on a method: the step bound to one instance.
+
+        ``self.grads(x, y)`` inside a class (a `DistributedModel`
+        subclass's ``train_step``, a trainer) runs the step with ``self``
+        bound, as for any method. Each instance gets its own `StepFunction`,
+        with its own compiled steps, ``last_plan`` and ``schedule``: made on
+        first access, kept in the instance's ``__dict__``. Through the class
+        (``Model.grads``) the step is returned unbound.
+        """
+        if instance is None:
+            return self
+        key = f"_smp_tf_step_{self.__name__}_{id(self):x}"
+        try:
+            attributes = vars(instance)
+        except TypeError:
+            raise TypeError(
+                f"smp.step on method {owner.__name__ if owner else type(instance).__name__}.{self.__name__}: "
+                f"instances of {type(instance).__name__} have no __dict__ to keep their bound step in "
+                "(a class with __slots__). Decorate a function instead, or add '__dict__' to __slots__."
+            ) from None
+        bound = attributes.get(key)
+        if bound is None:
+            with self._lock:
+                bound = attributes.get(key)
+                if bound is None:
+                    bound = StepFunction(
+                        types.MethodType(self._fn, instance),
+                        non_split_inputs=self._non_split,
+                        input_split_axes=self._split_axes,
+                        input_signature=self._input_signature,
+                        **self._tf_kwargs,
+                    )
+                    bound.optimizer = self.optimizer
+                    bound.reduce_over_replicas = self.reduce_over_replicas
+                    # Set through __dict__: Keras tracks attributes set normally.
+                    attributes[key] = bound
+        return bound
 
     # -- splitting -------------------------------------------------------
     def _split(self, args: tuple, kwargs: dict, num_microbatches: int, uneven: bool = False) -> List[Tuple[tuple, dict]]:

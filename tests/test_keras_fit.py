@@ -153,6 +153,58 @@ def test_predict_keeps_row_order_for_every_batch_size():
     np.testing.assert_allclose(model.predict_on_batch(x[:7]), expected[:7], rtol=1e-5, atol=1e-6)
 
 
+def _loss_and_grads(model, x, y):
+    with tf.GradientTape() as tape:
+        loss = model.compute_loss(x=x, y=y, y_pred=model(x, training=True))
+    return loss, tape.gradient(loss, model.trainable_variables)
+
+
+class PlainCustomStep(_Body, keras.Model):
+    """A custom `train_step` as Keras's guide writes one."""
+
+    def loss_and_grads(self, x, y):
+        return _loss_and_grads(self, x, y)
+
+    def train_step(self, data):
+        x, y = data
+        loss, grads = self.loss_and_grads(x, y)
+        self.optimizer.apply_gradients(zip(grads, self.trainable_variables))
+        return {"step_loss": loss}
+
+
+class SmpCustomStep(_Body, smp.DistributedModel):
+    """The same with its forward and backward in an `smp.step` method."""
+
+    @smp.step
+    def loss_and_grads(self, x, y):
+        return _loss_and_grads(self, x, y)
+
+    def train_step(self, data):
+        x, y = data
+        loss, grads = self.loss_and_grads(x, y)
+        self.optimizer.apply_gradients(zip([g.accumulate() for g in grads], self.trainable_variables))
+        return {"step_loss": loss.reduce_mean()}
+
+
+def test_a_custom_train_step_pipelines_through_an_smp_step_method():
+    smp.init({"partitions": 2, "microbatches": M})
+    histories, models = [], []
+    for cls in (PlainCustomStep, SmpCustomStep):
+        keras.utils.set_random_seed(7)
+        model = cls()
+        model(np.zeros((2, 16), "float32"))
+        model.compile(optimizer=keras.optimizers.Adam(1e-2),
+                      loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+        # 80 rows: batches of 16, each split into M equal micro-batches.
+        histories.append(model.fit(X[:80], Y[:80], batch_size=16, epochs=2, shuffle=False, verbose=0).history)
+        models.append(model)
+    assert_history_equal(histories[1], histories[0])
+    assert_weights_equal(models[1], models[0])
+    step = models[1].loss_and_grads
+    assert step.last_plan is not None and step.last_plan.num_partitions == 2
+    assert len({v.value.device for v in models[1].trainable_variables}) == 2
+
+
 # --------------------------------------------------------------------------
 # with BatchNorm and dropout: the per-micro-batch reference
 # --------------------------------------------------------------------------

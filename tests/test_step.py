@@ -85,6 +85,44 @@ def test_returning_an_argument_and_nested_structures():
     np.testing.assert_allclose(out["double"].merge(), 2 * b)
 
 
+def test_a_step_on_a_method_binds_each_instance():
+    """`@smp.step` on a method: ``obj.step(x)`` runs with ``obj`` bound, each
+    instance has its own step (own compiled steps and plan), and through the
+    class the step is unbound, the instance an argument like any other."""
+    smp.init({"partitions": 2, "microbatches": 2})
+
+    class Scaler:
+        def __init__(self, factor):
+            self.factor = tf.constant(factor)
+
+        @smp.step(non_split_inputs=["offset"])
+        def apply(self, x, offset):
+            return x * self.factor + offset
+
+    a, b = Scaler(2.0), Scaler(3.0)
+    x = tf.reshape(tf.range(8, dtype=tf.float32), [4, 2])
+    np.testing.assert_allclose(a.apply(x, 1.0).merge(), x * 2.0 + 1.0)
+    np.testing.assert_allclose(b.apply(x, 1.0).merge(), x * 3.0 + 1.0)
+    assert a.apply is a.apply and a.apply is not b.apply
+    assert isinstance(Scaler.apply, smp.StepFunction) and Scaler.apply is not a.apply
+    assert a.apply.last_plan is not None and Scaler.apply.last_plan is None
+    np.testing.assert_allclose(Scaler.apply(a, x, 1.0).merge(), x * 2.0 + 1.0)
+
+
+def test_a_step_on_a_method_of_a_slotted_class_is_a_clear_error():
+    smp.init({"partitions": 1, "microbatches": 2})
+
+    class Slotted:
+        __slots__ = ()
+
+        @smp.step
+        def apply(self, x):
+            return x
+
+    with pytest.raises(TypeError, match=r"Slotted\.apply.*__slots__"):
+        Slotted().apply
+
+
 def test_smp_slice_objects():
     calls = []
 
