@@ -205,6 +205,86 @@ def test_a_custom_train_step_pipelines_through_an_smp_step_method():
     assert len({v.value.device for v in models[1].trainable_variables}) == 2
 
 
+_LATENT = 8
+_BCE = keras.losses.BinaryCrossentropy(from_logits=True)
+
+
+def _mlp(inputs, outputs):
+    return keras.Sequential([keras.Input((inputs,)), keras.layers.Dense(32, activation="relu"),
+                             keras.layers.Dense(32, activation="relu"), keras.layers.Dense(outputs)])
+
+
+class _GAN:
+    """A GAN: one training step updates the discriminator, then the
+    generator, each from its own loss and optimizer. Both losses run both
+    networks, so the two steps share variables."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.gen, self.disc = _mlp(_LATENT, 16), _mlp(16, 1)
+        self.d_opt, self.g_opt = keras.optimizers.Adam(1e-3), keras.optimizers.Adam(1e-3)
+
+    def call(self, z):
+        return self.gen(z)
+
+    def d_body(self, real, z):
+        with tf.GradientTape() as tape:
+            on_real = self.disc(real, training=True)
+            on_fake = self.disc(self.gen(z, training=True), training=True)
+            loss = _BCE(tf.ones_like(on_real), on_real) + _BCE(tf.zeros_like(on_fake), on_fake)
+        return loss, tape.gradient(loss, self.disc.trainable_variables)
+
+    def g_body(self, z):
+        with tf.GradientTape() as tape:
+            on_fake = self.disc(self.gen(z, training=True), training=True)
+            loss = _BCE(tf.ones_like(on_fake), on_fake)
+        return loss, tape.gradient(loss, self.gen.trainable_variables)
+
+    def train_step(self, real):
+        z = tf.random.stateless_normal([tf.shape(real)[0], _LATENT], seed=[1, 2])
+        d_loss, d_grads = self.d_step(real, z)
+        self.d_opt.apply_gradients(zip(self.combine(d_grads), self.disc.trainable_variables))
+        g_loss, g_grads = self.g_step(z)
+        self.g_opt.apply_gradients(zip(self.combine(g_grads), self.gen.trainable_variables))
+        return {"d_loss": self.mean(d_loss), "g_loss": self.mean(g_loss)}
+
+
+class PlainGAN(_GAN, keras.Model):
+    d_step, g_step = _GAN.d_body, _GAN.g_body
+
+    def combine(self, grads):
+        return grads
+
+    def mean(self, loss):
+        return loss
+
+
+class SmpGAN(_GAN, smp.DistributedModel):
+    d_step, g_step = smp.step(_GAN.d_body), smp.step(_GAN.g_body)
+
+    def combine(self, grads):
+        return [g.accumulate() for g in grads]
+
+    def mean(self, loss):
+        return loss.reduce_mean()
+
+
+def test_a_gan_with_two_smp_step_methods_matches_plain_keras():
+    smp.init({"partitions": 2, "microbatches": M})
+    real = np.random.default_rng(0).normal(size=(128, 16)).astype("float32")
+    histories, models = [], []
+    for cls in (PlainGAN, SmpGAN):
+        keras.utils.set_random_seed(5)
+        model = cls()
+        model(np.zeros((2, _LATENT), "float32"))
+        model.compile()
+        histories.append(model.fit(real, batch_size=32, epochs=3, shuffle=False, verbose=0).history)
+        models.append(model)
+    assert_history_equal(histories[1], histories[0])
+    assert_weights_equal(models[1], models[0])
+    assert len({v.value.device for v in models[1].trainable_variables}) == 2
+
+
 # --------------------------------------------------------------------------
 # with BatchNorm and dropout: the per-micro-batch reference
 # --------------------------------------------------------------------------
