@@ -223,6 +223,37 @@ def _strongly_connected(succ: Sequence[Sequence[int]]) -> List[int]:
     return comp
 
 
+#: Ops that pass values on (or read their shapes) without computing new ones.
+_CARRY_ONLY = _SHAPE_ONLY | frozenset(["Identity", "IdentityN", "Reshape", "ExpandDims", "Squeeze", "Cast"])
+
+
+def forward_values_in_gradients(graph: OpGraph, dup: Sequence[bool]) -> List[bool]:
+    """Gradient ops that only carry forward values or their shapes on.
+
+    An embedding's gradient is a `tf.IndexedSlices` whose indices are the
+    token ids reshaped, and whose dense shape is the table's shape: gradient
+    ops that read forward values only, without gradient arithmetic, and
+    run as soon as the forward exists. So do the shape reads of a
+    convolution's gradient. They sit in forward tasks (rule 1 of `waves`)
+    without making them backward tasks; otherwise the first partition of
+    every model with an embedding would run its forward as a fused task,
+    and the schedule would keep all its micro-batches' activations.
+
+    Returns:
+        Per op: a gradient op of `_CARRY_ONLY` type whose inputs are
+        forward ops, duplicable ops or such gradient ops.
+    """
+    carried = [False] * len(graph.ops)
+    for op in graph.ops:  # creation order is a topological order
+        if not op.is_gradient or op.type not in _CARRY_ONLY:
+            continue
+        producers = [graph.tensors[t].producer for t in op.inputs]
+        carried[op.index] = op.type in _SHAPE_ONLY or all(
+            dup[j] or not graph.ops[j].is_gradient or carried[j] for j in producers
+        )
+    return carried
+
+
 def gradient_preludes(graph: OpGraph, dup: Sequence[bool]) -> List[bool]:
     """Gradient ops computed from forward values only, not from the
     gradient flowing back from the loss (the ``x ** 2`` of a GELU's
@@ -777,6 +808,7 @@ def _assemble(
     `weight_ops` are W tasks."""
     tasks: Dict[Tuple[int, int], Task] = {}
     task_of_op: List[Optional[Task]] = [None] * len(graph.ops)
+    carried = forward_values_in_gradients(graph, dup)
     for op in graph.ops:
         if dup[op.index]:
             continue
@@ -788,10 +820,11 @@ def _assemble(
         task.flops += op.flops
         if op.index in weight_ops:  # a W task holds weight ops only (its own wave)
             task.kind = TaskKind.WEIGHT
-        # Gradient ops that only read shapes (the ShapeN of a convolution's
-        # gradient) run as soon as the forward exists; they may sit in a
-        # forward task without making it a backward one.
-        elif op.is_gradient and op.type not in _SHAPE_ONLY:
+        # Gradient ops that only carry forward values (the ShapeN of a
+        # convolution's gradient, the indices of an embedding's gradient)
+        # run as soon as the forward exists; they may sit in a forward task
+        # without making it a backward one.
+        elif op.is_gradient and not carried[op.index]:
             task.kind = TaskKind.BACKWARD
         task_of_op[op.index] = task
 

@@ -16,7 +16,7 @@ from smp_tf.rewrite import (
     Task, build_tasks, duplicable_ops, fusable_gradients, pretranspose_graph_def, pretransposable_products,
     task_graph_def, task_specs, waves,
 )
-from smp_tf.schedules import make_schedule, validate
+from smp_tf.schedules import TaskKind, make_schedule, validate
 
 
 def _chain3(skip=False, extra=()):
@@ -221,6 +221,31 @@ def test_build_tasks_on_a_three_stage_chain():
     ]
     # Flops of the members: FB2 = f2 10 + loss 1 + b2 20 = 31.
     assert [x.flops for x in tasks] == [10, 10, 31, 20, 20]
+
+
+def test_gradient_ops_that_carry_forward_values_leave_a_forward_task_a_forward():
+    """An embedding's gradient is a `tf.IndexedSlices` whose indices are the
+    ids reshaped and whose dense shape is the table's: gradient ops that
+    read forward values only, without gradient arithmetic. As step outputs
+    they sit in the first forward task, which stays a forward task (the
+    schedule then runs the first stage as 1F1B, not as fused tasks)."""
+    extra = [
+        {"name": "ids", "type": "Reshape", "inputs": ["x"], "flops": 0, "p": 0},
+        {"name": "g_ids", "type": "Identity", "inputs": ["ids"], "is_gradient": True, "flops": 0, "p": 0},
+        {"name": "g_shape", "type": "Shape", "inputs": ["r0"], "is_gradient": True, "flops": 0, "p": 0},
+        {"name": "g_dense", "type": "Identity", "inputs": ["g_shape"], "is_gradient": True, "flops": 0, "p": 0},
+        # Gradient arithmetic on forward values (a loss's own gradient)
+        # does make its task a backward one.
+        {"name": "g_aux", "type": "Mul", "inputs": ["f1", "c"], "is_gradient": True, "flops": 1, "p": 1},
+    ]
+    g, parts = _chain3(extra=extra)
+    outputs = [_tensor(g, n) for n in ("loss", "b0", "g_ids", "g_dense", "g_aux")]
+    tasks = _by_key(build_tasks(g, parts, outputs))
+    assert set(_idx(g, "g_ids", "g_dense")) <= set(tasks[0, 0].members)
+    assert tasks[0, 0].kind is TaskKind.FORWARD
+    assert g.op_index["g_aux"] in tasks[1, 1].members and tasks[1, 1].kind is TaskKind.FUSED
+    schedule = make_schedule(task_specs(list(tasks.values())), 4, "interleaved")
+    assert [schedule.display(a) for a in schedule.order[0]] == ["F0", "F1", "F2", "B0", "F3", "B1", "B2", "B3"]
 
 
 def test_every_non_duplicable_op_is_in_exactly_one_task():
