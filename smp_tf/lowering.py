@@ -199,6 +199,21 @@ def _annotate_resource(placeholder: tf.Tensor, variable: Any) -> None:
     placeholder.op._set_attr("_handle_shapes", shapes)
 
 
+def cpu_kernels_allocate_scratch() -> bool:
+    """Whether TensorFlow's own CPU kernels run the convolution gradients,
+    allocating the scratch `smp_tf.memory.kernel_scratch` predicts through
+    TensorFlow's allocator. Where oneDNN's kernels replace them (TensorFlow
+    enables oneDNN by default on CPUs with AVX-512 VNNI or BF16 and the
+    like; ``TF_ENABLE_ONEDNN_OPTS`` decides), their scratch stays outside
+    it."""
+    try:
+        from tensorflow.python.util import _pywrap_util_port
+
+        return not _pywrap_util_port.IsMklEnabled()
+    except (ImportError, AttributeError):  # not in this TensorFlow build
+        return True
+
+
 def _transposed_name(read_name: str) -> str:
     return f"smp_transposed/{read_name}"
 
@@ -601,6 +616,7 @@ class CompiledStep:
             devices=self.devices,
             budget=budget,
             workspace=workspace,
+            cpu_kernel_scratch=cpu_kernels_allocate_scratch(),
         )
         report.schedule = f"{self.schedule.kind}, {self.num_microbatches} micro-batches"
         return report

@@ -536,6 +536,7 @@ def predict_memory(
     devices: Sequence[str] = (),
     budget: Optional[int] = None,
     workspace: Optional[Mapping[Tuple[int, int], int]] = None,
+    cpu_kernel_scratch: bool = True,
 ) -> MemoryReport:
     """Predicts every partition's peak under a simulated schedule.
 
@@ -558,6 +559,10 @@ def predict_memory(
         budget: the memory budget (for the report).
         workspace: (partition, wave) -> a task's peak to use instead of
             `task_workspace` (e.g. measured).
+        cpu_kernel_scratch: whether the convolution gradients of partitions
+            on CPUs allocate `kernel_scratch` (TensorFlow's own CPU kernels);
+            False where oneDNN's kernels run them, which keep their
+            scratch outside TensorFlow's allocator.
 
     Returns:
         The `MemoryReport` (``measured`` unset).
@@ -592,10 +597,12 @@ def predict_memory(
     per_device: Dict[int, List[_Interval]] = {p: [] for p in range(num_partitions)}
     process: List[_Interval] = []
     # The kernel scratch `kernel_scratch` predicts is that of TensorFlow's
-    # CPU kernels: not counted on GPUs, whose kernels choose their own.
+    # CPU kernels: not counted on GPUs, whose kernels choose their own, nor
+    # where oneDNN's CPU kernels run the convolutions.
     on_gpu = {p for p, d in enumerate(devices) if str(d).rsplit("device:", 1)[-1].upper().startswith("GPU")}
     workspace = {t.key: (workspace[t.key] if workspace and t.key in workspace
-                         else task_workspace(graph, t, storage, cpu_scratch=t.partition not in on_gpu))
+                         else task_workspace(graph, t, storage,
+                                             cpu_scratch=cpu_kernel_scratch and t.partition not in on_gpu))
                  for t in tasks}
     start, end = simulation.start, simulation.end
     for action in start:
@@ -657,6 +664,7 @@ def predict_assignment(
     recompute: str = "never",
     slots: float = 0.0,
     device_of_partition: Optional[Sequence[int]] = None,
+    cpu_kernel_scratch: bool = True,
 ) -> MemoryReport:
     """`predict_memory` for an assignment, before any lowering.
 
@@ -665,7 +673,7 @@ def predict_assignment(
     slots per trainable byte and, as gradients, the floating-point outputs
     of gradient ops among `output_tensors`. `device_of_partition` maps each
     partition to its device number (``virtual_stages``); None: one
-    partition per device.
+    partition per device. `cpu_kernel_scratch` as for `predict_memory`.
     """
     from smp_tf.rewrite import build_tasks, task_specs
     from smp_tf.schedules import make_schedule, schedule_builder
@@ -689,6 +697,7 @@ def predict_assignment(
         partition_of_variable=partition_of_variable,
         gradient_bytes=gradient_bytes,
         slots=slots,
+        cpu_kernel_scratch=cpu_kernel_scratch,
     )
 
 

@@ -34,7 +34,7 @@ import tensorflow as tf
 from smp_tf import placement, state
 from smp_tf.profiling import timeline
 from smp_tf.memory import optimizer_slots, predict_assignment, refine_memory_split, stage_multipliers
-from smp_tf.lowering import CompiledStep, FusedValue
+from smp_tf.lowering import CompiledStep, FusedValue, cpu_kernels_allocate_scratch
 from smp_tf.partitioner.plan import DEFAULT_SLOTS, PartitionPlan, assign_partitions
 from smp_tf.split import check_split_sizes, split_arguments
 from smp_tf.step_output import FusedOp, StepOutput
@@ -332,6 +332,7 @@ class StepFunction:
                 lambda parts: predict_assignment(
                     traced.op_graph, parts, outputs, num_partitions=cfg.num_stages, num_microbatches=cfg.microbatches,
                     kind=cfg.pipeline, recompute=recompute, slots=slots, device_of_partition=device_of,
+                    cpu_kernel_scratch=cpu_kernels_allocate_scratch(),
                 ),
                 moves=MEMORY_SPLIT_MOVES,
                 device_of_partition=device_of,
