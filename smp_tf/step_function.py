@@ -202,12 +202,13 @@ class StepFunction:
         """
         if instance is None:
             return self
-        key = f"_smp_tf_step_{self.__name__}_{id(self):x}"
+        name = getattr(self, "__name__", type(self._fn).__name__)
+        key = f"_smp_tf_step_{name}_{id(self):x}"
         try:
             attributes = vars(instance)
         except TypeError:
             raise TypeError(
-                f"smp.step on method {owner.__name__ if owner else type(instance).__name__}.{self.__name__}: "
+                f"smp.step on method {owner.__name__ if owner else type(instance).__name__}.{name}: "
                 f"instances of {type(instance).__name__} have no __dict__ to keep their bound step in "
                 "(a class with __slots__). Decorate a function instead, or add '__dict__' to __slots__."
             ) from None
