@@ -804,6 +804,33 @@ def test_a_light_unit_is_not_moved_against_the_forward_order():
     assert _part(g, a, "C/f") in (1, 2)
 
 
+def test_a_unit_that_reads_a_later_partition_moves_there():
+    """A rotary embedding R (``q * cos + rotate(q) * sin``, one group) starts
+    with ``q * cos`` before the rotation T, which it then reads. The split,
+    which cuts units in the order of their first ops, puts the cut between
+    R and T: the forward pass would go 0 -> 1 (T) -> 0 (R) -> 1 (O). R,
+    cheap and variable-free, moves to T's partition, slightly over the
+    split's bound."""
+    spec = [{"name": "x", "type": "Placeholder", "kind": "arg", "flops": 0}]
+    for name, src, flops, nbytes in [("A", "x", 100, 10), ("Q", "A/f", 100, 1000)]:
+        spec.append({"name": f"{name}/read", "variables": [f"w{name}"], "layer": name, "flops": 0})
+        spec.append({"name": f"{name}/f", "inputs": [src, f"{name}/read"], "layer": name, "flops": flops,
+                     "bytes": nbytes})
+    spec += [
+        {"name": "R/cos", "inputs": ["Q/f"], "layer": "R", "flops": 0.5, "bytes": 10},
+        {"name": "T/f", "inputs": ["Q/f"], "layer": "T", "flops": 100, "bytes": 10},
+        {"name": "R/sin", "inputs": ["T/f"], "layer": "R", "flops": 0.5, "bytes": 10},
+        {"name": "R/add", "inputs": ["R/cos", "R/sin"], "layer": "R", "flops": 0, "bytes": 10},
+        {"name": "O/read", "variables": ["wO"], "layer": "O", "flops": 0},
+        {"name": "O/f", "inputs": ["R/add", "O/read"], "layer": "O", "flops": 120, "bytes": 10},
+        {"name": "loss", "inputs": ["O/f"], "flops": 0},
+    ]
+    g = OpGraph.from_spec(spec)
+    a = _plan().assign_partitions(g, 2)
+    assert [_part(g, a, n) for n in ("A/f", "Q/f", "T/f", "O/f")] == [0, 0, 1, 1]
+    assert [_part(g, a, n) for n in ("R/cos", "R/sin", "R/add")] == [1, 1, 1]
+
+
 def test_a_gradient_sum_keeps_the_backward_order():
     """L0's output is read by Q on partition 0 and by K, V and the residual
     R on partition 1, so its gradient is a sum of four terms, three of them

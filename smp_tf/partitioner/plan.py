@@ -271,6 +271,60 @@ def _refine_light_units(
             break
 
 
+#: How far over the split's bound `_repair_forward_order` may load a
+#: partition, as a fraction of the bound.
+FORWARD_ORDER_SLACK = 0.02
+
+
+def _repair_forward_order(
+    graph: OpGraph,
+    groups: Groups,
+    unit_groups: List[int],
+    costs: List[float],
+    part_of_group: List[Optional[int]],
+    num_partitions: int,
+    bound: float,
+) -> None:
+    """Moves a variable-free unit that reads forward values from a later
+    partition to the latest such partition.
+
+    The split cuts the units in the order of their first forward ops. A
+    group can start before ops of another group that it reads later: the
+    rotary embedding of an attention layer (``q * cos + rotate(q) * sin``,
+    one group by its arithmetic chain) starts with ``q * cos`` and then
+    reads ``rotate(q)``, a group of its own. With the cut between the two,
+    the forward pass went to the next partition and back: one more crossing
+    and one more task per micro-batch. Such a unit moves when it then sends
+    its values to no earlier partition and the partition stays within
+    `bound` plus `FORWARD_ORDER_SLACK` (a round trip between partitions
+    costs more than so small a piece of compute); a partition is never
+    emptied.
+    """
+    load = [0.0] * num_partitions
+    count = [0] * num_partitions
+    for u, g in enumerate(unit_groups):
+        load[part_of_group[g]] += costs[u]
+        count[part_of_group[g]] += 1
+    for _ in range(2):
+        moved = False
+        for u, g in enumerate(unit_groups):
+            if any(graph.ops[i].variables for i in groups.members[g]):
+                continue
+            here = part_of_group[g]
+            reads, _ = _placed_neighbours(graph, groups, g, part_of_group, gradient=False)
+            later = max((r for r in reads if r is not None), default=here)
+            if (later > here and count[here] > 1 and load[later] + costs[u] <= bound * (1 + FORWARD_ORDER_SLACK)
+                    and _keeps_forward_order(graph, groups, g, part_of_group, later)):
+                load[here] -= costs[u]
+                load[later] += costs[u]
+                count[here] -= 1
+                count[later] += 1
+                part_of_group[g] = later
+                moved = True
+        if not moved:
+            break
+
+
 def _placed_neighbours(
     graph: OpGraph, groups: Groups, g: int, part_of_group: List[Optional[int]], gradient: bool
 ) -> Tuple[List[Optional[int]], List[Optional[int]]]:
@@ -491,6 +545,8 @@ def assign_partitions(
                     part_of_group[unit_groups[u]] = p
             bottleneck = max(balance.segment_costs(costs, bounds)) if costs else 0.0
             _refine_light_units(graph, groups, unit_groups, costs, part_of_group, num_partitions, bottleneck * (1 + tolerance))
+            _repair_forward_order(graph, groups, unit_groups, costs, part_of_group, num_partitions,
+                                  bottleneck * (1 + tolerance))
         else:
             edges = _unit_edges(graph, groups, unit_of_group)
             parts = balance.balanced_assignment(
