@@ -23,7 +23,7 @@ Everything here is plain Python over `OpGraph`.
 
 from __future__ import annotations
 
-from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
 from smp_tf.graph_view import OpGraph
 from smp_tf.memory import format_bytes
@@ -224,7 +224,7 @@ def _exchange_by_partition(graph: OpGraph, groups: Groups, g: int, part_of_group
     return score
 
 
-def _refine_light_units(
+def _move_units(
     graph: OpGraph,
     groups: Groups,
     unit_groups: List[int],
@@ -232,74 +232,12 @@ def _refine_light_units(
     part_of_group: List[Optional[int]],
     num_partitions: int,
     bound: float,
+    target: Callable[[int, int], Optional[int]],
 ) -> None:
-    """Moves cheap, variable-free units to the partition they talk to most.
-
-    The exact contiguous split works on the forward order; a unit that reads
-    a big tensor from a partition far away in that order (the loss after a
-    tied output projection that lives with the embedding) is better placed
-    there. A move is made only if it strictly lowers the bytes exchanged and
-    keeps every partition within `bound`.
-    """
-    load = [0.0] * num_partitions
-    count = [0] * num_partitions
-    for u, g in enumerate(unit_groups):
-        load[part_of_group[g]] += costs[u]
-        count[part_of_group[g]] += 1
-    light = max(bound, 1e-30) * 0.05
-    for _ in range(2):
-        moved = False
-        for u, g in enumerate(unit_groups):
-            if costs[u] > light or any(graph.ops[i].variables for i in groups.members[g]):
-                continue
-            score = _exchange_by_partition(graph, groups, g, part_of_group)
-            if not score:
-                continue
-            here = part_of_group[g]
-            best = max(sorted(score), key=lambda p: score[p])
-            # Never empty a partition: its device would idle in the pipeline;
-            # never send the forward pass back to an earlier partition.
-            if (best != here and count[here] > 1 and score[best] > score.get(here, 0.0)
-                    and load[best] + costs[u] <= bound and _keeps_forward_order(graph, groups, g, part_of_group, best)):
-                load[here] -= costs[u]
-                load[best] += costs[u]
-                count[here] -= 1
-                count[best] += 1
-                part_of_group[g] = best
-                moved = True
-        if not moved:
-            break
-
-
-#: How far over the split's bound `_repair_forward_order` may load a
-#: partition, as a fraction of the bound.
-FORWARD_ORDER_SLACK = 0.02
-
-
-def _repair_forward_order(
-    graph: OpGraph,
-    groups: Groups,
-    unit_groups: List[int],
-    costs: List[float],
-    part_of_group: List[Optional[int]],
-    num_partitions: int,
-    bound: float,
-) -> None:
-    """Moves a variable-free unit that reads forward values from a later
-    partition to the latest such partition.
-
-    The split cuts the units in the order of their first forward ops. A
-    group can start before ops of another group that it reads later: the
-    rotary embedding of an attention layer (``q * cos + rotate(q) * sin``,
-    one group by its arithmetic chain) starts with ``q * cos`` and then
-    reads ``rotate(q)``, a group of its own. With the cut between the two,
-    the forward pass went to the next partition and back: one more crossing
-    and one more task per micro-batch. Such a unit moves when it then sends
-    its values to no earlier partition and the partition stays within
-    `bound` plus `FORWARD_ORDER_SLACK` (a round trip between partitions
-    costs more than so small a piece of compute); a partition is never
-    emptied.
-    """
+    """Moves variable-free units to ``target(unit, group)`` (None: stays),
+    in up to two sweeps, when the move keeps that partition within `bound`,
+    empties no partition (its device would idle in the pipeline) and keeps
+    the forward order (`_keeps_forward_order`)."""
     load = [0.0] * num_partitions
     count = [0] * num_partitions
     for u, g in enumerate(unit_groups):
@@ -310,19 +248,72 @@ def _repair_forward_order(
         for u, g in enumerate(unit_groups):
             if any(graph.ops[i].variables for i in groups.members[g]):
                 continue
-            here = part_of_group[g]
-            reads, _ = _placed_neighbours(graph, groups, g, part_of_group, gradient=False)
-            later = max((r for r in reads if r is not None), default=here)
-            if (later > here and count[here] > 1 and load[later] + costs[u] <= bound * (1 + FORWARD_ORDER_SLACK)
-                    and _keeps_forward_order(graph, groups, g, part_of_group, later)):
+            here, to = part_of_group[g], target(u, g)
+            if (to is not None and to != here and count[here] > 1 and load[to] + costs[u] <= bound
+                    and _keeps_forward_order(graph, groups, g, part_of_group, to)):
                 load[here] -= costs[u]
-                load[later] += costs[u]
+                load[to] += costs[u]
                 count[here] -= 1
-                count[later] += 1
-                part_of_group[g] = later
+                count[to] += 1
+                part_of_group[g] = to
                 moved = True
         if not moved:
             break
+
+
+#: How far over the split's bound the forward-order repair of
+#: `_adjust_split` may load a partition, as a fraction of the bound.
+FORWARD_ORDER_SLACK = 0.02
+
+
+def _adjust_split(
+    graph: OpGraph,
+    groups: Groups,
+    unit_groups: List[int],
+    costs: List[float],
+    part_of_group: List[Optional[int]],
+    num_partitions: int,
+    bound: float,
+) -> None:
+    """Two adjustments of the contiguous split, on variable-free units.
+
+    1. Cheap units move to the partition they talk to most. The exact
+       split works on the forward order; a unit that reads a big tensor
+       from a partition far away in that order (the loss after a tied
+       output projection that lives with the embedding) is better placed
+       there. A move is made only if it strictly lowers the bytes exchanged
+       and keeps every partition within `bound`.
+    2. A unit that reads forward values from a later partition moves to the
+       latest such partition. The split cuts the units in the order of
+       their first forward ops, and a group can start before ops of another
+       group that it reads later: the rotary embedding of an attention
+       layer (``q * cos + rotate(q) * sin``, one group by its arithmetic
+       chain) starts with ``q * cos`` and then reads ``rotate(q)``, a group
+       of its own. With the cut between the two, the forward pass went to
+       the next partition and back: one more crossing and one more task per
+       micro-batch. The partition may go `FORWARD_ORDER_SLACK` over `bound`
+       (a round trip between partitions costs more than so small a piece of
+       compute).
+
+    Neither empties a partition or breaks the forward order.
+    """
+    light = max(bound, 1e-30) * 0.05
+
+    def talks_to_most(u: int, g: int) -> Optional[int]:
+        score = _exchange_by_partition(graph, groups, g, part_of_group)
+        if costs[u] > light or not score:
+            return None
+        p = max(sorted(score), key=lambda q: score[q])
+        return p if score[p] > score.get(part_of_group[g], 0.0) else None
+
+    def latest_read(u: int, g: int) -> Optional[int]:
+        reads, _ = _placed_neighbours(graph, groups, g, part_of_group, gradient=False)
+        later = max((r for r in reads if r is not None), default=part_of_group[g])
+        return later if later > part_of_group[g] else None
+
+    args = (graph, groups, unit_groups, costs, part_of_group, num_partitions)
+    _move_units(*args, bound, talks_to_most)
+    _move_units(*args, bound * (1 + FORWARD_ORDER_SLACK), latest_read)
 
 
 def _placed_neighbours(
@@ -544,9 +535,7 @@ def assign_partitions(
                 for u in range(bounds[p], bounds[p + 1]):
                     part_of_group[unit_groups[u]] = p
             bottleneck = max(balance.segment_costs(costs, bounds)) if costs else 0.0
-            _refine_light_units(graph, groups, unit_groups, costs, part_of_group, num_partitions, bottleneck * (1 + tolerance))
-            _repair_forward_order(graph, groups, unit_groups, costs, part_of_group, num_partitions,
-                                  bottleneck * (1 + tolerance))
+            _adjust_split(graph, groups, unit_groups, costs, part_of_group, num_partitions, bottleneck * (1 + tolerance))
         else:
             edges = _unit_edges(graph, groups, unit_of_group)
             parts = balance.balanced_assignment(
