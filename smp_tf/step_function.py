@@ -328,12 +328,13 @@ class StepFunction:
             # With virtual stages a device holds several chunks: the split
             # balances the devices' sums of their chunks' peaks.
             device_of = [c % cfg.partitions for c in range(cfg.num_stages)] if cfg.virtual_stages > 1 else None
+            scratch = cpu_kernels_allocate_scratch()
             assignment = refine_memory_split(
                 assign,
                 lambda parts: predict_assignment(
                     traced.op_graph, parts, outputs, num_partitions=cfg.num_stages, num_microbatches=cfg.microbatches,
                     kind=cfg.pipeline, recompute=recompute, slots=slots, device_of_partition=device_of,
-                    cpu_kernel_scratch=cpu_kernels_allocate_scratch(),
+                    cpu_kernel_scratch=scratch,
                 ),
                 moves=MEMORY_SPLIT_MOVES,
                 device_of_partition=device_of,

@@ -186,23 +186,36 @@ class SmpCustomStep(_Body, smp.DistributedModel):
         return {"step_loss": loss.reduce_mean()}
 
 
-def test_a_custom_train_step_pipelines_through_an_smp_step_method():
+def _custom_steps_fit_alike(plain_cls, smp_cls, input_width, seed, compile_kwargs, *fit_args, **fit_kwargs):
+    """`fit` of a plain Keras model with a custom `train_step` and of its
+    pipelined form (P=2) from the same initial weights: asserts the same
+    history and weights and returns the pipelined model. `compile_kwargs()`
+    gives each model its own optimizer."""
     smp.init({"partitions": 2, "microbatches": M})
     histories, models = [], []
-    for cls in (PlainCustomStep, SmpCustomStep):
-        keras.utils.set_random_seed(7)
+    for cls in (plain_cls, smp_cls):
+        keras.utils.set_random_seed(seed)
         model = cls()
-        model(np.zeros((2, 16), "float32"))
-        model.compile(optimizer=keras.optimizers.Adam(1e-2),
-                      loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
-        # 80 rows: batches of 16, each split into M equal micro-batches.
-        histories.append(model.fit(X[:80], Y[:80], batch_size=16, epochs=2, shuffle=False, verbose=0).history)
+        model(np.zeros((2, input_width), "float32"))
+        model.compile(**compile_kwargs())
+        histories.append(model.fit(*fit_args, shuffle=False, verbose=0, **fit_kwargs).history)
         models.append(model)
     assert_history_equal(histories[1], histories[0])
     assert_weights_equal(models[1], models[0])
-    step = models[1].loss_and_grads
-    assert step.last_plan is not None and step.last_plan.num_partitions == 2
     assert len({v.value.device for v in models[1].trainable_variables}) == 2
+    return models[1]
+
+
+def test_a_custom_train_step_pipelines_through_an_smp_step_method():
+    def compile_kwargs():
+        return dict(optimizer=keras.optimizers.Adam(1e-2),
+                    loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+
+    # 80 rows: batches of 16, each split into M equal micro-batches.
+    model = _custom_steps_fit_alike(PlainCustomStep, SmpCustomStep, 16, 7, compile_kwargs, X[:80], Y[:80],
+                                    batch_size=16, epochs=2)
+    step = model.loss_and_grads
+    assert step.last_plan is not None and step.last_plan.num_partitions == 2
 
 
 _LATENT = 8
@@ -270,19 +283,8 @@ class SmpGAN(_GAN, smp.DistributedModel):
 
 
 def test_a_gan_with_two_smp_step_methods_matches_plain_keras():
-    smp.init({"partitions": 2, "microbatches": M})
     real = np.random.default_rng(0).normal(size=(128, 16)).astype("float32")
-    histories, models = [], []
-    for cls in (PlainGAN, SmpGAN):
-        keras.utils.set_random_seed(5)
-        model = cls()
-        model(np.zeros((2, _LATENT), "float32"))
-        model.compile()
-        histories.append(model.fit(real, batch_size=32, epochs=3, shuffle=False, verbose=0).history)
-        models.append(model)
-    assert_history_equal(histories[1], histories[0])
-    assert_weights_equal(models[1], models[0])
-    assert len({v.value.device for v in models[1].trainable_variables}) == 2
+    _custom_steps_fit_alike(PlainGAN, SmpGAN, _LATENT, 5, dict, real, batch_size=32, epochs=3)
 
 
 # --------------------------------------------------------------------------

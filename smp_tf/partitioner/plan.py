@@ -224,43 +224,6 @@ def _exchange_by_partition(graph: OpGraph, groups: Groups, g: int, part_of_group
     return score
 
 
-def _move_units(
-    graph: OpGraph,
-    groups: Groups,
-    unit_groups: List[int],
-    costs: List[float],
-    part_of_group: List[Optional[int]],
-    num_partitions: int,
-    bound: float,
-    target: Callable[[int, int], Optional[int]],
-) -> None:
-    """Moves variable-free units to ``target(unit, group)`` (None: stays),
-    in up to two sweeps, when the move keeps that partition within `bound`,
-    empties no partition (its device would idle in the pipeline) and keeps
-    the forward order (`_keeps_forward_order`)."""
-    load = [0.0] * num_partitions
-    count = [0] * num_partitions
-    for u, g in enumerate(unit_groups):
-        load[part_of_group[g]] += costs[u]
-        count[part_of_group[g]] += 1
-    for _ in range(2):
-        moved = False
-        for u, g in enumerate(unit_groups):
-            if any(graph.ops[i].variables for i in groups.members[g]):
-                continue
-            here, to = part_of_group[g], target(u, g)
-            if (to is not None and to != here and count[here] > 1 and load[to] + costs[u] <= bound
-                    and _keeps_forward_order(graph, groups, g, part_of_group, to)):
-                load[here] -= costs[u]
-                load[to] += costs[u]
-                count[here] -= 1
-                count[to] += 1
-                part_of_group[g] = to
-                moved = True
-        if not moved:
-            break
-
-
 #: How far over the split's bound the forward-order repair of
 #: `_adjust_split` may load a partition, as a fraction of the bound.
 FORWARD_ORDER_SLACK = 0.02
@@ -295,13 +258,16 @@ def _adjust_split(
        (a round trip between partitions costs more than so small a piece of
        compute).
 
-    Neither empties a partition or breaks the forward order.
+    Neither empties a partition (its device would idle in the pipeline)
+    nor breaks the forward order (`_keeps_forward_order`).
     """
     light = max(bound, 1e-30) * 0.05
 
     def talks_to_most(u: int, g: int) -> Optional[int]:
+        if costs[u] > light:
+            return None
         score = _exchange_by_partition(graph, groups, g, part_of_group)
-        if costs[u] > light or not score:
+        if not score:
             return None
         p = max(sorted(score), key=lambda q: score[q])
         return p if score[p] > score.get(part_of_group[g], 0.0) else None
@@ -311,9 +277,33 @@ def _adjust_split(
         later = max((r for r in reads if r is not None), default=part_of_group[g])
         return later if later > part_of_group[g] else None
 
-    args = (graph, groups, unit_groups, costs, part_of_group, num_partitions)
-    _move_units(*args, bound, talks_to_most)
-    _move_units(*args, bound * (1 + FORWARD_ORDER_SLACK), latest_read)
+    def move(limit: float, target: Callable[[int, int], Optional[int]]) -> None:
+        # Each variable-free unit to target(unit, group) (None: it stays),
+        # in up to two sweeps.
+        load = [0.0] * num_partitions
+        count = [0] * num_partitions
+        for u, g in enumerate(unit_groups):
+            load[part_of_group[g]] += costs[u]
+            count[part_of_group[g]] += 1
+        for _ in range(2):
+            moved = False
+            for u, g in enumerate(unit_groups):
+                if any(graph.ops[i].variables for i in groups.members[g]):
+                    continue
+                here, to = part_of_group[g], target(u, g)
+                if (to is not None and to != here and count[here] > 1 and load[to] + costs[u] <= limit
+                        and _keeps_forward_order(graph, groups, g, part_of_group, to)):
+                    load[here] -= costs[u]
+                    load[to] += costs[u]
+                    count[here] -= 1
+                    count[to] += 1
+                    part_of_group[g] = to
+                    moved = True
+            if not moved:
+                break
+
+    move(bound, talks_to_most)
+    move(bound * (1 + FORWARD_ORDER_SLACK), latest_read)
 
 
 def _placed_neighbours(
