@@ -726,7 +726,8 @@ def build_tasks(
         dup[i] = True
     wave = waves(graph, partition_of_op, dup)
     modes = _recompute_modes(recompute, partition_of_op)
-    tasks = _assemble(graph, partition_of_op, output_tensors, dup, wave, modes, set())
+    carried = forward_values_in_gradients(graph, dup)
+    tasks = _assemble(graph, partition_of_op, output_tensors, dup, carried, wave, modes, set())
     if not split_weight:
         return tasks
     top = max(t.wave for t in tasks)
@@ -758,7 +759,7 @@ def build_tasks(
                 weight_ops.add(i)
     if not weight_ops:
         return tasks
-    return _assemble(graph, partition_of_op, output_tensors, dup, wave, modes, weight_ops)
+    return _assemble(graph, partition_of_op, output_tensors, dup, carried, wave, modes, weight_ops)
 
 
 #: Kernels that compute a weight gradient from an activation and an output gradient.
@@ -799,16 +800,17 @@ def _assemble(
     partition_of_op: Sequence[int],
     output_tensors: Sequence[int],
     dup: Sequence[bool],
+    carried: Sequence[bool],
     wave: Sequence[Optional[int]],
     modes: Dict[int, str],
     weight_ops: Set[int],
 ) -> List[Task]:
     """Tasks from each op's (partition, wave): members, copies, recomputed
     ops, inputs and outputs (the body of `build_tasks`). Tasks made of
-    `weight_ops` are W tasks."""
+    `weight_ops` are W tasks; gradient ops marked `carried`
+    (`forward_values_in_gradients`) leave a task a forward task."""
     tasks: Dict[Tuple[int, int], Task] = {}
     task_of_op: List[Optional[Task]] = [None] * len(graph.ops)
-    carried = forward_values_in_gradients(graph, dup)
     for op in graph.ops:
         if dup[op.index]:
             continue
