@@ -805,12 +805,12 @@ def test_a_light_unit_is_not_moved_against_the_forward_order():
 
 
 def test_a_unit_that_reads_a_later_partition_moves_there():
-    """A rotary embedding R (``q * cos + rotate(q) * sin``, one group) starts
-    with ``q * cos`` before the rotation T, which it then reads. The split,
-    which cuts units in the order of their first ops, puts the cut between
-    R and T: the forward pass would go 0 -> 1 (T) -> 0 (R) -> 1 (O). R,
-    cheap and variable-free, moves to T's partition, slightly over the
-    split's bound."""
+    """A rotary-like group R (``c = q * cos``, then ``c + rotate(c) * sin``,
+    one group) and the rotation T read each other, so no order of the two
+    keeps the forward pass in order. R's first op comes first, and the split
+    puts the cut between R and T: the forward pass would go 0 -> 1 (T) -> 0
+    (R) -> 1 (O). R, cheap and variable-free, moves to T's partition,
+    slightly over the split's bound."""
     spec = [{"name": "x", "type": "Placeholder", "kind": "arg", "flops": 0}]
     for name, src, flops, nbytes in [("A", "x", 100, 10), ("Q", "A/f", 100, 1000)]:
         spec.append({"name": f"{name}/read", "variables": [f"w{name}"], "layer": name, "flops": 0})
@@ -818,7 +818,7 @@ def test_a_unit_that_reads_a_later_partition_moves_there():
                      "bytes": nbytes})
     spec += [
         {"name": "R/cos", "inputs": ["Q/f"], "layer": "R", "flops": 0.5, "bytes": 10},
-        {"name": "T/f", "inputs": ["Q/f"], "layer": "T", "flops": 100, "bytes": 10},
+        {"name": "T/f", "inputs": ["R/cos"], "layer": "T", "flops": 100, "bytes": 10},
         {"name": "R/sin", "inputs": ["T/f"], "layer": "R", "flops": 0.5, "bytes": 10},
         {"name": "R/add", "inputs": ["R/cos", "R/sin"], "layer": "R", "flops": 0, "bytes": 10},
         {"name": "O/read", "variables": ["wO"], "layer": "O", "flops": 0},
@@ -829,6 +829,36 @@ def test_a_unit_that_reads_a_later_partition_moves_there():
     a = _plan().assign_partitions(g, 2)
     assert [_part(g, a, n) for n in ("A/f", "Q/f", "T/f", "O/f")] == [0, 0, 1, 1]
     assert [_part(g, a, n) for n in ("R/cos", "R/sin", "R/add")] == [1, 1, 1]
+
+
+def test_units_are_split_in_topological_order_not_first_op_order():
+    """A fusion stage ``inputs + residual(x)`` (DepthAnything's neck): the
+    sum J reads the projection P of the stage before, and is its only
+    reader, so the two are one group (an arithmetic chain), whose first op
+    comes before the residual unit U that J also reads. Cut in the order of
+    first ops ([A, P+J] | [U, O]), the forward pass went 0 -> 1 (U) -> 0 (J)
+    -> 1 (O), and the group's two halves ran in different tasks of
+    partition 0. In topological order the cut falls between U and P+J."""
+    spec = [{"name": "x", "type": "Placeholder", "kind": "arg", "flops": 0}]
+    for name, src in [("A", "x"), ("P", "x")]:
+        spec.append({"name": f"{name}/read", "variables": [f"w{name}"], "layer": name, "flops": 0})
+        spec.append({"name": f"{name}/f", "inputs": [src, f"{name}/read"], "layer": name, "flops": 100,
+                     "bytes": 10})
+    spec += [
+        {"name": "P/bias", "type": "BiasAdd", "inputs": ["P/f"], "layer": "P", "flops": 1, "bytes": 10},
+        {"name": "U/read", "variables": ["wU"], "layer": "U", "flops": 0},
+        {"name": "U/f", "inputs": ["A/f", "U/read"], "layer": "U", "flops": 100, "bytes": 10},
+        {"name": "J/add", "type": "AddV2", "inputs": ["P/bias", "U/f"], "flops": 1, "bytes": 10},
+        {"name": "O/read", "variables": ["wO"], "layer": "O", "flops": 0},
+        {"name": "O/f", "inputs": ["J/add", "O/read"], "layer": "O", "flops": 100, "bytes": 10},
+        {"name": "loss", "inputs": ["O/f"], "flops": 0},
+    ]
+    g = OpGraph.from_spec(spec)
+    groups = colocation_groups(g)
+    assert groups.group_of[g.op_index["P/f"]] == groups.group_of[g.op_index["J/add"]]
+    a = _plan().assign_partitions(g, 2)
+    parts = {n: _part(g, a, n) for n in ("A/f", "U/f", "P/f", "J/add", "O/f")}
+    assert parts == {"A/f": 0, "U/f": 0, "P/f": 1, "J/add": 1, "O/f": 1}
 
 
 def test_a_gradient_sum_keeps_the_backward_order():

@@ -3,8 +3,9 @@
 The pipeline of `assign_partitions`:
 
 1. colocation groups (`groups.py`); free ops are set aside;
-2. the groups that hold forward ops become *units*, ordered by their first
-   forward op (the forward order);
+2. the groups that hold forward ops become *units*, in the forward order
+   (a topological order of their forward values, first forward op first
+   among the ready ones; `_group_positions`);
 3. each unit gets a cost: ``speed`` -> its share of the estimated flops plus
    a tenth of its share of the variables; ``memory`` -> bytes of its
    variables times (1 + optimizer slots) plus the forward activations its
@@ -23,6 +24,7 @@ Everything here is plain Python over `OpGraph`.
 
 from __future__ import annotations
 
+import heapq
 from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
 from smp_tf.graph_view import OpGraph
@@ -49,15 +51,63 @@ _PASS_THROUGH = frozenset(["Identity", "IdentityN", "Snapshot", "NoOp"])
 
 
 def _group_positions(graph: OpGraph, groups: Groups) -> List[Optional[int]]:
-    """First forward op of each group (None for groups of gradient ops only)."""
-    pos: List[Optional[int]] = [None] * len(groups)
+    """Each group's place in the forward order (None for groups of gradient
+    ops only and for lone pass-through ops).
+
+    The forward order is a topological order of the groups by the forward
+    values they read from each other, taking among the groups whose inputs
+    are all placed the one whose first forward op comes first. A group can
+    start before a group it reads later (a colocation rule joined an op to
+    an earlier one: ``inputs + residual(x)`` joined to the op that made
+    `inputs`); ordered by first forward op alone, the split could cut
+    between the two and send the forward pass back. Where groups read each
+    other both ways, the one whose first forward op comes first goes first.
+    """
+    n = len(groups)
+    first: List[Optional[int]] = [None] * n
     for g, ms in enumerate(groups.members):
-        if len(ms) == 1 and graph.ops[ms[0]].type in _PASS_THROUGH:
-            continue  # pass-through ops (the step's output identities) follow neighbours
         for i in ms:
             if not graph.ops[i].is_gradient:
-                pos[g] = i
+                first[g] = i
                 break
+    readers: List[set] = [set() for _ in range(n)]
+    waiting = [0] * n
+    for t in graph.tensors:
+        if graph.ops[t.producer].is_gradient:
+            continue
+        pg = groups.group_of[t.producer]
+        if pg < 0:
+            continue
+        for c in t.consumers:
+            cg = groups.group_of[c]
+            if cg >= 0 and cg != pg and not graph.ops[c].is_gradient and cg not in readers[pg]:
+                readers[pg].add(cg)
+                waiting[cg] += 1
+    remaining = {g for g in range(n) if first[g] is not None}
+    ready = [(first[g], g) for g in remaining if waiting[g] == 0]
+    heapq.heapify(ready)
+    order: List[int] = []
+    while remaining:
+        if not ready:
+            # Groups that read each other: release the earliest.
+            g = min(remaining, key=lambda k: first[k])
+            waiting[g] = 0
+            ready.append((first[g], g))
+        _, g = heapq.heappop(ready)
+        if g not in remaining:
+            continue
+        remaining.discard(g)
+        order.append(g)
+        for r in readers[g]:
+            waiting[r] -= 1
+            if waiting[r] == 0 and r in remaining:
+                heapq.heappush(ready, (first[r], r))
+    pos: List[Optional[int]] = [None] * n
+    for rank, g in enumerate(order):
+        ms = groups.members[g]
+        if len(ms) == 1 and graph.ops[ms[0]].type in _PASS_THROUGH:
+            continue  # pass-through ops (the step's output identities) follow neighbours
+        pos[g] = rank
     return pos
 
 
@@ -247,16 +297,13 @@ def _adjust_split(
        there. A move is made only if it strictly lowers the bytes exchanged
        and keeps every partition within `bound`.
     2. A unit that reads forward values from a later partition moves to the
-       latest such partition. The split cuts the units in the order of
-       their first forward ops, and a group can start before ops of another
-       group that it reads later: the rotary embedding of an attention
-       layer (``q * cos + rotate(q) * sin``, one group by its arithmetic
-       chain) starts with ``q * cos`` and then reads ``rotate(q)``, a group
-       of its own. With the cut between the two, the forward pass went to
-       the next partition and back: one more crossing and one more task per
-       micro-batch. The partition may go `FORWARD_ORDER_SLACK` over `bound`
-       (a round trip between partitions costs more than so small a piece of
-       compute).
+       latest such partition. The split cuts the units in the forward order
+       (`_group_positions`), which every cut keeps unless groups read each
+       other's values both ways; then a unit can read from a partition after
+       its own, and the forward pass would go to the next partition and
+       back: one more crossing and one more task per micro-batch. The
+       partition may go `FORWARD_ORDER_SLACK` over `bound` (a round trip
+       between partitions costs more than so small a piece of compute).
 
     Neither empties a partition (its device would idle in the pipeline)
     nor breaks the forward order (`_keeps_forward_order`).
