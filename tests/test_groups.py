@@ -861,6 +861,44 @@ def test_units_are_split_in_topological_order_not_first_op_order():
     assert parts == {"A/f": 0, "U/f": 0, "P/f": 1, "J/add": 1, "O/f": 1}
 
 
+def test_groups_that_read_each_other_are_ordered_together():
+    """A router: the softmax S and the top-k K read each other (K reads the
+    softmax, S's normalisation reads the top-k), so neither can go first by
+    itself. The combine C reads S; the residual sum J, a group whose first
+    op comes before S's, reads C. The forward order puts S and K together
+    where their inputs are ready, and J after C: releasing the blocked group
+    whose first op comes first (J) would have put it before the router it
+    reads, and the split would send the forward pass back."""
+    spec = [{"name": "x", "type": "Placeholder", "kind": "arg", "flops": 0}]
+
+    def op(name, inputs, layer, var=None, flops=10):
+        if var:
+            spec.append({"name": f"{layer}/read", "variables": [var], "layer": layer, "flops": 0})
+            inputs = inputs + [f"{layer}/read"]
+        spec.append({"name": name, "inputs": inputs, "layer": layer, "flops": flops, "bytes": 10})
+
+    op("A/f", ["x"], "A", var="wA", flops=100)
+    op("J/early", ["A/f"], "J")
+    op("S/soft", ["A/f"], "S")
+    op("K/top", ["S/soft"], "K")
+    op("S/div", ["S/soft", "K/top"], "S")
+    op("E/f", ["A/f"], "E", var="wE", flops=100)
+    op("C/mul", ["E/f", "S/div"], "C")
+    op("J/add", ["J/early", "C/mul"], "J")
+    op("O/f", ["J/add"], "O", var="wO", flops=100)
+    spec.append({"name": "loss", "inputs": ["O/f"], "flops": 0})
+    g = OpGraph.from_spec(spec)
+    groups = colocation_groups(g)
+    pos = _plan()._group_positions(g, groups)
+    at = {name: pos[groups.group_of[g.op_index[name]]] for name in ("A/f", "S/soft", "K/top", "E/f", "C/mul",
+                                                                    "J/add", "O/f")}
+    assert at["A/f"] < at["S/soft"] < at["K/top"] < at["C/mul"] < at["J/add"] < at["O/f"]
+    assert at["E/f"] < at["C/mul"]
+    a = _plan().assign_partitions(g, 2)
+    parts = [_part(g, a, n) for n in ("A/f", "S/soft", "K/top", "E/f", "C/mul", "J/add", "O/f")]
+    assert parts == sorted(parts)
+
+
 def test_a_gradient_sum_keeps_the_backward_order():
     """L0's output is read by Q on partition 0 and by K, V and the residual
     R on partition 1, so its gradient is a sum of four terms, three of them

@@ -60,8 +60,10 @@ def _group_positions(graph: OpGraph, groups: Groups) -> List[Optional[int]]:
     start before a group it reads later (a colocation rule joined an op to
     an earlier one: ``inputs + residual(x)`` joined to the op that made
     `inputs`); ordered by first forward op alone, the split could cut
-    between the two and send the forward pass back. Where groups read each
-    other both ways, the one whose first forward op comes first goes first.
+    between the two and send the forward pass back. Groups that read each
+    other's values (a strongly connected set: a router's softmax and the
+    top-k it feeds and reads back) go together, in the order of their first
+    forward ops, when every group they read outside the set is placed.
     """
     n = len(groups)
     first: List[Optional[int]] = [None] * n
@@ -71,7 +73,6 @@ def _group_positions(graph: OpGraph, groups: Groups) -> List[Optional[int]]:
                 first[g] = i
                 break
     readers: List[set] = [set() for _ in range(n)]
-    waiting = [0] * n
     for t in graph.tensors:
         if graph.ops[t.producer].is_gradient:
             continue
@@ -80,28 +81,32 @@ def _group_positions(graph: OpGraph, groups: Groups) -> List[Optional[int]]:
             continue
         for c in t.consumers:
             cg = groups.group_of[c]
-            if cg >= 0 and cg != pg and not graph.ops[c].is_gradient and cg not in readers[pg]:
+            if cg >= 0 and cg != pg and not graph.ops[c].is_gradient:
                 readers[pg].add(cg)
-                waiting[cg] += 1
-    remaining = {g for g in range(n) if first[g] is not None}
-    ready = [(first[g], g) for g in remaining if waiting[g] == 0]
+    nodes = [g for g in range(n) if first[g] is not None]
+    component = _strongly_connected(nodes, readers)
+    members: Dict[int, List[int]] = {}
+    for g in nodes:
+        members.setdefault(component[g], []).append(g)
+    waiting = {c: 0 for c in members}
+    successors: Dict[int, set] = {c: set() for c in members}
+    for g in nodes:
+        for r in readers[g]:
+            a, b = component[g], component[r]
+            if a != b and b not in successors[a]:
+                successors[a].add(b)
+                waiting[b] += 1
+    key = {c: min(first[g] for g in ms) for c, ms in members.items()}
+    ready = [(key[c], c) for c in members if waiting[c] == 0]
     heapq.heapify(ready)
     order: List[int] = []
-    while remaining:
-        if not ready:
-            # Groups that read each other: release the earliest.
-            g = min(remaining, key=lambda k: first[k])
-            waiting[g] = 0
-            ready.append((first[g], g))
-        _, g = heapq.heappop(ready)
-        if g not in remaining:
-            continue
-        remaining.discard(g)
-        order.append(g)
-        for r in readers[g]:
-            waiting[r] -= 1
-            if waiting[r] == 0 and r in remaining:
-                heapq.heappush(ready, (first[r], r))
+    while ready:
+        _, c = heapq.heappop(ready)
+        order.extend(sorted(members[c], key=lambda g: first[g]))
+        for b in successors[c]:
+            waiting[b] -= 1
+            if waiting[b] == 0:
+                heapq.heappush(ready, (key[b], b))
     pos: List[Optional[int]] = [None] * n
     for rank, g in enumerate(order):
         ms = groups.members[g]
@@ -109,6 +114,54 @@ def _group_positions(graph: OpGraph, groups: Groups) -> List[Optional[int]]:
             continue  # pass-through ops (the step's output identities) follow neighbours
         pos[g] = rank
     return pos
+
+
+def _strongly_connected(nodes: Sequence[int], succ: Sequence[set]) -> Dict[int, int]:
+    """Tarjan's strongly connected components of the graph `succ` restricted
+    to `nodes`: node -> component id (iterative, for graphs of any depth)."""
+    inside = set(nodes)
+    index: Dict[int, int] = {}
+    low: Dict[int, int] = {}
+    on_stack: set = set()
+    stack: List[int] = []
+    component: Dict[int, int] = {}
+    counter = 0
+    for root in nodes:
+        if root in index:
+            continue
+        work = [(root, iter(sorted(succ[root] & inside)))]
+        index[root] = low[root] = counter
+        counter += 1
+        stack.append(root)
+        on_stack.add(root)
+        while work:
+            v, it = work[-1]
+            advanced = False
+            for w in it:
+                if w not in index:
+                    index[w] = low[w] = counter
+                    counter += 1
+                    stack.append(w)
+                    on_stack.add(w)
+                    work.append((w, iter(sorted(succ[w] & inside))))
+                    advanced = True
+                    break
+                if w in on_stack:
+                    low[v] = min(low[v], index[w])
+            if advanced:
+                continue
+            work.pop()
+            if work:
+                parent = work[-1][0]
+                low[parent] = min(low[parent], low[v])
+            if low[v] == index[v]:
+                while True:
+                    w = stack.pop()
+                    on_stack.discard(w)
+                    component[w] = v
+                    if w == v:
+                        break
+    return component
 
 
 def _group_variables(graph: OpGraph, groups: Groups) -> List[List[str]]:
