@@ -50,6 +50,7 @@ __all__ = [
     "from_tf_graph",
     "forward_name_of_gradient",
     "static_shape_value",
+    "strongly_connected",
 ]
 
 Shape = Optional[Tuple[Optional[int], ...]]
@@ -872,3 +873,59 @@ def from_tf_graph(
             ops[a].tied = ops[a].tied + (b,)
     _link_gradients(ops, tensors)
     return OpGraph(ops, tensors, variable_bytes, trainable)
+
+
+def strongly_connected(succ: Sequence[Sequence[int]]) -> List[int]:
+    """Strongly connected components of a directed graph.
+
+    Args:
+        succ: the successors of each node ``0 .. len(succ) - 1``.
+
+    Returns:
+        The component id of every node; ids are in reverse topological order
+        of the component graph (Tarjan's algorithm, iterative, so that deep
+        graphs do not reach Python's recursion limit).
+    """
+    n = len(succ)
+    index = [-1] * n
+    low = [0] * n
+    on_stack = [False] * n
+    comp = [-1] * n
+    stack: List[int] = []
+    counter = 0
+    ncomp = 0
+    for root in range(n):
+        if index[root] != -1:
+            continue
+        work = [(root, 0)]
+        index[root] = low[root] = counter
+        counter += 1
+        stack.append(root)
+        on_stack[root] = True
+        while work:
+            v, k = work[-1]
+            if k < len(succ[v]):
+                work[-1] = (v, k + 1)
+                w = succ[v][k]
+                if index[w] == -1:
+                    index[w] = low[w] = counter
+                    counter += 1
+                    stack.append(w)
+                    on_stack[w] = True
+                    work.append((w, 0))
+                elif on_stack[w]:
+                    low[v] = min(low[v], index[w])
+                continue
+            work.pop()
+            if work:
+                u = work[-1][0]
+                low[u] = min(low[u], low[v])
+            if low[v] == index[v]:
+                while True:
+                    w = stack.pop()
+                    on_stack[w] = False
+                    comp[w] = ncomp
+                    if w == v:
+                        break
+                ncomp += 1
+    return comp

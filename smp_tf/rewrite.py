@@ -29,7 +29,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Callable, Dict, List, Optional, Sequence, Set, Tuple, Union
 
-from smp_tf.graph_view import OpGraph, OpNode
+from smp_tf.graph_view import OpGraph, OpNode, strongly_connected
 from smp_tf.partitioner.groups import ROUNDING_DTYPES, free_ops
 from smp_tf.schedules import TaskKind, TaskSpec
 from smp_tf.schedules.tasks import KindFlags
@@ -175,54 +175,6 @@ class StateOrderError(ValueError):
     """
 
 
-def _strongly_connected(succ: Sequence[Sequence[int]]) -> List[int]:
-    """Component id of every node; ids are in reverse topological order of
-    the component graph (Tarjan's algorithm, iterative)."""
-    n = len(succ)
-    index = [-1] * n
-    low = [0] * n
-    on_stack = [False] * n
-    comp = [-1] * n
-    stack: List[int] = []
-    counter = 0
-    ncomp = 0
-    for root in range(n):
-        if index[root] != -1:
-            continue
-        work = [(root, 0)]
-        index[root] = low[root] = counter
-        counter += 1
-        stack.append(root)
-        on_stack[root] = True
-        while work:
-            v, k = work[-1]
-            if k < len(succ[v]):
-                work[-1] = (v, k + 1)
-                w = succ[v][k]
-                if index[w] == -1:
-                    index[w] = low[w] = counter
-                    counter += 1
-                    stack.append(w)
-                    on_stack[w] = True
-                    work.append((w, 0))
-                elif on_stack[w]:
-                    low[v] = min(low[v], index[w])
-                continue
-            work.pop()
-            if work:
-                u = work[-1][0]
-                low[u] = min(low[u], low[v])
-            if low[v] == index[v]:
-                while True:
-                    w = stack.pop()
-                    on_stack[w] = False
-                    comp[w] = ncomp
-                    if w == v:
-                        break
-                ncomp += 1
-    return comp
-
-
 #: Ops that pass values on (or read their shapes) without computing new ones.
 _CARRY_ONLY = _SHAPE_ONLY | frozenset(["Identity", "IdentityN", "Reshape", "ExpandDims", "Squeeze", "Cast"])
 
@@ -351,7 +303,7 @@ def waves(graph: OpGraph, partition_of_op: Sequence[int], dup: Sequence[bool]) -
     for (a, b) in edges:
         if a != b:
             succ[node_of[a]].append(node_of[b])
-    comp_of_node = _strongly_connected(succ)
+    comp_of_node = strongly_connected(succ)
     ncomp = max(comp_of_node, default=-1) + 1
     comp = [-1] * n
     for i in range(n):

@@ -764,3 +764,14 @@ def test_a_gradient_reading_a_sum_of_contributions_follows_the_ops_that_read_its
                 and total[0].index in {og.tensors[t].producer for t in op.inputs}]
     assert len(d_tokens) == 1 and forward_name_of_gradient(d_tokens[0].name) == "block"
     assert d_tokens[0].forward == tokens, og.ops[d_tokens[0].forward].name
+
+
+def test_strongly_connected_components_come_in_reverse_topological_order():
+    # 0 -> 1 <-> 2 -> 3, and 4 alone.
+    from smp_tf.graph_view import strongly_connected
+
+    comp = strongly_connected([[1], [2], [1, 3], [], []])
+    assert comp[1] == comp[2]
+    assert len({comp[0], comp[1], comp[3], comp[4]}) == 4
+    # A component's id is larger than the ids of the components it reaches.
+    assert comp[0] > comp[1] > comp[3]

@@ -27,7 +27,7 @@ from __future__ import annotations
 import heapq
 from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
-from smp_tf.graph_view import OpGraph
+from smp_tf.graph_view import OpGraph, strongly_connected
 from smp_tf.memory import format_bytes
 from smp_tf.partitioner import balance
 from smp_tf.partitioner.groups import Groups, colocation_groups
@@ -84,7 +84,9 @@ def _group_positions(graph: OpGraph, groups: Groups) -> List[Optional[int]]:
             if cg >= 0 and cg != pg and not graph.ops[c].is_gradient:
                 readers[pg].add(cg)
     nodes = [g for g in range(n) if first[g] is not None]
-    component = _strongly_connected(nodes, readers)
+    slot = {g: k for k, g in enumerate(nodes)}
+    ids = strongly_connected([[slot[r] for r in sorted(readers[g]) if r in slot] for g in nodes])
+    component = {g: ids[slot[g]] for g in nodes}
     members: Dict[int, List[int]] = {}
     for g in nodes:
         members.setdefault(component[g], []).append(g)
@@ -114,54 +116,6 @@ def _group_positions(graph: OpGraph, groups: Groups) -> List[Optional[int]]:
             continue  # pass-through ops (the step's output identities) follow neighbours
         pos[g] = rank
     return pos
-
-
-def _strongly_connected(nodes: Sequence[int], succ: Sequence[set]) -> Dict[int, int]:
-    """Tarjan's strongly connected components of the graph `succ` restricted
-    to `nodes`: node -> component id (iterative, for graphs of any depth)."""
-    inside = set(nodes)
-    index: Dict[int, int] = {}
-    low: Dict[int, int] = {}
-    on_stack: set = set()
-    stack: List[int] = []
-    component: Dict[int, int] = {}
-    counter = 0
-    for root in nodes:
-        if root in index:
-            continue
-        work = [(root, iter(sorted(succ[root] & inside)))]
-        index[root] = low[root] = counter
-        counter += 1
-        stack.append(root)
-        on_stack.add(root)
-        while work:
-            v, it = work[-1]
-            advanced = False
-            for w in it:
-                if w not in index:
-                    index[w] = low[w] = counter
-                    counter += 1
-                    stack.append(w)
-                    on_stack.add(w)
-                    work.append((w, iter(sorted(succ[w] & inside))))
-                    advanced = True
-                    break
-                if w in on_stack:
-                    low[v] = min(low[v], index[w])
-            if advanced:
-                continue
-            work.pop()
-            if work:
-                parent = work[-1][0]
-                low[parent] = min(low[parent], low[v])
-            if low[v] == index[v]:
-                while True:
-                    w = stack.pop()
-                    on_stack.discard(w)
-                    component[w] = v
-                    if w == v:
-                        break
-    return component
 
 
 def _group_variables(graph: OpGraph, groups: Groups) -> List[List[str]]:
