@@ -18,7 +18,10 @@ for exact equality:
   ``a * (b * c)``, which a cut between the two products prevented;
 - the own ops of a composite layer (a transformer layer's residual
   additions and gated product), joined into one group, pulled part of the
-  layer back to the partition of its first sublayers.
+  layer back to the partition of its first sublayers;
+- a sum joined to an earlier projection (a fusion stage) started before
+  the residual branch it adds, and a cut by first ops split the group
+  between two tasks of one partition.
 """
 
 import keras
@@ -287,3 +290,37 @@ def test_an_encoder_decoder_of_composite_layers_with_dropout():
     # partition 0 to 1 and back once (F0, F1 with B1, B0), instead of
     # bringing a gated product back to partition 0 and sending it on again.
     assert [(t.partition, t.wave) for t in step.last_compiled.tasks] == [(0, 0), (1, 1), (0, 2)]
+
+
+def _fusion_stage_model():
+    """A fusion stage as in DepthAnything's neck: ``proj(c0) + residual(c0)``
+    with ``residual(c) = conv2(relu(conv1(relu(c)))) + c``. The sum is the
+    only reader of the projection's output and of the residual's, so both
+    join one group with the residual's second convolution (arithmetic
+    chains), a group whose first op comes before the residual's first
+    convolution."""
+    layers = keras.layers
+    inp = keras.Input((8, 8, 4))
+    c0 = layers.Conv2D(8, 3, padding="same", name="c0")(inp)
+    a = layers.Conv2D(8, 1, name="proj")(layers.ReLU()(c0))
+    h = layers.Conv2D(8, 3, padding="same", name="r_conv1")(layers.ReLU()(c0))
+    h = layers.Conv2D(8, 3, padding="same", name="r_conv2")(layers.ReLU()(h))
+    f = layers.Add()([a, layers.Add()([h, c0])])
+    for i in range(2):
+        f = layers.Conv2D(8, 3, padding="same", activation="relu", name=f"post{i}")(f)
+    return smp.DistributedModel(inp, layers.Dense(3)(layers.Flatten()(f)))
+
+
+def test_a_fusion_stage_is_split_in_forward_order():
+    # Cut in the order of first ops, the residual's first convolution went
+    # to partition 1 and the sum stayed on 0: 7 tasks, and the group's two
+    # halves in two tasks of partition 0, where the graph optimiser no
+    # longer rewrote them as on one device (58 arrays differed).
+    smp.init({"partitions": 2, "microbatches": M})
+    keras.utils.set_random_seed(3)
+    model = _fusion_stage_model()
+    rng = np.random.default_rng(4)
+    x = rng.normal(size=(16, 8, 8, 4)).astype("float32")
+    y = rng.normal(size=(16, 3)).astype("float32")
+    step = _assert_step_bit_exact(model, x, y, lambda y, p: tf.reduce_mean(tf.square(p - y)))
+    assert len(step.last_compiled.tasks) == 3
