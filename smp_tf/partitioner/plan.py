@@ -66,12 +66,7 @@ def _group_positions(graph: OpGraph, groups: Groups) -> List[Optional[int]]:
     forward ops, when every group they read outside the set is placed.
     """
     n = len(groups)
-    first: List[Optional[int]] = [None] * n
-    for g, ms in enumerate(groups.members):
-        for i in ms:
-            if not graph.ops[i].is_gradient:
-                first[g] = i
-                break
+    first = _first_forward_ops(graph, groups)
     readers: List[set] = [set() for _ in range(n)]
     for t in graph.tensors:
         if graph.ops[t.producer].is_gradient:
@@ -83,10 +78,10 @@ def _group_positions(graph: OpGraph, groups: Groups) -> List[Optional[int]]:
             cg = groups.group_of[c]
             if cg >= 0 and cg != pg and not graph.ops[c].is_gradient:
                 readers[pg].add(cg)
+    # Edges join groups with forward ops only; the others stay components
+    # of their own, left out below.
+    component = strongly_connected([sorted(r) for r in readers])
     nodes = [g for g in range(n) if first[g] is not None]
-    slot = {g: k for k, g in enumerate(nodes)}
-    ids = strongly_connected([[slot[r] for r in sorted(readers[g]) if r in slot] for g in nodes])
-    component = {g: ids[slot[g]] for g in nodes}
     members: Dict[int, List[int]] = {}
     for g in nodes:
         members.setdefault(component[g], []).append(g)
@@ -111,11 +106,28 @@ def _group_positions(graph: OpGraph, groups: Groups) -> List[Optional[int]]:
                 heapq.heappush(ready, (key[b], b))
     pos: List[Optional[int]] = [None] * n
     for rank, g in enumerate(order):
-        ms = groups.members[g]
-        if len(ms) == 1 and graph.ops[ms[0]].type in _PASS_THROUGH:
-            continue  # pass-through ops (the step's output identities) follow neighbours
-        pos[g] = rank
+        if _is_unit(graph, groups, first, g):
+            pos[g] = rank
     return pos
+
+
+def _first_forward_ops(graph: OpGraph, groups: Groups) -> List[Optional[int]]:
+    """The first forward op of each group (None for groups of gradient ops only)."""
+    first: List[Optional[int]] = [None] * len(groups)
+    for g, ms in enumerate(groups.members):
+        for i in ms:
+            if not graph.ops[i].is_gradient:
+                first[g] = i
+                break
+    return first
+
+
+def _is_unit(graph: OpGraph, groups: Groups, first: Sequence[Optional[int]], g: int) -> bool:
+    """Whether group `g` is a unit of the split: it holds a forward op and is
+    not a lone pass-through op (the step's output identities follow their
+    neighbours)."""
+    ms = groups.members[g]
+    return first[g] is not None and not (len(ms) == 1 and graph.ops[ms[0]].type in _PASS_THROUGH)
 
 
 def _group_variables(graph: OpGraph, groups: Groups) -> List[List[str]]:
@@ -535,11 +547,11 @@ def assign_partitions(
         # default_partition; pass-through ops (the step's output identities)
         # and groups of gradient ops only follow their neighbours, so that
         # returning a gradient does not send it to another device.
-        pos = _group_positions(graph, groups)
+        first = _first_forward_ops(graph, groups)
         for g in range(len(groups)):
             if g in groups.manual:
                 part_of_group[g] = groups.manual[g]
-            elif pos[g] is not None:
+            elif _is_unit(graph, groups, first, g):
                 part_of_group[g] = default_partition
         _follow_neighbours(graph, groups, part_of_group, default_partition)
     else:
