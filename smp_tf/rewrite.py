@@ -49,6 +49,7 @@ __all__ = [
     "pretranspose_graph_def",
     "task_specs",
     "task_graph_def",
+    "shared_squares",
     "duplicable_ops",
     "waves",
     "StateOrderError",
@@ -964,6 +965,75 @@ def task_specs(tasks: Sequence[Task], device_of_partition: Optional[Sequence[int
     return specs
 
 
+def shared_squares(graph: OpGraph, task: Task, is_three: Callable[[int], bool]) -> Dict[int, int]:
+    """Cubes of `task` whose gradient's square runs in another task.
+
+    TensorFlow's graph optimiser computes ``x ** 3`` as ``x * square(x)``
+    and the gradient's ``x ** (3 - 1)`` as ``square(x)``; in one function
+    (the single-device step) the two squares are one op, which keeps the
+    gradient op's name. The optimiser orders the operands of products by
+    name, and reassociates ``c * (x * square(x))`` (GELU's tanh
+    approximation) around the operand that sorts first, so the name of the
+    square decides how the cube rounds. A forward task without the gradient
+    names its square after the forward op, and rounds differently; the
+    lowering names the forward op under the gradient op instead (see
+    `task_graph_def`).
+
+    Args:
+        graph: the traced graph.
+        task: a task (members and recomputed ops set).
+        is_three: whether a tensor (by id) is the constant 3.
+
+    Returns:
+        Forward ``Pow`` op of the task -> its gradient's ``Pow`` (same base,
+        exponent ``y - 1`` of the same ``y``), for those whose gradient
+        ``Pow`` is not in the task and whose output the task does not
+        return.
+    """
+    own = set(task.members) | set(task.recomputed)
+    returned = set(task.outputs) | set(task.pinned)
+    twins: Dict[int, int] = {}
+    for i in sorted(own):
+        op = graph.ops[i]
+        if op.type != "Pow" or op.is_gradient or len(op.inputs) != 2 or not is_three(op.inputs[1]):
+            continue
+        if returned & set(op.outputs):
+            continue
+        base, exponent = op.inputs
+        for c in graph.tensors[base].consumers:
+            twin = graph.ops[c]
+            if c in own or twin.type != "Pow" or not twin.is_gradient or twin.inputs[:1] != [base]:
+                continue
+            sub = graph.ops[graph.tensors[twin.inputs[1]].producer]
+            if sub.type == "Sub" and sub.inputs[:1] == [exponent]:
+                twins[i] = c
+                break
+    return twins
+
+
+def _constant_equals(nodes, graph: OpGraph, tensor: int, value: float) -> bool:
+    """Whether `tensor` is the output of a scalar ``Const`` node equal to `value`."""
+    from tensorflow.python.framework import tensor_util
+
+    node = nodes.get(graph.ops[graph.tensors[tensor].producer].name)
+    if node is None or node.op != "Const":
+        return False
+    array = tensor_util.MakeNdarray(node.attr["value"].tensor)
+    return array.size == 1 and float(array.reshape(())) == value
+
+
+def _rename_nodes(graph_def, renames: Dict[str, str]) -> None:
+    """Renames nodes of `graph_def` (old name -> new), and the inputs that read them."""
+    for node in graph_def.node:
+        if node.name in renames:
+            node.name = renames[node.name]
+        for k, x in enumerate(node.input):
+            control = x.startswith("^")
+            name, colon, port = x.lstrip("^").partition(":")
+            if name in renames:
+                node.input[k] = ("^" if control else "") + renames[name] + colon + port
+
+
 def task_graph_def(graph_def, graph: OpGraph, task: Task, device: str, nodes=None):
     """The `GraphDef` of `task`: its members and copies, placed on `device`.
 
@@ -1002,6 +1072,15 @@ def task_graph_def(graph_def, graph: OpGraph, task: Task, device: str, nodes=Non
         keep = [x for x in node.input if not x.startswith("^") or x[1:] in names]
         del node.input[:]
         node.input.extend(keep)
+    # A cube whose gradient's square runs elsewhere takes a name under that
+    # gradient op, so that the square the optimiser makes for it sorts as in
+    # the single-device function (see `shared_squares`).
+    twins = shared_squares(graph, task, lambda t: _constant_equals(nodes, graph, t, 3.0))
+    if twins:
+        _rename_nodes(out, {
+            graph.ops[i].name: f"{graph.ops[j].name}/{graph.ops[i].name.rpartition('/')[2]}"
+            for i, j in twins.items()
+        })
     return out
 
 

@@ -14,7 +14,7 @@ import tensorflow as tf
 from smp_tf.graph_view import OpGraph, from_tf_graph
 from smp_tf.rewrite import (
     Task, build_tasks, duplicable_ops, fusable_gradients, pretranspose_graph_def, pretransposable_products,
-    task_graph_def, task_specs, waves,
+    shared_squares, task_graph_def, task_specs, waves,
 )
 from smp_tf.schedules import TaskKind, make_schedule, validate
 
@@ -448,6 +448,66 @@ def test_task_graph_def_of_built_tasks(small_tf_graph):
     b = [n for n in subs[1].node if n.name == "b"][0]
     assert list(b.input) == ["a"]
     assert tasks[1].boundary_inputs() == [_tensor(og, "a")]
+
+
+def _cube_and_its_gradient():
+    """``cube = x ** y`` (y = 3) on partition 0, then the gradient's
+    ``sq = x ** (y - 1)``, read by the gradient's product ``g``."""
+    spec = [
+        {"name": "x", "type": "Placeholder", "kind": "arg", "flops": 0},
+        {"name": "y", "type": "Const", "flops": 0},
+        {"name": "cube", "type": "Pow", "inputs": ["x", "y"], "flops": 3},
+        {"name": "out", "type": "Mul", "inputs": ["cube", "x"], "flops": 1},
+        {"name": "one", "type": "Const", "flops": 0},
+        {"name": "sub", "type": "Sub", "inputs": ["y", "one"], "forward": "cube", "flops": 0},
+        {"name": "sq", "type": "Pow", "inputs": ["x", "sub"], "forward": "cube", "flops": 3},
+        {"name": "g", "type": "Mul", "inputs": ["out", "sq"], "forward": "cube", "flops": 1},
+    ]
+    return OpGraph.from_spec(spec)
+
+
+def test_shared_squares_pairs_a_cube_with_its_gradients_square_in_another_task():
+    g = _cube_and_its_gradient()
+    cube, sq = _idx(g, "cube", "sq")
+    three = {_tensor(g, "y")}
+    forward = Task(partition=0, wave=0, members=_idx(g, "cube", "out"), outputs=[_tensor(g, "out")])
+    assert shared_squares(g, forward, lambda t: t in three) == {cube: sq}
+    # Not when the exponent is not 3 (the optimiser makes no square for it),
+    assert shared_squares(g, forward, lambda t: False) == {}
+    # not when the task returns the cube (its name must not change),
+    returned = Task(partition=0, wave=0, members=_idx(g, "cube", "out"), outputs=[_tensor(g, "cube")])
+    assert shared_squares(g, returned, lambda t: t in three) == {}
+    # and not when the gradient's square is in the task (as in one function).
+    fused = Task(partition=0, wave=0, members=_idx(g, "cube", "out", "sq", "g"), copies=_idx(g, "sub"))
+    assert shared_squares(g, fused, lambda t: t in three) == {}
+
+
+def test_task_graph_def_names_a_cube_under_its_gradients_square():
+    gr = tf.Graph()
+    with gr.as_default():
+        x = tf.compat.v1.placeholder(tf.float32, [2, 3], name="x")
+        y = tf.constant(3.0, name="gelu/Pow/y")
+        cube = tf.pow(x, y, name="gelu/Pow")
+        tf.multiply(cube, 0.5, name="gelu/mul")
+        with tf.name_scope("gradient_tape/gelu/Pow"):
+            tf.pow(x, y - 1.0, name="Pow")
+    og = from_tf_graph(gr, arg_ops=["x"])
+    gd = gr.as_graph_def()
+    members = [i for i, op in enumerate(og.ops) if op.type in ("Pow", "Mul") and not op.is_gradient]
+    copies = [i for i, op in enumerate(og.ops) if op.kind == "arg" or op.type == "Const"]
+    task = Task(partition=0, wave=0, members=members, copies=copies, outputs=[_tensor(og, "gelu/mul")])
+    sub = task_graph_def(gd, og, task, "")
+    nodes = {n.name: n for n in sub.node}
+    # The cube sorts as the gradient's square does (its optimised square is
+    # named under it), and its reader follows the new name.
+    assert "gelu/Pow" not in nodes
+    assert nodes["gradient_tape/gelu/Pow/Pow/Pow"].op == "Pow"
+    assert list(nodes["gelu/mul"].input)[0] == "gradient_tape/gelu/Pow/Pow/Pow"
+    # The source GraphDef is untouched, and a task holding both keeps the names.
+    assert "gelu/Pow" in {n.name for n in gd.node}
+    both = Task(partition=0, wave=0, members=[i for i, op in enumerate(og.ops) if op.kind == "op" and op.type != "Const"],
+                copies=copies, outputs=[_tensor(og, "gelu/mul")])
+    assert "gelu/Pow" in {n.name for n in task_graph_def(gd, og, both, "").node}
 
 
 # --------------------------------------------------------------------------
