@@ -228,8 +228,9 @@ def waves(graph: OpGraph, partition_of_op: Sequence[int], dup: Sequence[bool]) -
 
     1. An op *depends on data* when it reads a step argument (directly or
        through duplicable ops computed from it, such as a ``Cast`` or a
-       rescaling of the input), another partition, or an op that depends on
-       data. Its wave is the most partition boundaries on a path into it.
+       rescaling of the input) or an op that depends on data, on its own
+       partition or another. Its wave is the most partition boundaries on
+       a path into it from a step argument.
     2. Every op that takes the handle of a resource the step writes (seed
        states, BatchNorm statistics, any variable write) is in the task of
        every other such op of that resource, so that each micro-batch reads
@@ -237,7 +238,11 @@ def waves(graph: OpGraph, partition_of_op: Sequence[int], dup: Sequence[bool]) -
        loop. Ops on a path between two of them join that task as well.
     3. Ops that depend on no data join the earliest task of their partition
        that needs them (the latest wave that still precedes every
-       consumer), or the partition's first task if nothing consumes them.
+       consumer, one wave earlier for a consumer on another partition), or
+       the partition's first task if nothing consumes them. This holds for
+       ops that read such values from another partition too (a dropout mask
+       drawn from a seed that another partition reads and advances): they
+       join their readers' task, not one of their own.
     4. Gradient ops computed from forward values only (preludes of the
        backward, e.g. the ``x ** 2`` of a GELU's gradient) join the task
        of their consumers in the same way, never an earlier wave than
@@ -343,7 +348,7 @@ def waves(graph: OpGraph, partition_of_op: Sequence[int], dup: Sequence[bool]) -
         dd = comp_reads_data[c]
         w = 0
         for p, cross in preds[c]:
-            if cross or data_dep[p]:
+            if data_dep[p]:
                 dd = True
                 w = max(w, asap[p] + cross)
         data_dep[c] = dd
