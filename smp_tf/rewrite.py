@@ -237,9 +237,11 @@ def waves(graph: OpGraph, partition_of_op: Sequence[int], dup: Sequence[bool]) -
        exactly what the previous micro-batch wrote, as in the reference
        loop. Ops on a path between two of them join that task as well.
     3. Ops that depend on no data join the earliest task of their partition
-       that needs them (the latest wave that still precedes every
-       consumer, one wave earlier for a consumer on another partition), or
-       the partition's first task if nothing consumes them. This holds for
+       that needs them: of the partition's waves from rule 1, the latest
+       that still precedes every consumer (one wave earlier for a consumer
+       on another partition; that wave itself if the partition has none
+       before it), or the partition's first task if nothing consumes them.
+       This holds for
        ops that read such values from another partition too (a dropout mask
        drawn from a seed that another partition reads and advances): they
        join their readers' task, not one of their own.
@@ -369,14 +371,28 @@ def waves(graph: OpGraph, partition_of_op: Sequence[int], dup: Sequence[bool]) -
         if not dup[i] and not prelude[i]:
             comp_prelude[comp[i]] = False
     wave_of = list(asap)
+    # Preludes first: everything that reads them depends on data too.
     for c in reversed(topo):
-        if data_dep[c] and not comp_prelude[c]:
+        if data_dep[c] and comp_prelude[c]:
+            limits = [wave_of[s] - cross for s, cross in succs[c]]
+            wave_of[c] = max(asap[c], min(limits)) if limits else asap[c]
+    # The waves at which a partition has tasks anyway (its ops that depend
+    # on data).
+    data_waves: Dict[int, Set[int]] = {}
+    for c in range(ncomp):
+        if data_dep[c]:
+            data_waves.setdefault(comp_part[c], set()).add(wave_of[c])
+    for c in reversed(topo):
+        if data_dep[c]:
             continue
         limits = [wave_of[s] - cross for s, cross in succs[c]]
-        if data_dep[c]:
-            wave_of[c] = max(asap[c], min(limits)) if limits else asap[c]
+        if not limits:
+            wave_of[c] = first_wave.get(comp_part[c], 0)
             continue
-        wave_of[c] = min(limits) if limits else first_wave.get(comp_part[c], 0)
+        # The latest task of the partition that precedes every consumer,
+        # rather than a task of its own between two of them.
+        earlier = [w for w in data_waves.get(comp_part[c], ()) if w <= min(limits)]
+        wave_of[c] = max(earlier) if earlier else min(limits)
     wave: List[Optional[int]] = [None if dup[i] else wave_of[comp[i]] for i in range(n)]
     lowest = min((w for w in wave if w is not None), default=0)
     if lowest < 0:

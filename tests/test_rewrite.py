@@ -139,7 +139,8 @@ def test_values_computed_without_data_on_another_partition_join_their_readers_ta
         {"name": "seed", "type": "ReadVariableOp", "variables": ["s"], "flops": 0, "p": 1},
         {"name": "f1", "inputs": ["f0", "seed"], "flops": 10, "p": 1},
         {"name": "mask", "inputs": ["seed"], "flops": 1, "p": 2},
-        {"name": "f2", "inputs": ["f1", "mask"], "flops": 10, "p": 2},
+        {"name": "tied", "type": "ReadVariableOp", "variables": ["e"], "flops": 0, "p": 0},
+        {"name": "f2", "inputs": ["f1", "mask", "tied"], "flops": 10, "p": 2},
         {"name": "b2", "inputs": ["f2", "mask"], "forward": "f2", "flops": 20, "p": 2},
         {"name": "b1", "inputs": ["b2", "f1"], "forward": "f1", "flops": 20, "p": 1},
         {"name": "b0", "inputs": ["b1", "f0"], "forward": "f0", "flops": 20, "p": 0},
@@ -149,6 +150,10 @@ def test_values_computed_without_data_on_another_partition_join_their_readers_ta
     w = waves(g, parts, duplicable_ops(g))
     assert w[g.op_index["seed"]] == 1
     assert w[g.op_index["mask"]] == 2
+    # A read on partition 0 that only partition 2 needs (a tied embedding
+    # read for the output projection) joins the forward task at wave 0, the
+    # latest task of partition 0 before wave 2, not a task of its own at 1.
+    assert w[g.op_index["tied"]] == 0
     keys = {(p, wv) for p, wv in zip(parts, w) if wv is not None}
     assert keys == {(0, 0), (1, 1), (2, 2), (1, 3), (0, 4)}
 
