@@ -241,10 +241,9 @@ def waves(graph: OpGraph, partition_of_op: Sequence[int], dup: Sequence[bool]) -
        that still precedes every consumer (one wave earlier for a consumer
        on another partition; that wave itself if the partition has none
        before it), or the partition's first task if nothing consumes them.
-       This holds for
-       ops that read such values from another partition too (a dropout mask
-       drawn from a seed that another partition reads and advances): they
-       join their readers' task, not one of their own.
+       This holds for ops that read such values from another partition
+       too (a dropout mask drawn from a seed that another partition reads
+       and advances): they join their readers' task, not one of their own.
     4. Gradient ops computed from forward values only (preludes of the
        backward, e.g. the ``x ** 2`` of a GELU's gradient) join the task
        of their consumers in the same way, never an earlier wave than
