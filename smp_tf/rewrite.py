@@ -1039,7 +1039,12 @@ def _constant_equals(nodes, graph: OpGraph, tensor: int, value: float) -> bool:
     if node is None or node.op != "Const":
         return False
     array = tensor_util.MakeNdarray(node.attr["value"].tensor)
-    return array.size == 1 and float(array.reshape(())) == value
+    if array.size != 1 or array.dtype.kind == "c":
+        return False
+    try:
+        return float(array.reshape(())) == value
+    except (TypeError, ValueError):  # strings, variants
+        return False
 
 
 def _rename_nodes(graph_def, renames: Dict[str, str]) -> None:

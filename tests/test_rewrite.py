@@ -516,6 +516,26 @@ def test_shared_squares_pairs_a_cube_with_its_gradients_square_in_another_task()
     assert shared_squares(g, fused, lambda t: t in three) == {}
 
 
+def test_only_a_real_scalar_constant_counts_as_the_exponent_three():
+    from smp_tf.rewrite import _constant_equals
+
+    gr = tf.Graph()
+    with gr.as_default():
+        tf.constant(3.0, tf.bfloat16, name="bf16")
+        tf.constant(3, tf.int32, name="int")
+        tf.constant(2.0, name="two")
+        tf.constant([3.0, 3.0], name="vector")
+        tf.constant(3 + 0j, tf.complex64, name="complex")
+        tf.constant("3", name="string")
+        tf.compat.v1.placeholder(tf.float32, [], name="fed")
+    og = from_tf_graph(gr, arg_ops=["fed"])
+    nodes = {n.name: n for n in gr.as_graph_def().node}
+    is_three = {n: _constant_equals(nodes, og, _tensor(og, n), 3.0)
+                for n in ("bf16", "int", "two", "vector", "complex", "string", "fed")}
+    assert is_three == {"bf16": True, "int": True, "two": False, "vector": False, "complex": False,
+                        "string": False, "fed": False}
+
+
 def test_task_graph_def_names_a_cube_under_its_gradients_square():
     gr = tf.Graph()
     with gr.as_default():
