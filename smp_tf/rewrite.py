@@ -1039,12 +1039,9 @@ def _constant_equals(nodes, graph: OpGraph, tensor: int, value: float) -> bool:
     if node is None or node.op != "Const":
         return False
     array = tensor_util.MakeNdarray(node.attr["value"].tensor)
-    if array.size != 1 or array.dtype.kind == "c":
-        return False
-    try:
-        return float(array.reshape(())) == value
-    except (TypeError, ValueError):  # strings, variants
-        return False
+    # Integers and floats (bfloat16 is not a numpy kind of its own).
+    real = array.dtype.kind in "iuf" or "float" in array.dtype.name
+    return real and array.size == 1 and float(array.reshape(())) == value
 
 
 def _rename_nodes(graph_def, renames: Dict[str, str]) -> None:
