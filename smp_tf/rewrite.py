@@ -390,8 +390,9 @@ def waves(graph: OpGraph, partition_of_op: Sequence[int], dup: Sequence[bool]) -
             continue
         # The latest task of the partition that precedes every consumer,
         # rather than a task of its own between two of them.
-        earlier = [w for w in data_waves.get(comp_part[c], ()) if w <= min(limits)]
-        wave_of[c] = max(earlier) if earlier else min(limits)
+        limit = min(limits)
+        earlier = [w for w in data_waves.get(comp_part[c], ()) if w <= limit]
+        wave_of[c] = max(earlier) if earlier else limit
     wave: List[Optional[int]] = [None if dup[i] else wave_of[comp[i]] for i in range(n)]
     lowest = min((w for w in wave if w is not None), default=0)
     if lowest < 0:
