@@ -351,6 +351,23 @@ def _fed_by(cands: List[int], producers: set, ops: List[OpNode], readers_of: Dic
             if any((ops[r].call or ops[r].layer) in calls and not ops[r].is_gradient for r in readers_of.get(c, ()))]
 
 
+def _shared_reader(op: OpNode, cands: List[int], ops: List[OpNode], tensors: List[TensorInfo]) -> Optional[int]:
+    """The one op of `cands` (forward ops of one scope) that reads a computed
+    forward value `op` (a gradient op) reads, or None if there is not
+    exactly one.
+
+    Values that nothing computes (constants, step arguments, captures) do not
+    count: a scope's ops share them without being related.
+    """
+    found = set()
+    for t in op.inputs:
+        p = ops[tensors[t].producer]
+        if p.is_gradient or p.kind != "op" or not p.inputs:
+            continue
+        found.update(c for c in cands if c != p.index and t in ops[c].inputs)
+    return found.pop() if len(found) == 1 else None
+
+
 def _through_sums(producers: set, ops: List[OpNode], tensors: List[TensorInfo], first_gradient: Optional[int]) -> set:
     """`producers` with each sum of gradient contributions among them replaced
     by its terms.
@@ -445,8 +462,17 @@ def _link_gradients(ops: List[OpNode], tensors: List[TensorInfo]) -> None:
                 # several contributions, their senders count.
                 fed = [] if via else _fed_by(cands, _through_sums(producers, ops, tensors, first_gradient),
                                              ops, consumers)
+                # But the senders can be many: the tape's sum for a residual
+                # stream gathers contributions from the block's own layers
+                # and from later blocks, and `fed` then names the scope's
+                # last op. ``dz * b`` also reads ``b``, as ``z`` does: when
+                # exactly one op of the scope reads a computed value this
+                # gradient op reads, that op is the one it differentiates.
+                shared = _shared_reader(op, cands, ops, tensors) if fed else None
                 if via:
                     op.forward = direct[-1] if direct else via[-1]
+                elif shared is not None:
+                    op.forward = shared
                 elif fed or direct:
                     op.forward = fed[-1] if fed else direct[-1]
                 elif op.inputs:

@@ -766,6 +766,52 @@ def test_a_gradient_reading_a_sum_of_contributions_follows_the_ops_that_read_its
     assert d_tokens[0].forward == tokens, og.ops[d_tokens[0].forward].name
 
 
+def test_the_gradient_of_a_gated_residual_follows_the_product_not_the_blocks_last_op():
+    """A diffusion transformer's block (MMDiT, Flux) adds ``gate * attn`` to
+    its residual stream in its own scope, where its MLP's residual sum is
+    made too. The gradient for ``gate`` reads ``attn`` and the tape's sum of
+    the stream's contributions, which gathers them from the block's norm and
+    from the next block, so following the senders linked it to the block's
+    last op (the MLP's residual sum). It differentiates the product, the one
+    op of the scope that reads ``attn`` (MMDiT at two partitions, split
+    between the norm and the MLP: 5 tasks instead of 3)."""
+    wm, wa, wf, wn = (tf.Variable(tf.ones([4, 4]) * k) for k in (1.0, 2.0, 3.0, 4.0))
+
+    @tf.function
+    def step(x):
+        with tf.GradientTape() as tape:
+            with tf.name_scope("mod"):
+                gate = tf.matmul(x, wm)
+            with tf.name_scope("attn"):
+                attn = tf.matmul(x, wa)
+            with tf.name_scope("block") as block:
+                h = x + tf.multiply(gate, attn)
+            with tf.name_scope("norm"):
+                n = h - tf.reduce_mean(h, axis=-1, keepdims=True)
+            with tf.name_scope("mlp"):
+                f = tf.matmul(n, wf)
+            with tf.name_scope(block):
+                out = h + f
+            with tf.name_scope("next"):
+                y = tf.matmul(out, wn)
+            loss = tf.reduce_sum(y * y)
+        return loss, tape.gradient(loss, [wm, wa, wf, wn])
+
+    og = _view_with_layers(step, [3, 4], ("mod", "attn", "block", "norm", "mlp", "next"))
+    producer = lambda t: og.ops[og.tensors[t].producer]  # noqa: E731
+    product = next(op for op in og.ops if op.name.startswith("block/") and op.type == "Mul")
+    last = max(op.index for op in og.ops if op.name.startswith("block/") and not op.is_gradient)
+    assert last != product.index
+    d_gate = [op for op in og.ops if op.is_gradient and op.name.startswith("gradient_tape/block/")
+              and any(producer(t).name == "attn/MatMul" for t in op.inputs)]
+    d_attn = [op for op in og.ops if op.is_gradient and op.name.startswith("gradient_tape/block/")
+              and any(producer(t).name == "mod/MatMul" for t in op.inputs)]
+    assert len(d_gate) == 1 and len(d_attn) == 1, [op.name for op in d_gate + d_attn]
+    assert forward_name_of_gradient(d_gate[0].name) == "block"
+    assert d_gate[0].forward == product.index, og.ops[d_gate[0].forward].name
+    assert d_attn[0].forward == product.index, og.ops[d_attn[0].forward].name
+
+
 def test_strongly_connected_components_come_in_reverse_topological_order():
     # 0 -> 1 <-> 2 -> 3, and 4 alone.
     from smp_tf.graph_view import strongly_connected
