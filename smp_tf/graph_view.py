@@ -351,7 +351,7 @@ def _fed_by(cands: List[int], producers: set, ops: List[OpNode], readers_of: Dic
             if any((ops[r].call or ops[r].layer) in calls and not ops[r].is_gradient for r in readers_of.get(c, ()))]
 
 
-def _shared_reader(op: OpNode, cands: List[int], ops: List[OpNode], tensors: List[TensorInfo]) -> Optional[int]:
+def _shared_reader(op: OpNode, cands: set, ops: List[OpNode], tensors: List[TensorInfo]) -> Optional[int]:
     """The one op of `cands` (forward ops of one scope) that reads a computed
     forward value `op` (a gradient op) reads, or None if there is not
     exactly one.
@@ -362,9 +362,8 @@ def _shared_reader(op: OpNode, cands: List[int], ops: List[OpNode], tensors: Lis
     found = set()
     for t in op.inputs:
         p = ops[tensors[t].producer]
-        if p.is_gradient or p.kind != "op" or not p.inputs:
-            continue
-        found.update(c for c in cands if c != p.index and t in ops[c].inputs)
+        if not (p.is_gradient or p.kind != "op" or not p.inputs):
+            found.update(c for c in tensors[t].consumers if c in cands)
     return found.pop() if len(found) == 1 else None
 
 
@@ -468,7 +467,7 @@ def _link_gradients(ops: List[OpNode], tensors: List[TensorInfo]) -> None:
                 # last op. ``dz * b`` also reads ``b``, as ``z`` does: when
                 # exactly one op of the scope reads a computed value this
                 # gradient op reads, that op is the one it differentiates.
-                shared = _shared_reader(op, cands, ops, tensors) if fed else None
+                shared = _shared_reader(op, cand_set, ops, tensors) if fed else None
                 if via:
                     op.forward = direct[-1] if direct else via[-1]
                 elif shared is not None:

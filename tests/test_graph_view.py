@@ -767,7 +767,7 @@ def test_a_gradient_reading_a_sum_of_contributions_follows_the_ops_that_read_its
 
 
 def test_the_gradient_of_a_gated_residual_follows_the_product_not_the_blocks_last_op():
-    """A diffusion transformer's block (MMDiT, Flux) adds ``gate * attn`` to
+    """A diffusion transformer's block (MMDiT's) adds ``gate * attn`` to
     its residual stream in its own scope, where its MLP's residual sum is
     made too. The gradient for ``gate`` reads ``attn`` and the tape's sum of
     the stream's contributions, which gathers them from the block's norm and
