@@ -361,10 +361,15 @@ def _shared_reader(op: OpNode, cands: set, ops: List[OpNode], tensors: List[Tens
     """
     found = set()
     for t in op.inputs:
-        p = ops[tensors[t].producer]
-        if not (p.is_gradient or p.kind != "op" or not p.inputs):
+        if _computes_forward_value(ops[tensors[t].producer]):
             found.update(c for c in tensors[t].consumers if c in cands)
     return found.pop() if len(found) == 1 else None
+
+
+def _computes_forward_value(op: OpNode) -> bool:
+    """`op` is a forward op that computes its output (not a constant, a step
+    argument or a capture)."""
+    return not op.is_gradient and op.kind == "op" and bool(op.inputs)
 
 
 def _through_sums(producers: set, ops: List[OpNode], tensors: List[TensorInfo], first_gradient: Optional[int]) -> set:
@@ -528,8 +533,8 @@ def _link_gradients(ops: List[OpNode], tensors: List[TensorInfo]) -> None:
                 src = ops[tensors[t].producer]
                 if src.forward is not None:
                     fwd.append(src.forward)
-                elif not src.is_gradient and src.kind == "op" and src.inputs:
-                    fwd.append(src.index)  # a forward value (not a constant)
+                elif _computes_forward_value(src):
+                    fwd.append(src.index)
             op.forward = min(fwd) if fwd else None
 
 
