@@ -49,6 +49,7 @@ __all__ = [
     "estimate_flops",
     "from_tf_graph",
     "forward_name_of_gradient",
+    "free_op_flags",
     "static_shape_value",
     "strongly_connected",
 ]
@@ -366,6 +367,24 @@ def _shared_reader(op: OpNode, cands: set, ops: List[OpNode], tensors: List[Tens
     return found.pop() if len(found) == 1 else None
 
 
+def free_op_flags(ops: Sequence[OpNode], tensors: Sequence[TensorInfo]) -> List[bool]:
+    """For each op (in creation order), whether it depends only on constants
+    and step arguments: stateless, touching no variable, every data input
+    free (step-argument placeholders and captured constants are free)."""
+    free = [False] * len(ops)
+    for op in ops:
+        if op.kind == "arg":
+            free[op.index] = True
+            continue
+        if op.stateful or op.variables:
+            continue
+        if op.kind == "capture":  # a captured constant tensor
+            free[op.index] = True
+            continue
+        free[op.index] = all(free[tensors[t].producer] for t in op.inputs)
+    return free
+
+
 def _computes_forward_value(op: OpNode) -> bool:
     """`op` is a forward op that computes its output (not a constant, a step
     argument or a capture)."""
@@ -430,6 +449,7 @@ def _link_gradients(ops: List[OpNode], tensors: List[TensorInfo]) -> None:
     for op in ops:
         for t in op.inputs:
             consumers.setdefault(tensors[t].producer, []).append(op.index)
+    free = free_op_flags(ops, tensors)
     for op in ops:
         scope = forward_name_of_gradient(op.name)
         if scope is None:
@@ -455,7 +475,17 @@ def _link_gradients(ops: List[OpNode], tensors: List[TensorInfo]) -> None:
                 # newest op.
                 direct = [c for c in cands if c in producers]
                 cand_set = set(cands)
+                # A producer computed from constants only (a permutation or
+                # a shape, copied into every task that reads it) carries no
+                # gradient, and its link comes from the tape's names alone:
+                # where a producer that carries the incoming gradient points
+                # at an op of the scope, that one decides (the transposes
+                # undoing a gather along a later axis read such a
+                # permutation). Otherwise its link is the best hint left.
                 via = [ops[p].forward for p in sorted(producers) if ops[p].is_gradient and ops[p].forward in cand_set]
+                carried = [ops[p].forward for p in sorted(producers)
+                           if ops[p].is_gradient and not free[p] and ops[p].forward in cand_set]
+                via = carried or via
                 # Its incoming gradient is that of the outputs of the op it
                 # differentiates, and comes from the layer calls that read
                 # them: of a product ``z = a * b`` glued in a layer's scope,

@@ -9,7 +9,14 @@ from __future__ import annotations
 import pytest
 import tensorflow as tf
 
-from smp_tf.graph_view import OpGraph, estimate_flops, forward_name_of_gradient, from_tf_graph, static_shape_value
+from smp_tf.graph_view import (
+    OpGraph,
+    estimate_flops,
+    forward_name_of_gradient,
+    free_op_flags,
+    from_tf_graph,
+    static_shape_value,
+)
 
 
 # --------------------------------------------------------------------------
@@ -810,6 +817,44 @@ def test_the_gradient_of_a_gated_residual_follows_the_product_not_the_blocks_las
     assert forward_name_of_gradient(d_gate[0].name) == "block"
     assert d_gate[0].forward == product.index, og.ops[d_gate[0].forward].name
     assert d_attn[0].forward == product.index, og.ops[d_attn[0].forward].name
+
+
+def test_a_gather_gradient_follows_its_incoming_gradient_not_the_permutation_it_reads():
+    """A gather along a later axis (DeBERTa's relative-position lookups)
+    is differentiated by transposes whose permutation the tape computes
+    from constants, in the layer's scope like the rest. The permutation's
+    own link is arbitrary: it was taken for what the transpose
+    differentiates, which linked the gather's gradient to the op computing
+    the gather's indices, placed with another of their readers (DeBERTa at
+    three partitions: a backward task on the last partition between two of
+    the middle one's, 7 tasks instead of 5). A value computed from constants
+    carries no gradient; the incoming gradient decides."""
+    w, v = tf.Variable(tf.ones([4, 8])), tf.Variable(tf.ones([4, 4]) * 2.0)
+
+    @tf.function
+    def step(x):
+        with tf.GradientTape() as tape:
+            with tf.name_scope("attn"):
+                s = tf.reshape(tf.matmul(x, w), [2, 3, 8])
+                idx = tf.range(4) * 2 + 1
+                g = tf.gather(s, idx, axis=2)
+                h = tf.matmul(tf.reshape(g, [6, 4]), v)
+            loss = tf.reduce_sum(h * h)
+        return loss, tape.gradient(loss, [w, v])
+
+    og = _view_with_layers(step, [6, 4], ("attn",))
+    free = free_op_flags(og.ops, og.tensors)
+    indices = og.ops[og.op_index["attn/add"]]
+    assert free[indices.index] and not indices.is_gradient
+    producer = lambda t: og.ops[og.tensors[t].producer]  # noqa: E731
+    # The gather's gradient: the transposes and the segment sum, each
+    # reading a gradient and (the transposes) a permutation.
+    carried = [op for op in og.ops if op.is_gradient and op.name.startswith("gradient_tape/attn/")
+               and op.type in ("Transpose", "UnsortedSegmentSum")]
+    assert len(carried) == 3, [op.name for op in carried]
+    for op in carried:
+        assert any(producer(t).is_gradient and not free[producer(t).index] for t in op.inputs)
+        assert not free[op.forward], (op.name, og.ops[op.forward].name)
 
 
 def test_strongly_connected_components_come_in_reverse_topological_order():

@@ -58,7 +58,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Tuple
 
-from smp_tf.graph_view import OpGraph
+from smp_tf.graph_view import OpGraph, free_op_flags
 
 __all__ = [
     "ROUNDING_DTYPES", "Groups", "arithmetic_chains", "free_ops", "second_uses", "second_updates", "colocation_groups",
@@ -95,18 +95,7 @@ def free_ops(graph: OpGraph) -> List[bool]:
     data inputs are free (step-argument placeholders are free: they are fed
     to whichever partition needs them).
     """
-    free = [False] * len(graph.ops)
-    for op in graph.ops:
-        if op.kind == "arg":
-            free[op.index] = True
-            continue
-        if op.stateful or op.variables:
-            continue
-        if op.kind == "capture":  # a captured constant tensor
-            free[op.index] = True
-            continue
-        free[op.index] = all(free[graph.tensors[t].producer] for t in op.inputs)
-    return free
+    return free_op_flags(graph.ops, graph.tensors)
 
 
 @dataclass
