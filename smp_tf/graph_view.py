@@ -482,10 +482,8 @@ def _link_gradients(ops: List[OpNode], tensors: List[TensorInfo]) -> None:
                 # at an op of the scope, that one decides (the transposes
                 # undoing a gather along a later axis read such a
                 # permutation). Otherwise its link is the best hint left.
-                via = [ops[p].forward for p in sorted(producers) if ops[p].is_gradient and ops[p].forward in cand_set]
-                carried = [ops[p].forward for p in sorted(producers)
-                           if ops[p].is_gradient and not free[p] and ops[p].forward in cand_set]
-                via = carried or via
+                linked = [p for p in sorted(producers) if ops[p].is_gradient and ops[p].forward in cand_set]
+                via = [ops[p].forward for p in ([p for p in linked if not free[p]] or linked)]
                 # Its incoming gradient is that of the outputs of the op it
                 # differentiates, and comes from the layer calls that read
                 # them: of a product ``z = a * b`` glued in a layer's scope,
