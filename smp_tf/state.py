@@ -28,6 +28,7 @@ part of the data, as with the original's numbering.
 from __future__ import annotations
 
 import logging
+import re
 import threading
 from dataclasses import dataclass
 from typing import Any, Mapping, Optional, Tuple
@@ -181,6 +182,39 @@ def _setup_devices(num_partitions: int, local_rank: int = 0, local_size: int = 1
     )
 
 
+#: The oldest releases smp_tf runs on (its test suite passes there).
+MIN_TENSORFLOW = (2, 16)
+MIN_KERAS = (3, 7)
+
+
+def _release(version: str) -> Tuple[int, ...]:
+    """The leading numbers of a version string (``"2.21.0rc1"`` -> (2, 21, 0))."""
+    numbers = []
+    for part in version.split("."):
+        digits = re.match(r"\d+", part)
+        if digits is None:
+            break
+        numbers.append(int(digits.group()))
+        if digits.group() != part:
+            break
+    return tuple(numbers)
+
+
+def unsupported_versions(tensorflow_version: str, keras_version: str) -> Optional[str]:
+    """A message naming what to upgrade when TensorFlow or Keras is older than
+    smp_tf supports, else None."""
+    old = [
+        f"{name} {version} (smp_tf needs {'.'.join(map(str, least))} or later)"
+        for name, version, least in (("TensorFlow", tensorflow_version, MIN_TENSORFLOW),
+                                     ("Keras", keras_version, MIN_KERAS))
+        if _release(version) < least
+    ]
+    if not old:
+        return None
+    return (f"smp_tf: this environment has {' and '.join(old)}. Upgrade, e.g. "
+            f"pip install 'tensorflow>={'.'.join(map(str, MIN_TENSORFLOW))}' 'keras>={'.'.join(map(str, MIN_KERAS))}'.")
+
+
 def init(config: Optional[Mapping[str, Any]] = None) -> Config:
     """Initialises smp_tf: validates `config` and sets up one device per partition.
 
@@ -198,9 +232,17 @@ def init(config: Optional[Mapping[str, Any]] = None) -> Config:
     Raises:
         ValueError: a key is unknown or a value has the wrong type or range.
         RuntimeError: TensorFlow initialised its devices before `smp.init`
-            and there are fewer logical CPU devices than partitions.
+            and there are fewer logical CPU devices than partitions; or
+            TensorFlow or Keras is older than smp_tf supports
+            (`MIN_TENSORFLOW`, `MIN_KERAS`).
     """
     cfg = parse_config(config)
+    import keras
+    import tensorflow as tf
+
+    problem = unsupported_versions(tf.__version__, keras.__version__)
+    if problem:
+        raise RuntimeError(problem)
     from smp_tf import live_objects
 
     # Before the devices are set up: while TensorFlow's runtime has not

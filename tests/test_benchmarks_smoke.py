@@ -330,6 +330,12 @@ def test_first_call_runtime_breakdown_reads_tensorflows_log():
         "I1127 03:12:01.250000    42 meta_optimizer.cc:1092] Optimized main graph.", year=2026)
     assert t == pytest.approx(time.mktime((2026, 11, 27, 3, 12, 0, 0, 0, -1)) + 1.25)
     assert (thread, source, message) == ("42", "meta_optimizer.cc", "Optimized main graph.")
+    # The form of older releases (no thread id), local time as well.
+    (t, thread, source, message), = bench.parse_tf_log(
+        "2026-11-27 03:12:01.250000: I tensorflow/core/grappler/optimizers/meta_optimizer.cc:1092] "
+        "Optimized main graph.", year=1999)
+    assert t == pytest.approx(time.mktime((2026, 11, 27, 3, 12, 0, 0, 0, -1)) + 1.25)
+    assert (thread, source, message) == ("?", "meta_optimizer.cc", "Optimized main graph.")
 
 
 def test_first_call_runtime_breakdown_reads_a_real_log():

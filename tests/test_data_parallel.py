@@ -22,6 +22,7 @@ import numpy as np
 import pytest
 
 import smp_tf as smp
+from smp_tf.distributed import runtime
 from tests import jobs
 from tests.dp import common
 
@@ -250,8 +251,8 @@ def test_launcher_runs_the_replicas(tmp_path_factory):
     assert_same_weights(a["weights"], b["weights"])
 
 
-def _init_in_subprocess(env: Dict[str, str]) -> subprocess.CompletedProcess:
-    code = "import smp_tf as smp; smp.init({'partitions': 2, 'horovod': True, 'dp_timeout': 10})"
+def _init_in_subprocess(env: Dict[str, str], before: str = "") -> subprocess.CompletedProcess:
+    code = before + "import smp_tf as smp; smp.init({'partitions': 2, 'horovod': True, 'dp_timeout': 10})"
     return subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=dict(os.environ, PYTHONPATH=ROOT, **env),
                           capture_output=True, text=True, timeout=120)
 
@@ -273,3 +274,25 @@ def test_port_in_use_is_a_clear_error():
                                     "SMP_TF_ADDRESSES": f"127.0.0.1:{port},127.0.0.1:{other}"})
     assert proc.returncode != 0
     assert f"cannot listen on 127.0.0.1:{port}: the port is in use" in proc.stderr, proc.stderr[-2000:]
+
+
+def test_a_rank_that_never_starts_is_an_error_at_start_up():
+    """Rank 0 of two, started alone, stops with an error naming the cluster
+    once the join timeout is over (shortened here), on TensorFlow releases
+    with the coordination service's register barrier and on those without."""
+    port, other = _free_ports(2)
+    t0 = time.monotonic()
+    proc = _init_in_subprocess(
+        {"SMP_TF_RANK": "0", "SMP_TF_SIZE": "2", "SMP_TF_LOCAL_RANK": "0", "SMP_TF_LOCAL_SIZE": "2",
+         "SMP_TF_ADDRESSES": f"127.0.0.1:{port},127.0.0.1:{other}"},
+        before="import smp_tf.distributed.runtime as r; r.JOIN_TIMEOUT_MIN_S = 5.0; ",
+    )
+    seconds = time.monotonic() - t0
+    assert proc.returncode != 0
+    if runtime.has_register_barrier(runtime._coordination_config_pb2().CoordinationServiceConfig()):
+        assert "rank 0 waited 10 s for every rank to join the cluster" in proc.stderr, proc.stderr[-2000:]
+        assert f"127.0.0.1:{other}" in proc.stderr and "missing: [1]" in proc.stderr
+    else:  # TensorFlow 2.16: the interpreter is held, faulthandler's timer ends the process
+        assert "Timeout" in proc.stderr and "_wait_for_every_rank_to_join_the_cluster" in proc.stderr, \
+            proc.stderr[-2000:]
+    assert seconds < 90, seconds

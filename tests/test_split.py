@@ -35,7 +35,8 @@ def x_of(parts, m):
 
 
 def arange(*shape, dtype=tf.int32):
-    return tf.reshape(tf.range(int(np.prod(shape)), dtype=dtype), shape)
+    # From numpy: some TensorFlow releases have no float16 `Range` kernel on CPU.
+    return tf.constant(np.arange(int(np.prod(shape))).reshape(shape), dtype=dtype)
 
 
 # -- strided order -------------------------------------------------------------

@@ -51,3 +51,24 @@ def test_partition_context_validates_index():
         smp.partition("1")
     with smp.partition(1):  # outside a traced step it has no effect
         tf.constant(1.0)
+
+
+def test_versions_older_than_supported_are_named_with_what_to_install():
+    from smp_tf.state import unsupported_versions
+
+    assert unsupported_versions(tf.__version__, __import__("keras").__version__) is None
+    assert unsupported_versions("2.16.2", "3.7.0") is None
+    assert unsupported_versions("2.21.0rc1", "3.15.1.dev2025") is None
+    message = unsupported_versions("2.15.1", "3.3.3")
+    assert "TensorFlow 2.15.1 (smp_tf needs 2.16 or later)" in message
+    assert "Keras 3.3.3 (smp_tf needs 3.7 or later)" in message
+    assert "pip install 'tensorflow>=2.16' 'keras>=3.7'" in message
+    assert "TensorFlow" not in unsupported_versions("2.16.0", "3.6.0")
+
+
+def test_init_refuses_an_older_keras(monkeypatch):
+    import keras
+
+    monkeypatch.setattr(keras, "__version__", "3.3.3")
+    with pytest.raises(RuntimeError, match=r"Keras 3\.3\.3 \(smp_tf needs 3\.7 or later\)"):
+        smp.init({"partitions": 2})

@@ -187,6 +187,11 @@ XLA_PASSES = frozenset({
     "PartiallyDeclusterPass", "ReportClusteringInfoPass", "EncapsulateSubgraphsPass", "BuildXlaOpsPass",
 })
 _LOG_LINE = re.compile(r"^[IWEF](\d{4}) (\d+):(\d+):(\d+(?:\.\d+)?)\s+(\d+) ([\w.]+):\d+\] (.*)$")
+# The form of TensorFlow releases before absl's logging (2.16, for one):
+# ``2026-11-27 03:12:01.123456: I tensorflow/core/.../file.cc:72] message``,
+# local time, no thread id.
+_DATED_LOG_LINE = re.compile(
+    r"^(\d{4})-(\d\d)-(\d\d) (\d\d):(\d\d):(\d\d(?:\.\d+)?): [IWEF] (?:[\w./-]*/)?([\w.]+):\d+\] (.*)$")
 _OPTIMIZER_TIME = re.compile(r"^([^:{]+)(?:\{.*\})?: Graph size after: .* time = ([\d.]+)ms")
 
 
@@ -196,12 +201,21 @@ def parse_tf_log(text: str, year: int) -> list:
     A line reads ``I1127 03:12:01.123456  4321 file.cc:72] message``; before
     absl's logging is initialised, month, day, hour and minute are printed
     as zeros and the seconds are the Unix time. `year` completes the date of
-    the other form. Other lines (Python's, continuations) are skipped.
+    the other form. Older releases print
+    ``2026-11-27 03:12:01.123456: I tensorflow/core/.../file.cc:72] message``
+    without a thread id: their lines all get thread ``"?"``, so windows of
+    different threads cannot be told apart there. Other lines (Python's,
+    continuations) are skipped.
     """
     events = []
     for line in text.splitlines():
         m = _LOG_LINE.match(line)
         if not m:
+            d = _DATED_LOG_LINE.match(line)
+            if d:
+                yy, mo, dd, hh, mi, sec, source, message = d.groups()
+                whole = time.mktime((int(yy), int(mo), int(dd), int(hh), int(mi), 0, 0, 0, -1))
+                events.append((whole + float(sec), "?", source, message))
             continue
         mmdd, hh, mi, sec, thread, source, message = m.groups()
         if mmdd == "0000":

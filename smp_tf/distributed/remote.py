@@ -38,6 +38,7 @@ from smp_tf.distributed.layout import PipelineLayout
 from smp_tf.distributed.runtime import (
     JOB,
     ReplicaError,
+    join_timeout,
     missing_ranks,
     require_runtime_not_started,
     server_addresses,
@@ -304,7 +305,7 @@ def _serve(info: ClusterInfo, layout: PipelineLayout, addresses: Tuple[str, ...]
         "smp_tf: rank %d serves stages %s of pipeline %d to its driver, rank %d (%s)",
         info.rank, list(layout.stages(info.rank)), layout.dp_rank(info.rank), driver, addresses[driver],
     )
-    deadline = time.monotonic() + max(timeout, 120.0)
+    deadline = time.monotonic() + join_timeout(timeout)
     seen = False
     while True:
         up = _alive(addresses[driver])
@@ -485,12 +486,12 @@ def start(info: ClusterInfo, layout: PipelineLayout, kind: str, logical_cpu: boo
     # cluster lists them all; connecting while one is still starting can
     # leave this process's own server unreachable).
     replica = layout.dp_rank(info.rank)
-    deadline = time.monotonic() + max(timeout, 120.0)
+    deadline = time.monotonic() + join_timeout(timeout)
     for r in range(info.size):
         while not _alive(addresses[r]):
             if time.monotonic() > deadline:
                 raise RuntimeError(
-                    f"smp_tf: rank {info.rank} waited {max(timeout, 120.0):.0f} s for the server of rank {r} "
+                    f"smp_tf: rank {info.rank} waited {join_timeout(timeout):.0f} s for the server of rank {r} "
                     f"({addresses[r]}), which holds stages {list(layout.stages(r))} of pipeline {layout.dp_rank(r)}. "
                     "Check that every process was started with the same cluster environment."
                 )
@@ -543,7 +544,7 @@ def _leave_together(group: PipelineGroup) -> None:
     if _FAILED.is_set():
         return  # the others' watchdogs see this process go
     try:
-        group.barrier("exit", timeout=max(group.timeout, 120.0))
+        group.barrier("exit", timeout=join_timeout(group.timeout))
     except Exception as e:  # noqa: BLE001 - exiting anyway
         logger.error("smp_tf: replica %d left without the others: %s", group.rank, e)
     _FINISHING.set()

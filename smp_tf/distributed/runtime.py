@@ -20,7 +20,7 @@ import logging
 import os
 import re
 from dataclasses import dataclass
-from typing import Any, List, Optional, Tuple
+from typing import Any, List, Optional, Sequence, Tuple
 
 from smp_tf.distributed.cluster import EXIT_PORT_IN_USE, ClusterInfo
 
@@ -30,12 +30,28 @@ __all__ = ["ProcessGroup", "start", "group", "EXIT_PORT_IN_USE", "JOB"]
 
 #: TensorFlow job name of the replicas.
 JOB = "worker"
+#: The least time (seconds) a process waits for the others at start-up,
+#: whatever ``dp_timeout`` is: processes of one job start seconds apart
+#: (importing TensorFlow alone takes several).
+JOIN_TIMEOUT_MIN_S = 120.0
 _GROUP: Optional["ProcessGroup"] = None
 
 
 def task_name(rank: int) -> str:
     """TensorFlow's name of the server task of `rank` (``/job:worker/replica:0/task:3``)."""
     return f"/job:{JOB}/replica:0/task:{rank}"
+
+
+def has_register_barrier(service_config: Any) -> bool:
+    """Whether this TensorFlow's coordination service can make every task wait
+    at start-up until all have registered (``cluster_register_with_barrier``,
+    missing in TensorFlow 2.16)."""
+    return "cluster_register_with_barrier" in service_config.DESCRIPTOR.fields_by_name
+
+
+def join_timeout(timeout: float) -> float:
+    """Seconds a process waits for the others at start-up (``dp_timeout``, at least `JOIN_TIMEOUT_MIN_S`)."""
+    return max(timeout, JOIN_TIMEOUT_MIN_S)
 
 
 def server_addresses(info: ClusterInfo, timeout: float) -> Tuple[str, ...]:
@@ -47,7 +63,7 @@ def server_addresses(info: ClusterInfo, timeout: float) -> Tuple[str, ...]:
 
     port = cluster.pick_free_ports(1)[0]
     return tuple(
-        rendezvous.exchange_addresses(info, f"{rendezvous.my_host()}:{port}", timeout=max(timeout, 120.0))
+        rendezvous.exchange_addresses(info, f"{rendezvous.my_host()}:{port}", timeout=join_timeout(timeout))
     )
 
 
@@ -199,10 +215,35 @@ def use_group(group: Any, config_json: str) -> Any:
     member runs the same configuration."""
     global _GROUP
     if _GROUP is not group:
-        group.barrier("init", timeout=max(group.timeout, 120.0))
+        group.barrier("init", timeout=join_timeout(group.timeout))
         _GROUP = group
     _check_same_config(group, config_json)
     return group
+
+
+def _coordination_config_pb2() -> Any:
+    """The coordination service's config protos, wherever this TensorFlow keeps them.
+
+    TensorFlow moved the module between releases: ``tensorflow.tsl.protobuf``
+    up to 2.17 or so, ``tensorflow.compiler.xla.tsl.protobuf`` since.
+    """
+    import importlib
+
+    for name in (
+        "tensorflow.compiler.xla.tsl.protobuf.coordination_config_pb2",
+        "tensorflow.tsl.protobuf.coordination_config_pb2",
+        "tsl.protobuf.coordination_config_pb2",
+    ):
+        try:
+            return importlib.import_module(name)
+        except ImportError:
+            continue
+    import tensorflow as tf
+
+    raise RuntimeError(
+        f"smp_tf could not find the coordination service's protos (coordination_config_pb2) in "
+        f"TensorFlow {tf.__version__}; multi-process jobs need TensorFlow 2.16 or later."
+    )
 
 
 def start(info: ClusterInfo, timeout: float, config_json: str) -> ProcessGroup:
@@ -239,10 +280,7 @@ def start(info: ClusterInfo, timeout: float, config_json: str) -> ProcessGroup:
     from tensorflow.core.protobuf import tensorflow_server_pb2
     from tensorflow.python.eager import context
 
-    try:
-        from tensorflow.compiler.xla.tsl.protobuf import coordination_config_pb2
-    except ImportError:  # pragma: no cover - older layouts
-        from tsl.protobuf import coordination_config_pb2
+    coordination_config_pb2 = _coordination_config_pb2()
 
     addresses = server_addresses(info, timeout)
     require_runtime_not_started("form the data-parallel group")
@@ -259,14 +297,18 @@ def start(info: ClusterInfo, timeout: float, config_json: str) -> ProcessGroup:
         service_leader=leader,
         enable_health_check=True,
         heartbeat_timeout_in_ms=heartbeat_ms,
-        cluster_register_timeout_in_ms=int(max(timeout, 120.0) * 1000),
+        cluster_register_timeout_in_ms=int(join_timeout(timeout) * 1000),
         shutdown_barrier_timeout_in_ms=int(max(timeout, 300.0) * 1000),
         coordinated_jobs=[coordination_config_pb2.CoordinatedJob(name=JOB, num_tasks=info.size)],
     )
     # Every task, rank 0 too, waits at start-up until all have registered and
     # fails after the register timeout naming the missing ones; without it
-    # rank 0 would wait forever for a rank that never starts.
-    ctx._coordination_service_config.cluster_register_with_barrier = True  # noqa: SLF001
+    # rank 0 would wait forever for a rank that never starts. (TensorFlow
+    # 2.16 has no such option; see `_wait_for_every_rank_to_join_the_cluster`.)
+    service_config = ctx._coordination_service_config  # noqa: SLF001
+    register_barrier = has_register_barrier(service_config)
+    if register_barrier:
+        service_config.cluster_register_with_barrier = True
     server_def = tensorflow_server_pb2.ServerDef(
         cluster=tf.train.ClusterSpec({JOB: list(addresses)}).as_cluster_def(),
         default_session_config=ctx.config,
@@ -277,7 +319,10 @@ def start(info: ClusterInfo, timeout: float, config_json: str) -> ProcessGroup:
     )
     ctx.enable_collective_ops(server_def)
     try:
-        ctx.ensure_initialized()
+        if register_barrier:
+            ctx.ensure_initialized()
+        else:
+            _wait_for_every_rank_to_join_the_cluster(ctx, join_timeout(timeout) + 10.0, info, addresses)
     except tf.errors.UnknownError as e:
         if "Could not start gRPC server" in str(e):
             message = (
@@ -292,16 +337,39 @@ def start(info: ClusterInfo, timeout: float, config_json: str) -> ProcessGroup:
     except tf.errors.DeadlineExceededError as e:
         ranks = [r for r in missing_ranks(str(e)) if r != info.rank]
         raise ReplicaError(
-            f"smp_tf: rank {info.rank} waited {max(timeout, 120.0):.0f} s for every rank to join "
+            f"smp_tf: rank {info.rank} waited {join_timeout(timeout):.0f} s for every rank to join "
             f"the cluster {list(addresses)}; missing: {ranks or 'unknown'}. Check that every "
             "process was started with the same cluster environment.",
             tuple(ranks),
         ) from e
     _GROUP = ProcessGroup(info, tuple(addresses), float(timeout))
-    _GROUP.barrier("init", timeout=max(timeout, 120.0))
+    _GROUP.barrier("init", timeout=join_timeout(timeout))
     _check_same_config(_GROUP, config_json)
     logger.info("smp_tf: rank %d of %d joined %s", info.rank, info.size, list(addresses))
     return _GROUP
+
+
+def _wait_for_every_rank_to_join_the_cluster(ctx: Any, seconds: float, info: ClusterInfo,
+                                            addresses: Sequence[str]) -> None:
+    """Starts TensorFlow's runtime where the coordination service has no
+    register barrier (TensorFlow 2.16): the leader would then wait for a rank
+    that never starts with no deadline, holding the interpreter (no Python
+    timer can run) and catching SIGTERM. `faulthandler`'s timer runs outside
+    the interpreter: after `seconds` it prints the stack, this function's name
+    on top, and ends the process with exit code 1."""
+    import faulthandler
+    import sys
+
+    logger.info(
+        "smp_tf: rank %d waits up to %.0f s for every rank to join the cluster %s; if one never does, this "
+        "process prints a timeout in %s and exits",
+        info.rank, seconds, list(addresses), _wait_for_every_rank_to_join_the_cluster.__name__,
+    )
+    faulthandler.dump_traceback_later(seconds, exit=True, file=sys.stderr)
+    try:
+        ctx.ensure_initialized()
+    finally:
+        faulthandler.cancel_dump_traceback_later()
 
 
 def _check_same_config(group: ProcessGroup, config_json: str) -> None:
