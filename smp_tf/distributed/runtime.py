@@ -45,7 +45,7 @@ def task_name(rank: int) -> str:
 def has_register_barrier(service_config: Any) -> bool:
     """Whether this TensorFlow's coordination service can make every task wait
     at start-up until all have registered (``cluster_register_with_barrier``,
-    missing in TensorFlow 2.16)."""
+    missing up to TensorFlow 2.18 at least)."""
     return "cluster_register_with_barrier" in service_config.DESCRIPTOR.fields_by_name
 
 
@@ -225,7 +225,7 @@ def _coordination_config_pb2() -> Any:
     """The coordination service's config protos, wherever this TensorFlow keeps them.
 
     TensorFlow moved the module between releases: ``tensorflow.tsl.protobuf``
-    up to 2.17 or so, ``tensorflow.compiler.xla.tsl.protobuf`` since.
+    up to 2.18 at least, ``tensorflow.compiler.xla.tsl.protobuf`` in 2.21.
     """
     import importlib
 
@@ -304,7 +304,8 @@ def start(info: ClusterInfo, timeout: float, config_json: str) -> ProcessGroup:
     # Every task, rank 0 too, waits at start-up until all have registered and
     # fails after the register timeout naming the missing ones; without it
     # rank 0 would wait forever for a rank that never starts. (TensorFlow
-    # 2.16 has no such option; see `_wait_for_every_rank_to_join_the_cluster`.)
+    # 2.16 to 2.18 have no such option; see
+    # `_wait_for_every_rank_to_join_the_cluster`.)
     service_config = ctx._coordination_service_config  # noqa: SLF001
     register_barrier = has_register_barrier(service_config)
     if register_barrier:
@@ -352,7 +353,7 @@ def start(info: ClusterInfo, timeout: float, config_json: str) -> ProcessGroup:
 def _wait_for_every_rank_to_join_the_cluster(ctx: Any, seconds: float, info: ClusterInfo,
                                             addresses: Sequence[str]) -> None:
     """Starts TensorFlow's runtime where the coordination service has no
-    register barrier (TensorFlow 2.16): the leader would then wait for a rank
+    register barrier (TensorFlow 2.16 to 2.18): the leader would then wait for a rank
     that never starts with no deadline, holding the interpreter (no Python
     timer can run) and catching SIGTERM. `faulthandler`'s timer runs outside
     the interpreter: after `seconds` it prints the stack, this function's name
@@ -365,7 +366,9 @@ def _wait_for_every_rank_to_join_the_cluster(ctx: Any, seconds: float, info: Clu
         "process prints a timeout in %s and exits",
         info.rank, seconds, list(addresses), _wait_for_every_rank_to_join_the_cluster.__name__,
     )
-    faulthandler.dump_traceback_later(seconds, exit=True, file=sys.stderr)
+    # sys.stderr may be replaced by an object without a file descriptor
+    # (a notebook, pytest's capture); the process's own stderr always has one.
+    faulthandler.dump_traceback_later(seconds, exit=True, file=sys.__stderr__ or sys.stderr)
     try:
         ctx.ensure_initialized()
     finally:
