@@ -295,4 +295,6 @@ def test_a_rank_that_never_starts_is_an_error_at_start_up():
     else:  # TensorFlow 2.16 to 2.18: the interpreter is held, faulthandler's timer ends the process
         assert "Timeout" in proc.stderr and "_wait_for_every_rank_to_join_the_cluster" in proc.stderr, \
             proc.stderr[-2000:]
+        assert "cannot name a rank that never joins; rank 0 waits up to 20 s for every rank of" in proc.stderr
+        assert f"127.0.0.1:{other}" in proc.stderr
     assert seconds < 90, seconds

@@ -361,10 +361,14 @@ def _wait_for_every_rank_to_join_the_cluster(ctx: Any, seconds: float, info: Clu
     import faulthandler
     import sys
 
-    logger.info(
-        "smp_tf: rank %d waits up to %.0f s for every rank to join the cluster %s; if one never does, this "
-        "process prints a timeout in %s and exits",
-        info.rank, seconds, list(addresses), _wait_for_every_rank_to_join_the_cluster.__name__,
+    import tensorflow as tf
+
+    # A warning, so that it shows without any logging set up: it is what
+    # explains the timeout that may follow.
+    logger.warning(
+        "smp_tf: TensorFlow %s cannot name a rank that never joins; rank %d waits up to %.0f s for every rank "
+        "of %s, then ends with a timeout in %s",
+        tf.__version__, info.rank, seconds, list(addresses), _wait_for_every_rank_to_join_the_cluster.__name__,
     )
     # sys.stderr may be replaced by an object without a file descriptor
     # (a notebook, pytest's capture); the process's own stderr always has one.
