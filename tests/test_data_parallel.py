@@ -289,7 +289,7 @@ def test_a_rank_that_never_starts_is_an_error_at_start_up():
     )
     seconds = time.monotonic() - t0
     assert proc.returncode != 0
-    if runtime.has_register_barrier(runtime._coordination_config_pb2().CoordinationServiceConfig()):
+    if runtime.has_register_barrier():
         assert "rank 0 waited 10 s for every rank to join the cluster" in proc.stderr, proc.stderr[-2000:]
         assert f"127.0.0.1:{other}" in proc.stderr and "missing: [1]" in proc.stderr
     else:  # TensorFlow 2.16 to 2.18: the interpreter is held, faulthandler's timer ends the process

@@ -42,11 +42,12 @@ def task_name(rank: int) -> str:
     return f"/job:{JOB}/replica:0/task:{rank}"
 
 
-def has_register_barrier(service_config: Any) -> bool:
+def has_register_barrier() -> bool:
     """Whether this TensorFlow's coordination service can make every task wait
     at start-up until all have registered (``cluster_register_with_barrier``,
     missing up to TensorFlow 2.18 at least)."""
-    return "cluster_register_with_barrier" in service_config.DESCRIPTOR.fields_by_name
+    fields = _coordination_config_pb2().CoordinationServiceConfig.DESCRIPTOR.fields_by_name
+    return "cluster_register_with_barrier" in fields
 
 
 def join_timeout(timeout: float) -> float:
@@ -306,10 +307,9 @@ def start(info: ClusterInfo, timeout: float, config_json: str) -> ProcessGroup:
     # rank 0 would wait forever for a rank that never starts. (TensorFlow
     # 2.16 to 2.18 have no such option; see
     # `_wait_for_every_rank_to_join_the_cluster`.)
-    service_config = ctx._coordination_service_config  # noqa: SLF001
-    register_barrier = has_register_barrier(service_config)
+    register_barrier = has_register_barrier()
     if register_barrier:
-        service_config.cluster_register_with_barrier = True
+        ctx._coordination_service_config.cluster_register_with_barrier = True  # noqa: SLF001
     server_def = tensorflow_server_pb2.ServerDef(
         cluster=tf.train.ClusterSpec({JOB: list(addresses)}).as_cluster_def(),
         default_session_config=ctx.config,
