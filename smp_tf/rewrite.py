@@ -248,6 +248,12 @@ def waves(graph: OpGraph, partition_of_op: Sequence[int], dup: Sequence[bool]) -
        backward, e.g. the ``x ** 2`` of a GELU's gradient) join the task
        of their consumers in the same way, never an earlier wave than
        rule 1 gives them.
+    5. A forward wave of a partition that holds only values its later
+       tasks read (a decoder's mask and position bias, computed from its
+       token ids and variables) joins the latest other forward wave of the
+       partition that precedes every reader, instead of being a task of
+       its own (see `_defer_lone_forward_values`). Rule 3 then uses the
+       waves after this move.
 
     Cross-partition control edges are ignored: the schedule orders tasks.
 
@@ -355,11 +361,6 @@ def waves(graph: OpGraph, partition_of_op: Sequence[int], dup: Sequence[bool]) -
         data_dep[c] = dd
         asap[c] = w
 
-    first_wave: Dict[int, int] = {}
-    for c in range(ncomp):
-        if data_dep[c]:
-            p = comp_part[c]
-            first_wave[p] = min(first_wave.get(p, asap[c]), asap[c])
     # Gradient ops computed from forward values only (the ``x ** 2`` of a
     # GELU's gradient) are preludes of the backward: they run with the
     # backward that reads them, not in the forward task, which then stays a
@@ -375,12 +376,16 @@ def waves(graph: OpGraph, partition_of_op: Sequence[int], dup: Sequence[bool]) -
         if data_dep[c] and comp_prelude[c]:
             limits = [wave_of[s] - cross for s, cross in succs[c]]
             wave_of[c] = max(asap[c], min(limits)) if limits else asap[c]
+    _defer_lone_forward_values(graph, dup, comp, comp_part, data_dep, comp_prelude, succs, wave_of, written)
     # The waves at which a partition has tasks anyway (its ops that depend
     # on data).
     data_waves: Dict[int, Set[int]] = {}
+    first_wave: Dict[int, int] = {}
     for c in range(ncomp):
         if data_dep[c]:
-            data_waves.setdefault(comp_part[c], set()).add(wave_of[c])
+            p = comp_part[c]
+            data_waves.setdefault(p, set()).add(wave_of[c])
+            first_wave[p] = min(first_wave.get(p, wave_of[c]), wave_of[c])
     for c in reversed(topo):
         if data_dep[c]:
             continue
@@ -398,6 +403,65 @@ def waves(graph: OpGraph, partition_of_op: Sequence[int], dup: Sequence[bool]) -
     if lowest < 0:
         wave = [None if w is None else w - lowest for w in wave]
     return wave
+
+
+def _defer_lone_forward_values(
+    graph: OpGraph,
+    dup: Sequence[bool],
+    comp: Sequence[int],
+    comp_part: Dict[int, int],
+    data_dep: Sequence[bool],
+    comp_prelude: Sequence[bool],
+    succs: Sequence[Sequence[Tuple[int, int]]],
+    wave_of: List[int],
+    written: Set[str],
+) -> None:
+    """Rule 5 of `waves`, in place on `wave_of` (per component).
+
+    A forward wave of a partition may hold nothing but values computed from
+    step arguments and variables that only later tasks read: a decoder's
+    attention mask and relative-position bias, which depend on its token
+    ids but not on the encoder. As soon as possible puts them at wave 0, a
+    task of their own ahead of the partition's first real one: one more
+    call per micro-batch and one more function. Such a wave joins, of its
+    partition's other forward waves, the latest that still precedes every
+    reader, when there is one. Ops that touch state the step writes, draw
+    random numbers or compute gradients stay where they are (rules 2 and
+    4, and the kind of the task they join).
+    """
+    ncomp = len(wave_of)
+    movable = [data_dep[c] and not comp_prelude[c] and bool(succs[c]) for c in range(ncomp)]
+    # Components that make a task a backward one (gradient ops that only
+    # carry forward values on do not, see `_assemble`).
+    carried = forward_values_in_gradients(graph, dup)
+    gradient = [False] * ncomp
+    for op in graph.ops:
+        c = comp[op.index]
+        if c < 0:
+            continue
+        if op.is_gradient and not carried[op.index]:
+            gradient[c] = True
+        if is_random_op(op.type) or any(v in written for v in op.variables):
+            movable[c] = False
+    groups: Dict[Tuple[int, int], List[int]] = {}
+    for c in range(ncomp):
+        if data_dep[c]:
+            groups.setdefault((comp_part[c], wave_of[c]), []).append(c)
+    # Latest waves first: a group's readers are at its wave or later
+    # (later on another partition), so their waves are final when it moves.
+    anchors: Dict[int, Set[int]] = {}  # partition -> its forward waves that stay
+    for (p, w) in sorted(groups, key=lambda key: -key[1]):
+        members = groups[(p, w)]
+        if all(movable[c] and not gradient[c] for c in members):
+            inside = set(members)
+            limits = [wave_of[s] - cross for c in members for s, cross in succs[c] if s not in inside]
+            later = [a for a in anchors.get(p, ()) if limits and w < a <= min(limits)]
+            if later:
+                for c in members:
+                    wave_of[c] = max(later)
+                continue
+        if not any(gradient[c] for c in members):
+            anchors.setdefault(p, set()).add(w)
 
 
 def _raise_state_order(graph: OpGraph, part: Sequence[int], comp: Sequence[int], c: int, written: Set[str]) -> None:

@@ -158,6 +158,67 @@ def test_values_computed_without_data_on_another_partition_join_their_readers_ta
     assert keys == {(0, 0), (1, 1), (2, 2), (1, 3), (0, 4)}
 
 
+def _encoder_decoder(bias_reader="f1", bias_op=None):
+    """An encoder on partition 0 and a decoder on 1 and 2 whose attention
+    bias ("bias", then "masked") is computed on partition 1 from the
+    decoder's own input "xd" and a variable: it depends on data but not on
+    the encoder, so it is ready at wave 0 (keras_hub's T5 at 3 partitions).
+    """
+    spec = [
+        {"name": "x", "type": "Placeholder", "kind": "arg", "flops": 0, "p": 0},
+        {"name": "xd", "type": "Placeholder", "kind": "arg", "flops": 0, "p": 1},
+        {"name": "r0", "type": "ReadVariableOp", "variables": ["w0"], "flops": 0, "p": 0},
+        {"name": "f0", "inputs": ["x", "r0"], "flops": 10, "p": 0},
+        {"name": "rb", "type": "ReadVariableOp", "variables": ["relative_bias"], "flops": 0, "p": 1},
+        dict({"name": "bias", "inputs": ["xd", "rb"], "flops": 1, "p": 1}, **(bias_op or {})),
+        {"name": "masked", "inputs": ["bias", "xd"], "flops": 1, "p": 1},
+        {"name": "f1", "inputs": ["f0"] + (["masked"] if bias_reader == "f1" else []), "flops": 10, "p": 1},
+        {"name": "f2", "inputs": ["f1", "masked"], "flops": 10, "p": 2},
+        {"name": "b2", "inputs": ["f2"], "forward": "f2", "flops": 20, "p": 2},
+        {"name": "b1", "inputs": ["b2", "f1"] + (["masked"] if bias_reader == "b1" else []), "forward": "f1",
+         "flops": 20, "p": 1},
+        {"name": "b0", "inputs": ["b1", "f0"], "forward": "f0", "flops": 20, "p": 0},
+    ]
+    parts = [s.pop("p") for s in spec]
+    return OpGraph.from_spec(spec), parts
+
+
+def test_a_wave_of_values_only_later_tasks_read_joins_the_next_forward_task():
+    # As soon as possible, the bias is a task of partition 1 at wave 0 of
+    # its own, ahead of f1's: one more call per micro-batch (T5 at P=3 had
+    # 6 tasks). It joins f1's task, the latest forward task of partition 1
+    # before every reader (f1 there, f2 a wave later on partition 2).
+    g, parts = _encoder_decoder()
+    w = waves(g, parts, duplicable_ops(g))
+    assert w[g.op_index["bias"]] == w[g.op_index["masked"]] == w[g.op_index["rb"]] == 1
+    keys = {(p, wv) for p, wv in zip(parts, w) if wv is not None}
+    assert keys == {(0, 0), (1, 1), (2, 2), (1, 3), (0, 4)}
+    tasks = build_tasks(g, parts, [g.op_index["b0"]])  # output tensor id == op index
+    assert sorted(t.key for t in tasks) == sorted(keys)
+    assert all(t.kind is TaskKind.FORWARD for t in tasks if t.key == (1, 1))
+
+
+def test_a_lone_forward_value_that_only_a_backward_reads_joins_a_forward_task():
+    # Joining the backward task that reads it would make that task a fused
+    # one; the forward task at wave 1 precedes it as well.
+    g, parts = _encoder_decoder(bias_reader="b1")
+    w = waves(g, parts, duplicable_ops(g))
+    assert w[g.op_index["bias"]] == w[g.op_index["masked"]] == 1
+    kinds = {t.key: t.kind for t in build_tasks(g, parts, [g.op_index["b0"]])}
+    assert kinds[(1, 1)] is TaskKind.FORWARD and kinds[(1, 3)] is TaskKind.BACKWARD
+
+
+@pytest.mark.parametrize("case", ["random", "state"])
+def test_a_lone_forward_wave_of_random_draws_or_written_state_stays(case):
+    # Random draws and the state the step writes keep the task the rules
+    # of `waves` give them: moving them would change what the micro-batches
+    # draw or read.
+    bias_op = {"type": "RandomUniform"} if case == "random" else {"variables": ["counter"], "writes": ["counter"]}
+    g, parts = _encoder_decoder(bias_op=bias_op)
+    w = waves(g, parts, duplicable_ops(g))
+    assert w[g.op_index["bias"]] == 0
+
+
 def test_read_used_only_by_the_backward_joins_the_backward_task():
     # A read "r1b" on partition 1 used only by b1 (wave 3) joins wave 3, and
     # a stateful update "bump" on partition 1 that nobody consumes joins the
