@@ -163,6 +163,8 @@ def _encoder_decoder(bias_reader="f1", bias_op=None):
     bias ("bias", then "masked") is computed on partition 1 from the
     decoder's own input "xd" and a variable: it depends on data but not on
     the encoder, so it is ready at wave 0 (keras_hub's T5 at 3 partitions).
+    `bias_reader` "f1": the decoder's forwards on partitions 1 and 2 read
+    it; "b1": only the backward on partition 1 does.
     """
     spec = [
         {"name": "x", "type": "Placeholder", "kind": "arg", "flops": 0, "p": 0},
@@ -173,7 +175,7 @@ def _encoder_decoder(bias_reader="f1", bias_op=None):
         dict({"name": "bias", "inputs": ["xd", "rb"], "flops": 1, "p": 1}, **(bias_op or {})),
         {"name": "masked", "inputs": ["bias", "xd"], "flops": 1, "p": 1},
         {"name": "f1", "inputs": ["f0"] + (["masked"] if bias_reader == "f1" else []), "flops": 10, "p": 1},
-        {"name": "f2", "inputs": ["f1", "masked"], "flops": 10, "p": 2},
+        {"name": "f2", "inputs": ["f1"] + (["masked"] if bias_reader == "f1" else []), "flops": 10, "p": 2},
         {"name": "b2", "inputs": ["f2"], "forward": "f2", "flops": 20, "p": 2},
         {"name": "b1", "inputs": ["b2", "f1"] + (["masked"] if bias_reader == "b1" else []), "forward": "f1",
          "flops": 20, "p": 1},
