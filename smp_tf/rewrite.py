@@ -424,10 +424,12 @@ def _defer_lone_forward_values(
     ids but not on the encoder. As soon as possible puts them at wave 0, a
     task of their own ahead of the partition's first real one: one more
     call per micro-batch and one more function. Such a wave joins, of its
-    partition's other forward waves, the latest that still precedes every
-    reader, when there is one. Ops that touch state the step writes, draw
-    random numbers or compute gradients stay where they are (rules 2 and
-    4, and the kind of the task they join).
+    partition's other waves that run forward work (forward tasks, and the
+    fused forward-backward task of the last stage), the latest that still
+    precedes every reader, when there is one; never a backward task, which
+    forward work would make a fused one. Ops that touch state the step
+    writes, draw random numbers or compute gradients stay where they are
+    (rules 2 and 4).
     """
     ncomp = len(wave_of)
     movable = [data_dep[c] and not comp_prelude[c] and bool(succs[c]) for c in range(ncomp)]
@@ -435,12 +437,15 @@ def _defer_lone_forward_values(
     # carry forward values on do not, see `_assemble`).
     carried = forward_values_in_gradients(graph, dup)
     gradient = [False] * ncomp
+    forward_work = [False] * ncomp
     for op in graph.ops:
         c = comp[op.index]
         if c < 0:
             continue
         if op.is_gradient and not carried[op.index]:
             gradient[c] = True
+        elif not op.is_gradient and op.flops > 0:
+            forward_work[c] = True
         if is_random_op(op.type) or any(v in written for v in op.variables):
             movable[c] = False
     groups: Dict[Tuple[int, int], List[int]] = {}
@@ -449,7 +454,9 @@ def _defer_lone_forward_values(
             groups.setdefault((comp_part[c], wave_of[c]), []).append(c)
     # Latest waves first: a group's readers are at its wave or later
     # (later on another partition), so their waves are final when it moves.
-    anchors: Dict[int, Set[int]] = {}  # partition -> its forward waves that stay
+    # partition -> its waves that stay and run forward work: forward tasks,
+    # and fused ones (the last stage's), which forward ops leave fused.
+    anchors: Dict[int, Set[int]] = {}
     for (p, w) in sorted(groups, key=lambda key: -key[1]):
         members = groups[(p, w)]
         if all(movable[c] and not gradient[c] for c in members):
@@ -460,7 +467,7 @@ def _defer_lone_forward_values(
                 for c in members:
                     wave_of[c] = max(later)
                 continue
-        if not any(gradient[c] for c in members):
+        if not any(gradient[c] for c in members) or any(forward_work[c] for c in members):
             anchors.setdefault(p, set()).add(w)
 
 

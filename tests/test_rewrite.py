@@ -158,13 +158,14 @@ def test_values_computed_without_data_on_another_partition_join_their_readers_ta
     assert keys == {(0, 0), (1, 1), (2, 2), (1, 3), (0, 4)}
 
 
-def _encoder_decoder(bias_reader="f1", bias_op=None):
+def _encoder_decoder(bias_reader="f1", bias_op=None, last_stage_bias=False):
     """An encoder on partition 0 and a decoder on 1 and 2 whose attention
     bias ("bias", then "masked") is computed on partition 1 from the
     decoder's own input "xd" and a variable: it depends on data but not on
     the encoder, so it is ready at wave 0 (keras_hub's T5 at 3 partitions).
     `bias_reader` "f1": the decoder's forwards on partitions 1 and 2 read
-    it; "b1": only the backward on partition 1 does.
+    it; "b1": only the backward on partition 1 does. `last_stage_bias`:
+    partition 2 computes a bias of its own ("pos") from "xd" for f2.
     """
     spec = [
         {"name": "x", "type": "Placeholder", "kind": "arg", "flops": 0, "p": 0},
@@ -175,12 +176,18 @@ def _encoder_decoder(bias_reader="f1", bias_op=None):
         dict({"name": "bias", "inputs": ["xd", "rb"], "flops": 1, "p": 1}, **(bias_op or {})),
         {"name": "masked", "inputs": ["bias", "xd"], "flops": 1, "p": 1},
         {"name": "f1", "inputs": ["f0"] + (["masked"] if bias_reader == "f1" else []), "flops": 10, "p": 1},
-        {"name": "f2", "inputs": ["f1"] + (["masked"] if bias_reader == "f1" else []), "flops": 10, "p": 2},
+        {"name": "f2", "inputs": ["f1"] + (["masked"] if bias_reader == "f1" else [])
+         + (["pos"] if last_stage_bias else []), "flops": 10, "p": 2},
         {"name": "b2", "inputs": ["f2"], "forward": "f2", "flops": 20, "p": 2},
         {"name": "b1", "inputs": ["b2", "f1"] + (["masked"] if bias_reader == "b1" else []), "forward": "f1",
          "flops": 20, "p": 1},
         {"name": "b0", "inputs": ["b1", "f0"], "forward": "f0", "flops": 20, "p": 0},
     ]
+    if last_stage_bias:
+        spec[-4:-4] = [
+            {"name": "rp", "type": "ReadVariableOp", "variables": ["position_bias"], "flops": 0, "p": 2},
+            {"name": "pos", "inputs": ["xd", "rp"], "flops": 1, "p": 2},
+        ]
     parts = [s.pop("p") for s in spec]
     return OpGraph.from_spec(spec), parts
 
@@ -208,6 +215,18 @@ def test_a_lone_forward_value_that_only_a_backward_reads_joins_a_forward_task():
     assert w[g.op_index["bias"]] == w[g.op_index["masked"]] == 1
     kinds = {t.key: t.kind for t in build_tasks(g, parts, [g.op_index["b0"]])}
     assert kinds[(1, 1)] is TaskKind.FORWARD and kinds[(1, 3)] is TaskKind.BACKWARD
+
+
+def test_a_lone_forward_value_of_the_last_stage_joins_its_fused_task():
+    # The last stage's only later task is its fused forward-backward one:
+    # forward work leaves it fused, so the bias joins it rather than run in
+    # a task of its own at wave 0 (keras_hub's T5Gemma at 3 partitions).
+    g, parts = _encoder_decoder(last_stage_bias=True)
+    w = waves(g, parts, duplicable_ops(g))
+    assert w[g.op_index["pos"]] == 2
+    kinds = {t.key: t.kind for t in build_tasks(g, parts, [g.op_index["b0"]])}
+    assert sorted(kinds) == [(0, 0), (0, 4), (1, 1), (1, 3), (2, 2)]
+    assert kinds[(2, 2)] is TaskKind.FUSED
 
 
 @pytest.mark.parametrize("case", ["random", "state"])
