@@ -250,10 +250,11 @@ def waves(graph: OpGraph, partition_of_op: Sequence[int], dup: Sequence[bool]) -
        rule 1 gives them.
     5. A forward wave of a partition that holds only values its later
        tasks read (a decoder's mask and position bias, computed from its
-       token ids and variables) joins the latest other forward wave of the
-       partition that precedes every reader, instead of being a task of
-       its own (see `_defer_lone_forward_values`). Rule 3 then uses the
-       waves after this move.
+       token ids and variables) joins the latest other wave of the
+       partition that runs forward work (a forward task, or the last
+       stage's fused one) and precedes every reader, instead of being a
+       task of its own (see `_defer_lone_forward_values`). Rule 3 then
+       uses the waves after this move.
 
     Cross-partition control edges are ignored: the schedule orders tasks.
 
