@@ -221,8 +221,16 @@ def gradient_preludes(graph: OpGraph, dup: Sequence[bool]) -> List[bool]:
     return prelude
 
 
-def waves(graph: OpGraph, partition_of_op: Sequence[int], dup: Sequence[bool]) -> List[Optional[int]]:
+def waves(
+    graph: OpGraph,
+    partition_of_op: Sequence[int],
+    dup: Sequence[bool],
+    carried: Optional[Sequence[bool]] = None,
+) -> List[Optional[int]]:
     """The wave of every non-duplicable op (None for duplicable ones).
+
+    `carried` is `forward_values_in_gradients(graph, dup)`, computed here
+    when not given.
 
     Rules, in order:
 
@@ -377,7 +385,9 @@ def waves(graph: OpGraph, partition_of_op: Sequence[int], dup: Sequence[bool]) -
         if data_dep[c] and comp_prelude[c]:
             limits = [wave_of[s] - cross for s, cross in succs[c]]
             wave_of[c] = max(asap[c], min(limits)) if limits else asap[c]
-    _defer_lone_forward_values(graph, dup, comp, comp_part, data_dep, comp_prelude, succs, wave_of, written)
+    if carried is None:
+        carried = forward_values_in_gradients(graph, dup)
+    _defer_lone_forward_values(graph, carried, comp, comp_part, data_dep, comp_prelude, succs, wave_of, written)
     # The waves at which a partition has tasks anyway (its ops that depend
     # on data).
     data_waves: Dict[int, Set[int]] = {}
@@ -408,7 +418,7 @@ def waves(graph: OpGraph, partition_of_op: Sequence[int], dup: Sequence[bool]) -
 
 def _defer_lone_forward_values(
     graph: OpGraph,
-    dup: Sequence[bool],
+    carried: Sequence[bool],
     comp: Sequence[int],
     comp_part: Dict[int, int],
     data_dep: Sequence[bool],
@@ -436,7 +446,6 @@ def _defer_lone_forward_values(
     movable = [data_dep[c] and not comp_prelude[c] and bool(succs[c]) for c in range(ncomp)]
     # Components that make a task a backward one (gradient ops that only
     # carry forward values on do not, see `_assemble`).
-    carried = forward_values_in_gradients(graph, dup)
     gradient = [False] * ncomp
     forward_work = [False] * ncomp
     for op in graph.ops:
@@ -445,7 +454,7 @@ def _defer_lone_forward_values(
             continue
         if op.is_gradient and not carried[op.index]:
             gradient[c] = True
-        elif not op.is_gradient and op.flops > 0:
+        elif _is_forward_work(op):
             forward_work[c] = True
         if is_random_op(op.type) or any(v in written for v in op.variables):
             movable[c] = False
@@ -470,6 +479,12 @@ def _defer_lone_forward_values(
                 continue
         if not any(gradient[c] for c in members) or any(forward_work[c] for c in members):
             anchors.setdefault(p, set()).add(w)
+
+
+def _is_forward_work(op: OpNode) -> bool:
+    """A forward op that computes something: in a backward task it makes the
+    task a fused one."""
+    return not op.is_gradient and op.flops > 0
 
 
 def _raise_state_order(graph: OpGraph, part: Sequence[int], comp: Sequence[int], c: int, written: Set[str]) -> None:
@@ -770,9 +785,9 @@ def build_tasks(
         # Marked duplicable, they join no task; nothing reads them, so no
         # task copies them in either.
         dup[i] = True
-    wave = waves(graph, partition_of_op, dup)
-    modes = _recompute_modes(recompute, partition_of_op)
     carried = forward_values_in_gradients(graph, dup)
+    wave = waves(graph, partition_of_op, dup, carried)
+    modes = _recompute_modes(recompute, partition_of_op)
     tasks = _assemble(graph, partition_of_op, output_tensors, dup, carried, wave, modes, set())
     if not split_weight:
         return tasks
@@ -913,7 +928,7 @@ def _assemble(
             needed.setdefault(t, set()).add(task.key)
             task.producer_of_input[t] = task_of_op[graph.tensors[t].producer].key
         if task.kind is TaskKind.BACKWARD and any(
-            not graph.ops[i].is_gradient and graph.ops[i].flops > 0 for i in task.members
+            _is_forward_work(graph.ops[i]) for i in task.members
         ):
             task.kind = TaskKind.FUSED
     for t in set(needed) | set(output_tensors):
