@@ -273,15 +273,35 @@ def test_first_call_bench_table_gives_each_model_a_verdict():
     bench = _bench_module(FIRST_CALL_BENCH)
     smp = dict(total=3.0, trace=2.0, execute=1.0, step_trace=1.0, partition=0.2, tasks=0.1, functions=0.4,
                emit=0.3, ops=100, tasks_n=3)
-    rows = {"fast": ([dict(total=2.0, trace=1.0, execute=1.0)], [smp]),
-            "slow": ([dict(total=1.0, trace=0.5, execute=0.5)], [smp]),
-            "broken": ([{"error": "exit code 1"}], [smp])}
+    rows = {"fast": {"plain": [dict(total=2.0, trace=1.0, execute=1.0)], "smp": [smp]},
+            "slow": {"plain": [dict(total=1.0, trace=0.5, execute=0.5)], "smp": [smp]},
+            "broken": {"plain": [{"error": "exit code 1"}], "smp": [smp]}}
     table = bench.build_table(rows, type("Args", (), {"rounds": 1}))
     lines = {line.split()[0]: line.split() for line in table.splitlines() if line.split()[:1] in (["fast"], ["slow"])}
     assert lines["fast"][4] == "1.50" and lines["fast"][-1] == "PASS"
     assert lines["slow"][4] == "3.00" and lines["slow"][-1] == "FAIL"
     assert "broken FAILED:" in table
     assert "overall: FAIL (1 of 3 models within 2.0x)" in table
+    assert "loop s" not in table
+
+
+def test_first_call_bench_table_with_the_micro_batch_loop():
+    """With --loop the table also shows the loop's first call and smp/loop;
+    the verdict stays smp against plain."""
+    bench = _bench_module(FIRST_CALL_BENCH)
+    smp = dict(total=3.0, trace=2.0, execute=1.0, step_trace=1.0, partition=0.2, tasks=0.1, functions=0.4,
+               emit=0.3, ops=100, tasks_n=3)
+    rows = {"m": {"plain": [dict(total=1.0, trace=0.5, execute=0.5)],
+                  "loop": [dict(total=2.5, trace=1.5, execute=1.0), dict(total=1.5, trace=1.0, execute=0.5),
+                           dict(total=2.0, trace=1.2, execute=0.8)],
+                  "smp": [smp]}}
+    table = bench.build_table(rows, type("Args", (), {"rounds": 3, "microbatches": 4}))
+    header = next(line for line in table.splitlines() if line.startswith("model "))
+    assert header.split()[:9] == ["model", "ops", "plain", "s", "loop", "s", "smp", "s", "ratio"]
+    row = next(line.split() for line in table.splitlines() if line.startswith("m "))
+    # plain 1.00, loop median 2.00, smp 3.00, smp/plain 3.00, smp/loop 1.50
+    assert row[2:7] == ["1.00", "2.00", "3.00", "3.00", "1.50"] and row[-1] == "FAIL"
+    assert "same 4 micro-batches" in table
 
 
 def test_first_call_runtime_breakdown_reads_tensorflows_log():

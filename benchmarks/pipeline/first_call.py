@@ -23,6 +23,13 @@ Run ``python benchmarks/pipeline/first_call.py`` (all models, 1 round),
 ``--quick`` for two small models (smoke test), ``--microbatches N`` for
 another M.
 
+``--loop`` also times a third first call per model and round: a plain
+`tf.function` on one device that loops over the same M micro-batches
+(forward, backward, gradients summed one micro-batch at a time, SGD
+update), with no pipeline. Its column ``smp/loop`` separates what the
+pipeline adds to a first call from what micro-batching itself costs (M
+copies of the forward and backward pass to trace and optimise).
+
 ``--runtime`` also splits each first execution into what TensorFlow's
 runtime does before the step runs, read from its own log (the children run
 with ``TF_CPP_VMODULE`` set for the function library runtime, the graph
@@ -113,6 +120,44 @@ def measure(side: str, model_name: str, microbatches: int = M) -> dict:
 
         return train, None
 
+    def loop_train(model, loss_fn, kwargs):
+        # The same M micro-batches on one device, summed one at a time in
+        # the order smp_tf's `accumulate` sums them: what micro-batching
+        # alone costs a first call, without a pipeline.
+        opt = keras.optimizers.SGD(learning_rate=1e-3)
+
+        def add(a, b):
+            if isinstance(a, tf.IndexedSlices):  # an embedding's gradient stays sparse
+                return tf.IndexedSlices(tf.concat([a.values, b.values], 0), tf.concat([a.indices, b.indices], 0),
+                                        a.dense_shape)
+            return a + b
+
+        def mean(g):
+            if isinstance(g, tf.IndexedSlices):
+                return tf.IndexedSlices(g.values / microbatches, g.indices, g.dense_shape)
+            return g / microbatches
+
+        @tf.function
+        def train(x, y):
+            with tf.device("/device:CPU:0"):
+                xs = [tf.split(a, microbatches) for a in tf.nest.flatten(x)]
+                ys = tf.split(y, microbatches)
+                total_loss, total = None, None
+                for m in range(microbatches):
+                    xm = tf.nest.pack_sequence_as(x, [parts[m] for parts in xs])
+                    with tf.GradientTape() as tape:
+                        loss = loss_fn(ys[m], model(xm, training=True, **kwargs))
+                    grads = tape.gradient(loss, model.trainable_variables)
+                    if total is None:
+                        total_loss, total = loss, grads
+                    else:
+                        total_loss = total_loss + loss
+                        total = [None if a is None else add(a, g) for a, g in zip(total, grads)]
+                opt.apply_gradients(zip([None if g is None else mean(g) for g in total], model.trainable_variables))
+                return total_loss / microbatches
+
+        return train, None
+
     def smp_train(model, loss_fn, kwargs):
         opt = keras.optimizers.SGD(learning_rate=1e-3)
 
@@ -130,14 +175,14 @@ def measure(side: str, model_name: str, microbatches: int = M) -> dict:
 
         return train, body
 
-    make = plain_train if side == "plain" else smp_train
+    make = {"plain": plain_train, "loop": loop_train, "smp": smp_train}[side]
 
     # Warm-up: the same tiny model through both kinds of step.
     keras.utils.set_random_seed(0)
     inp = keras.Input((8,))
     tiny = smp.DistributedModel(inp, keras.layers.Dense(4)(keras.layers.Dense(8, activation="relu")(inp)))
     xs, ys = tf.ones([8, 8]), tf.ones([8, 4])
-    for warm in (plain_train, smp_train):
+    for warm in (plain_train, loop_train, smp_train):
         warm(tiny, zoo_models.mse, {})[0](xs, ys).numpy()
 
     case = zoo_models.ENTRIES[model_name]()
@@ -312,7 +357,7 @@ def build_runtime_table(rows: dict) -> str:
             "other", "nested n", "nested", "nested grappler"]
     lines = []
     for name, sides in rows.items():
-        for side, results in zip(("plain", "smp"), sides):
+        for side, results in sides.items():
             rts = [r for r in results if "runtime" in r]
             if not rts:
                 continue
@@ -365,10 +410,15 @@ def _median(results, key):
 
 
 def build_table(rows: dict, args) -> str:
-    cols = ["model", "ops", "plain s", "smp s", "ratio"] + [title for _, title in PHASES] + ["target", "result"]
+    """The first-call table: `rows` maps a model to {side: [results]}, the
+    sides "plain" and "smp" and, with ``--loop``, "loop"."""
+    with_loop = any(sides.get("loop") for sides in rows.values())
+    cols = (["model", "ops", "plain s"] + (["loop s"] if with_loop else []) + ["smp s", "ratio"]
+            + (["smp/loop"] if with_loop else []) + [title for _, title in PHASES] + ["target", "result"])
     lines, notes, verdicts = [], [], []
-    for name, (plain, smp) in rows.items():
-        errors = [r["error"] for r in plain + smp if "error" in r]
+    for name, sides in rows.items():
+        plain, smp, loop = sides["plain"], sides["smp"], sides.get("loop", [])
+        errors = [r["error"] for r in plain + loop + smp if "error" in r]
         if errors:
             notes.append(f"{name} FAILED:\n{errors[0]}")
             lines.append([name] + [""] * (len(cols) - 3) + [f"<= {TARGET}", "FAILED"])
@@ -379,22 +429,35 @@ def build_table(rows: dict, args) -> str:
         verdict = "PASS" if ratio <= TARGET else "FAIL"
         verdicts.append(verdict)
         ops = smp[0].get("ops", "")
-        lines.append([name, str(ops), f"{tp:.2f}", f"{ts:.2f}", f"{ratio:.2f}"]
-                     + [f"{_median(smp, key):.2f}" for key, _ in PHASES] + [f"<= {TARGET}", verdict])
-        notes.append(f"{name}: plain trace {_median(plain, 'trace'):.2f} + execute {_median(plain, 'execute'):.2f} s; "
-                     f"smp {smp[0].get('tasks_n')} tasks; smp totals {[round(r['total'], 2) for r in smp]}, "
-                     f"plain totals {[round(r['total'], 2) for r in plain]}")
+        tl = _median(loop, "total") if with_loop and loop else None
+        line = [name, str(ops), f"{tp:.2f}"]
+        if with_loop:
+            line.append(f"{tl:.2f}" if tl else "")
+        line += [f"{ts:.2f}", f"{ratio:.2f}"]
+        if with_loop:
+            line.append(f"{ts / tl:.2f}" if tl else "")
+        lines.append(line + [f"{_median(smp, key):.2f}" for key, _ in PHASES] + [f"<= {TARGET}", verdict])
+        note = (f"{name}: plain trace {_median(plain, 'trace'):.2f} + execute {_median(plain, 'execute'):.2f} s; "
+                f"smp {smp[0].get('tasks_n')} tasks; smp totals {[round(r['total'], 2) for r in smp]}, "
+                f"plain totals {[round(r['total'], 2) for r in plain]}")
+        if tl:
+            note += (f", loop trace {_median(loop, 'trace'):.2f} + execute {_median(loop, 'execute'):.2f} s, "
+                     f"loop totals {[round(r['total'], 2) for r in loop]}")
+        notes.append(note)
+    m = getattr(args, "microbatches", M)
     head = [
-        f"smp_tf first-call benchmark: P={P} M={getattr(args, 'microbatches', M)} {SCHEDULE} "
+        f"smp_tf first-call benchmark: P={P} M={m} {SCHEDULE} "
         "vs a plain tf.function on one device; "
         f"medians of {args.rounds} round(s), each first call in a fresh process",
         f"python {platform.python_version()}, {versions()}, {os.cpu_count()} CPUs visible",
         "smp breakdown (s): trace = tracing the micro-batch step, partition = graph view + partitioner, "
         "tasks = cutting tasks + schedule, functions = building the task functions, "
         "emit+rest = emitting the pipeline and the rest of the outer tracing, execute = first execution",
-        "",
     ]
-    out = head + aligned(cols, lines, left={0, len(cols) - 2, len(cols) - 1}) + [""] + notes + [""]
+    if with_loop:
+        head.append(f"loop = a plain tf.function on one device looping over the same {m} micro-batches "
+                    "(no pipeline); smp/loop = what the pipeline adds to micro-batching")
+    out = head + [""] + aligned(cols, lines, left={0, len(cols) - 2, len(cols) - 1}) + [""] + notes + [""]
     overall = "PASS" if verdicts and all(v == "PASS" for v in verdicts) else "FAIL"
     out.append(f"overall: {overall} ({verdicts.count('PASS')} of {len(verdicts)} models within {TARGET}x)")
     return "\n".join(out)
@@ -406,10 +469,12 @@ def main(argv=None) -> int:
                     help="comma-separated zoo entries (default: all; --quick: %s)" % ",".join(QUICK_MODELS))
     ap.add_argument("--rounds", type=int, default=1, help="fresh first calls per model and side (median)")
     ap.add_argument("--quick", action="store_true", help="two small models, one round (smoke test)")
-    ap.add_argument("--side", choices=["plain", "smp"], help="measure one first call in this process (internal)")
+    ap.add_argument("--side", choices=["plain", "loop", "smp"], help="measure one first call in this process (internal)")
     ap.add_argument("--microbatches", type=int, default=M, help=f"micro-batches of the smp step (default {M})")
     ap.add_argument("--runtime", action="store_true",
                     help="also split each first execution by what TensorFlow's runtime prepares (from its log)")
+    ap.add_argument("--loop", action="store_true",
+                    help="also time a plain tf.function looping over the same micro-batches on one device")
     ap.add_argument("--json", metavar="FILE", help="also write the raw results to FILE")
     args = ap.parse_args(argv)
     if args.rounds < 1:
@@ -433,17 +498,18 @@ def main(argv=None) -> int:
         ap.error(f"unknown zoo models {unknown}; known: {', '.join(zoo_models.ENTRIES)}")
     rows = {}
     for name in models:
-        plain, smp = [], []
+        order = ("plain", "loop", "smp") if args.loop else ("plain", "smp")
+        sides = {side: [] for side in order}
         for r in range(args.rounds):
-            # Alternate the order so that neither side always runs first.
-            for side in (("plain", "smp") if r % 2 == 0 else ("smp", "plain")):
+            # Rotate the order so that no side always runs first.
+            for side in order[r % len(order):] + order[:r % len(order)]:
                 t0 = time.perf_counter()
                 res = run_one(side, name, args.microbatches, args.runtime)
-                (plain if side == "plain" else smp).append(res)
+                sides[side].append(res)
                 print(f"[first_call] {name} {side} round {r}: "
                       f"{res.get('total', float('nan')):.2f} s (process {time.perf_counter() - t0:.1f} s)",
                       file=sys.stderr, flush=True)
-        rows[name] = (plain, smp)
+        rows[name] = sides
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)
@@ -451,7 +517,7 @@ def main(argv=None) -> int:
     if args.runtime:
         print()
         print(build_runtime_table(rows))
-    return 1 if any("error" in r for p, s in rows.values() for r in p + s) else 0
+    return 1 if any("error" in r for sides in rows.values() for results in sides.values() for r in results) else 0
 
 
 if __name__ == "__main__":
