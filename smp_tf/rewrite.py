@@ -208,9 +208,13 @@ def forward_values_in_gradients(graph: OpGraph, dup: Sequence[bool]) -> List[boo
 
 
 def gradient_preludes(graph: OpGraph, dup: Sequence[bool]) -> List[bool]:
-    """Gradient ops computed from forward values only, not from the
-    gradient flowing back from the loss (the ``x ** 2`` of a GELU's
-    gradient)."""
+    """Gradient ops computed from forward values only (the ``x ** 2`` of a
+    GELU's gradient), and the gradient ops computed from those.
+
+    The loss's own gradient, ones of the loss's shape, is computed from a
+    forward value as well; so every gradient op downstream of it counts,
+    except those that read variables or only shapes and what is computed
+    from them."""
     prelude = [False] * len(graph.ops)
     for op in graph.ops:
         i = op.index
@@ -255,14 +259,23 @@ def waves(
     4. Gradient ops computed from forward values only (preludes of the
        backward, e.g. the ``x ** 2`` of a GELU's gradient) join the task
        of their consumers in the same way, never an earlier wave than
-       rule 1 gives them.
+       rule 1 gives them. The loss's own gradient (ones of its shape) is
+       computed from a forward value, so in practice this places every
+       gradient op downstream of it too (see `gradient_preludes`): as late
+       as its readers allow, which for a chain of gradients is where its
+       inputs put it.
     5. A forward wave of a partition that holds only values its later
        tasks read (a decoder's mask and position bias, computed from its
        token ids and variables) joins the latest other wave of the
        partition that runs forward work (a forward task, or the last
        stage's fused one) and precedes every reader, instead of being a
-       task of its own (see `_defer_lone_forward_values`). Rule 3 then
-       uses the waves after this move.
+       task of its own (see `_defer_lone_forward_values`).
+    6. A gradient op that rule 4 put later than its inputs allow, at a
+       wave where its partition computes no other gradients (one wave
+       before a reader on another partition), joins the latest task of its
+       partition that does (backward or fused) and follows its inputs,
+       instead of being a task of its own (see `_join_backward_tasks`).
+       Rule 3 then uses the waves after rules 5 and 6.
 
     Cross-partition control edges are ignored: the schedule orders tasks.
 
@@ -387,7 +400,10 @@ def waves(
             wave_of[c] = max(asap[c], min(limits)) if limits else asap[c]
     if carried is None:
         carried = forward_values_in_gradients(graph, dup)
-    _defer_lone_forward_values(graph, carried, comp, comp_part, data_dep, comp_prelude, succs, wave_of, written)
+    gradient, forward_work = _component_work(graph, carried, comp, ncomp)
+    _defer_lone_forward_values(graph, comp, comp_part, data_dep, comp_prelude, succs, wave_of, written,
+                               gradient, forward_work)
+    _join_backward_tasks(topo, preds, comp_part, data_dep, comp_prelude, asap, wave_of, gradient)
     # The waves at which a partition has tasks anyway (its ops that depend
     # on data).
     data_waves: Dict[int, Set[int]] = {}
@@ -416,9 +432,72 @@ def waves(
     return wave
 
 
+def _component_work(
+    graph: OpGraph, carried: Sequence[bool], comp: Sequence[int], ncomp: int
+) -> Tuple[List[bool], List[bool]]:
+    """Per component of `waves`: whether it holds gradient ops that make a
+    task a backward one (gradient ops that only carry forward values on do
+    not, see `_assemble`), and whether it holds forward work
+    (`_is_forward_work`)."""
+    gradient = [False] * ncomp
+    forward_work = [False] * ncomp
+    for op in graph.ops:
+        c = comp[op.index]
+        if c < 0:
+            continue
+        if op.is_gradient and not carried[op.index]:
+            gradient[c] = True
+        elif _is_forward_work(op):
+            forward_work[c] = True
+    return gradient, forward_work
+
+
+def _join_backward_tasks(
+    topo: Sequence[int],
+    preds: Sequence[Sequence[Tuple[int, int]]],
+    comp_part: Dict[int, int],
+    data_dep: Sequence[bool],
+    comp_prelude: Sequence[bool],
+    asap: Sequence[int],
+    wave_of: List[int],
+    gradient: Sequence[bool],
+) -> None:
+    """Rule 6 of `waves`, in place on `wave_of` (per component).
+
+    Rule 4 puts a gradient op as late as its readers allow: in its reader's
+    task when they share a partition, one wave before the reader when the
+    reader is on another partition. When the op's inputs are ready earlier,
+    that wave may be one at which its partition computes nothing else
+    (DeBERTa's masked relative-position gradients, read by the partition
+    of the shared embedding at the end of the backward): a task of two
+    ops, one more call per micro-batch. Such an op joins instead the
+    latest task of its partition, between its inputs and that wave, that
+    computes gradients anyway (a backward or fused task, whose gradient
+    ops sit where their inputs put them); a forward task would become a
+    fused one. Moving an op earlier keeps every reader after it; `topo`
+    (producers first) moves an op's producers before the op, whose
+    earliest wave then follows theirs.
+    """
+    # The waves at which a partition computes gradients anyway: those of
+    # gradient ops that rule 4 left where their inputs put them.
+    own: Dict[int, Set[int]] = {}
+    for c in range(len(wave_of)):
+        if data_dep[c] and gradient[c] and (not comp_prelude[c] or wave_of[c] == asap[c]):
+            own.setdefault(comp_part[c], set()).add(wave_of[c])
+    for c in topo:
+        if not (data_dep[c] and comp_prelude[c]) or wave_of[c] == asap[c]:
+            continue
+        waves_of_part = own.get(comp_part[c], set())
+        if wave_of[c] in waves_of_part:
+            continue
+        earliest = max((wave_of[p] + cross for p, cross in preds[c] if data_dep[p]), default=0)
+        candidates = [w for w in waves_of_part if earliest <= w <= wave_of[c]]
+        if candidates:
+            wave_of[c] = max(candidates)
+
+
 def _defer_lone_forward_values(
     graph: OpGraph,
-    carried: Sequence[bool],
     comp: Sequence[int],
     comp_part: Dict[int, int],
     data_dep: Sequence[bool],
@@ -426,6 +505,8 @@ def _defer_lone_forward_values(
     succs: Sequence[Sequence[Tuple[int, int]]],
     wave_of: List[int],
     written: Set[str],
+    gradient: Sequence[bool],
+    forward_work: Sequence[bool],
 ) -> None:
     """Rule 5 of `waves`, in place on `wave_of` (per component).
 
@@ -444,19 +525,9 @@ def _defer_lone_forward_values(
     """
     ncomp = len(wave_of)
     movable = [data_dep[c] and not comp_prelude[c] and bool(succs[c]) for c in range(ncomp)]
-    # Components that make a task a backward one (gradient ops that only
-    # carry forward values on do not, see `_assemble`).
-    gradient = [False] * ncomp
-    forward_work = [False] * ncomp
     for op in graph.ops:
         c = comp[op.index]
-        if c < 0:
-            continue
-        if op.is_gradient and not carried[op.index]:
-            gradient[c] = True
-        elif _is_forward_work(op):
-            forward_work[c] = True
-        if is_random_op(op.type) or any(v in written for v in op.variables):
+        if c >= 0 and (is_random_op(op.type) or any(v in written for v in op.variables)):
             movable[c] = False
     groups: Dict[Tuple[int, int], List[int]] = {}
     for c in range(ncomp):

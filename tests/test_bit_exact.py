@@ -301,6 +301,61 @@ def test_an_encoder_decoder_of_composite_layers_with_dropout(partitions):
     assert [(t.partition, t.wave) for t in step.last_compiled.tasks] == expected[partitions]
 
 
+def _shared_weights_backbone(name):
+    """keras_hub text backbones whose weights several layers share: ALBERT
+    runs one transformer layer at every depth; DeBERTaV3's layers all read
+    one relative-position embedding, normalised once."""
+    import keras_hub
+
+    vocabulary, length = 97, 16
+    if name == "albert":
+        backbone = keras_hub.models.AlbertBackbone(
+            vocabulary_size=vocabulary, num_layers=4, num_heads=2, num_groups=1, num_inner_repetitions=1,
+            embedding_dim=16, hidden_dim=32, intermediate_dim=48, dropout=0.1, max_sequence_length=length,
+        )
+    else:
+        backbone = keras_hub.models.DebertaV3Backbone(
+            vocabulary_size=vocabulary, num_layers=4, num_heads=2, hidden_dim=32, intermediate_dim=48,
+            dropout=0.1, max_sequence_length=length, bucket_size=8,
+        )
+    inputs = {k: keras.Input(v.shape[1:], dtype=v.dtype, name=k) for k, v in backbone.input.items()}
+    out = backbone(inputs)
+    logits = keras.layers.Dense(vocabulary, name="lm_head")(out["sequence_output"] if name == "albert" else out)
+    if name == "albert":
+        # Every variable has a gradient: the pooler's output biases the logits.
+        pooled = keras.layers.Dense(vocabulary, name="pooled_head")(out["pooled_output"])
+        logits = logits + keras.layers.Reshape((1, vocabulary))(pooled)
+    model = smp.DistributedModel(inputs, logits)
+    rng = np.random.default_rng(0)
+    x = {}
+    for k in backbone.input:
+        if "mask" in k:
+            x[k] = np.ones((8, length), "int32")
+        elif "segment" in k:
+            x[k] = np.zeros((8, length), "int32")
+        else:
+            x[k] = rng.integers(1, vocabulary, (8, length)).astype("int32")
+    y = rng.integers(0, vocabulary, (8, length)).astype("int32")
+    return model, x, y
+
+
+@pytest.mark.parametrize("name", ["albert", "deberta"])
+def test_weights_shared_by_every_partition_with_dropout(name):
+    # Every partition's layers read the shared weights, so each partition
+    # computes a part of their gradient, summed on the weights' partition
+    # at the end of the backward. Some of those parts (DeBERTa's masked
+    # relative-position gradients) read forward values only: as late as
+    # their reader allows, they made tasks of two ops at the end of the
+    # last partitions' backward (9 tasks for DeBERTa, 10 for ALBERT, at
+    # P=4); they now join those partitions' backward or fused tasks.
+    smp.init({"partitions": 4, "microbatches": M})
+    keras.utils.set_random_seed(11)
+    model, x, y = _shared_weights_backbone(name)
+    step = _assert_step_bit_exact(model, x, y, keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    assert [(t.partition, t.wave) for t in step.last_compiled.tasks] == [
+        (0, 0), (1, 1), (2, 2), (3, 3), (2, 4), (1, 5), (0, 6)]
+
+
 def _fusion_stage_model():
     """A fusion stage as in DepthAnything's neck: ``proj(c0) + residual(c0)``
     with ``residual(c) = conv2(relu(conv1(relu(c)))) + c``. The sum is the

@@ -240,6 +240,60 @@ def test_a_lone_forward_wave_of_random_draws_or_written_state_stays(case):
     assert w[g.op_index["bias"]] == 0
 
 
+def _late_gradient(partition, reader, reader_partition, also_reads):
+    """`_chain3` plus a gradient "g" on `partition` computed from that
+    partition's forward value alone (a masked gradient of a value that
+    every partition reads, as DeBERTa's relative-position embedding), read
+    by `reader` on `reader_partition`, which also reads `also_reads`."""
+    extra = [
+        {"name": "g", "inputs": [f"f{partition}"], "forward": f"f{partition}", "flops": 1, "p": partition},
+        {"name": reader, "inputs": [also_reads, "g"], "forward": f"f{reader_partition}", "flops": 1,
+         "p": reader_partition},
+    ]
+    g, parts = _chain3(extra=extra)
+    return g, parts, waves(g, parts, duplicable_ops(g))
+
+
+def _keys(parts, w):
+    return {(p, wv) for p, wv in zip(parts, w) if wv is not None}
+
+
+def test_a_gradient_read_by_an_earlier_partition_joins_a_task_that_computes_gradients():
+    # "acc" on partition 0 adds the last partition's "g" at the end of the
+    # backward (wave 4). As late as that reader allows is wave 3, where
+    # partition 2 has nothing else to do: a task of one op. "g" joins
+    # partition 2's fused task instead, the latest that computes gradients.
+    g, parts, w = _late_gradient(2, "acc", 0, "b0")
+    assert w[g.op_index["g"]] == 2
+    assert _keys(parts, w) == {(0, 0), (1, 1), (2, 2), (1, 3), (0, 4)}
+    tasks = _by_key(build_tasks(g, parts, [_tensor(g, "acc")]))
+    assert tasks[(2, 2)].kind is TaskKind.FUSED
+    assert tasks[(0, 4)].producer_of_input[_tensor(g, "g")] == (2, 2)
+
+
+def test_a_late_gradient_joins_the_latest_backward_task_before_its_reader():
+    # "g" on partition 1 is read on partition 2 by "late2", which also
+    # reads b0 (partition 0, wave 4) and so runs at wave 5. As late as that
+    # reader allows is wave 4, where partition 1 has nothing else to do; it
+    # joins B1 at wave 3 instead.
+    g, parts, w = _late_gradient(1, "late2", 2, "b0")
+    assert w[g.op_index["late2"]] == 5
+    assert w[g.op_index["g"]] == 3
+    assert _keys(parts, w) == {(0, 0), (1, 1), (2, 2), (1, 3), (0, 4), (2, 5)}
+
+
+def test_a_late_gradient_does_not_join_a_forward_task():
+    # The same gradient read at wave 3 on partition 0 ("late0" also reads
+    # f2, which reaches partition 0 at wave 3): before that, partition 1
+    # only has its forward task F1, which the gradient would make a fused
+    # one. It keeps the wave its reader gives it.
+    g, parts, w = _late_gradient(1, "late0", 0, "f2")
+    assert w[g.op_index["late0"]] == 3
+    assert w[g.op_index["g"]] == 2
+    kinds = {t.key: t.kind for t in build_tasks(g, parts, [_tensor(g, "b0"), _tensor(g, "late0")])}
+    assert kinds[(1, 1)] is TaskKind.FORWARD
+
+
 def test_read_used_only_by_the_backward_joins_the_backward_task():
     # A read "r1b" on partition 1 used only by b1 (wave 3) joins wave 3, and
     # a stateful update "bump" on partition 1 that nobody consumes joins the
