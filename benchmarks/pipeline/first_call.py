@@ -429,7 +429,7 @@ def build_table(rows: dict, args) -> str:
         verdict = "PASS" if ratio <= TARGET else "FAIL"
         verdicts.append(verdict)
         ops = smp[0].get("ops", "")
-        tl = _median(loop, "total") if with_loop and loop else None
+        tl = _median(loop, "total") if loop else None
         line = [name, str(ops), f"{tp:.2f}"]
         if with_loop:
             line.append(f"{tl:.2f}" if tl else "")
