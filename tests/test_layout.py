@@ -90,3 +90,33 @@ def test_intra_op_threads_share_the_host_among_its_stage_processes():
     # A process bound to fewer cores keeps them; alone on its host, all of them.
     assert intra_op_threads(num_devices=1, local_size=2, cpus=1, cpus_on_host=2) is None
     assert intra_op_threads(num_devices=1, local_size=1, cpus=16, cpus_on_host=16) is None
+
+
+def test_idle_threads_spin_only_while_each_has_a_core():
+    from smp_tf.distributed.remote import spin_idle_threads
+
+    # Alone on a host of 16 cores, 16 threads: one core each.
+    assert spin_idle_threads(threads=16, local_size=1, cpus=16, cpus_on_host=16)
+    # Two processes on that host: 8 cores each, fewer than their threads.
+    assert not spin_idle_threads(threads=16, local_size=2, cpus=16, cpus_on_host=16)
+    assert spin_idle_threads(threads=8, local_size=2, cpus=16, cpus_on_host=16)
+    # Bound to one core (taskset, a batch system), whatever the host has.
+    assert not spin_idle_threads(threads=9, local_size=1, cpus=1, cpus_on_host=16)
+    # Two stage processes on two cores, each with one device and 8 spares.
+    assert not spin_idle_threads(threads=9, local_size=2, cpus=2, cpus_on_host=2)
+
+
+def test_stage_processes_sharing_cores_do_not_spin(monkeypatch):
+    import os
+
+    from smp_tf.distributed import remote
+
+    monkeypatch.setattr(os, "cpu_count", lambda: 2)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1}, raising=False)
+    config = remote._session_config("CPU", 1, logical_cpu=True, local_size=2)
+    assert config.experimental.disable_thread_spinning
+    monkeypatch.setattr(os, "cpu_count", lambda: 64)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(64)), raising=False)
+    config = remote._session_config("CPU", 1, logical_cpu=True, local_size=1)
+    assert config.inter_op_parallelism_threads <= 64
+    assert not config.experimental.disable_thread_spinning
