@@ -239,8 +239,17 @@ def intra_op_threads(num_devices: int, local_size: int, cpus: int, cpus_on_host:
     if num_devices > 1:
         return 1
     if local_size > 1 and cpus >= cpus_on_host:
-        return max(1, cpus // local_size)
+        return _core_share(local_size, cpus, cpus_on_host)
     return None
+
+
+def _core_share(local_size: int, cpus: int, cpus_on_host: int) -> int:
+    """The cores a process counts as its own: those it is bound to, when
+    fewer than the host's; otherwise the host's, divided among the job's
+    processes there."""
+    if cpus < cpus_on_host:
+        return cpus
+    return max(1, cpus_on_host // max(1, local_size))
 
 
 def spin_idle_threads(threads: int, local_size: int, cpus: int, cpus_on_host: int) -> bool:
@@ -264,10 +273,7 @@ def spin_idle_threads(threads: int, local_size: int, cpus: int, cpus_on_host: in
         cpus: cores this process may run on.
         cpus_on_host: cores of the host.
     """
-    # A process bound to fewer cores than the host has keeps those; one that
-    # may run anywhere shares the host with the job's other processes there.
-    share = cpus if cpus < cpus_on_host else max(1, cpus_on_host // max(1, local_size))
-    return threads <= share
+    return threads <= _core_share(local_size, cpus, cpus_on_host)
 
 
 def _session_config(kind: str, num_devices: int, logical_cpu: bool, local_size: int = 1):
@@ -295,8 +301,8 @@ def _session_config(kind: str, num_devices: int, logical_cpu: bool, local_size: 
     config.inter_op_parallelism_threads = max(
         num_devices + TRANSFER_THREADS, tf.config.threading.get_inter_op_parallelism_threads()
     )
-    # So many threads outnumber the cores of a process that shares its host
-    # or is bound to a few: see `spin_idle_threads`.
+    # Threads beyond the process's share of the cores would spin on cores
+    # that other threads compute on: see `spin_idle_threads`.
     if not spin_idle_threads(config.inter_op_parallelism_threads, local_size, cpus, cpus_on_host):
         config.experimental.disable_thread_spinning = True
     return config
