@@ -23,6 +23,9 @@ from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import tensorflow as tf
 from tensorflow.core.framework import attr_value_pb2
+from tensorflow.python.framework import auto_control_deps as acd
+from tensorflow.python.framework import auto_control_deps_utils as acd_utils
+from tensorflow.python.framework import op_def_registry
 
 from smp_tf.boundary import raw_input, raw_output
 from smp_tf.config import Config
@@ -110,9 +113,43 @@ def _task_body(sub, input_names, captured, outputs, captures, pins=()):
         # returns nothing more, because an output that no caller reads makes
         # the graph optimiser specialise the function at each call site on
         # the first run (a copy of every task, optimised once more).
-        return outs if outs else [tf.constant(True)]
+        return _returned(fg, outs if outs else [tf.constant(True)])
 
     return body
+
+
+def _must_run(op: tf.Operation) -> bool:
+    """Whether `op` must run even when no output needs it: the rule of
+    TensorFlow's automatic control dependencies (`ops_which_must_run`)."""
+    if op.type in acd.MUST_RUN_ORDER_INSENSITIVE_STATEFUL_OPS or op_def_registry.get(op.type) is None:
+        return True
+    return acd.op_is_stateful(op) and (
+        op.type not in acd_utils.RESOURCE_READ_OPS or any(out.consumers() for out in op.outputs)
+    )
+
+
+def _returned(fg, outs: List[tf.Tensor]) -> List[tf.Tensor]:
+    """The task function's returns, with the structure TensorFlow's automatic
+    control dependencies give a function, built here without that pass.
+
+    Task functions are traced with the pass off (``_disable_acd``): it walks
+    every op's resource inputs (a third of building the task functions), and
+    what it orders is ordered already, since the imported task keeps the
+    control edges the pass made when the micro-batch step was traced. What it
+    also does is made here alike: each output is returned through an
+    identity that waits (through one ``NoOp``) for the ops that must run,
+    and those ops are the function's control outputs, which TensorFlow runs
+    even when no output reads them (a BatchNorm statistic's update).
+    """
+    must_run = [op for op in fg.get_operations() if _must_run(op)]
+    returned = [tf.identity(x) for x in outs]
+    if must_run:
+        done = tf.no_op()
+        done._add_control_inputs(must_run)
+        for r in returned:
+            r.op._add_control_inputs([done])
+    fg.control_outputs.extend(must_run)
+    return returned
 
 
 def _pin(x: tf.Tensor) -> Optional[tf.Tensor]:
@@ -453,7 +490,7 @@ class CompiledStep:
         # then works on each task once instead of on M copies, and a
         # call waits for its control dependencies before any op of its
         # body runs.
-        fn = tf.function(body, autograph=False, experimental_attributes={"_noinline": True})
+        fn = tf.function(body, autograph=False, experimental_attributes={"_noinline": True, "_disable_acd": True})
         with tf.device(device):
             concrete = fn.get_concrete_function(*in_specs)
         task.arg_names = args

@@ -409,6 +409,54 @@ def test_task_calls_skip_shape_inference_through_their_bodies_and_keep_their_sha
         assert [t.shape for t in op.outputs] == expected
 
 
+def test_state_writes_no_output_reads_run_once_per_microbatch_in_order():
+    """Task functions are built without TensorFlow's automatic control
+    dependencies; the ops that must run are still their control outputs, and
+    the order of the trace holds. Two writes to one variable that no output
+    reads, which give another value in the other order, run once per
+    micro-batch in the traced order: x -> 2x + 1 four times from 0 is 15
+    (the other order, x -> 2(x + 1), gives 30)."""
+    import keras
+
+    keras.utils.set_random_seed(0)
+    model = models.mlp()
+    smp.init({"partitions": 2, "microbatches": 4})
+    counter = tf.Variable(0.0, trainable=False)
+    inner = models.make_body(model, "mlp")
+
+    def body(x, y):
+        counter.assign(counter * 2.0)
+        counter.assign_add(1.0)
+        return inner(x, y)
+
+    step = smp.step(body)
+    x, y = models.data("mlp")
+
+    @tf.function
+    def run(x, y):
+        loss, _, _ = step(x, y)
+        return loss.reduce_mean()
+
+    run(tf.constant(x), tf.constant(y))
+    assert counter.numpy() == 15.0
+    writes = {"AssignVariableOp", "AssignAddVariableOp"}
+    found = 0
+    for fn in step.last_compiled._functions.values():
+        ops = fn.graph.get_operations()
+        control_outputs = {op.name for op in fn.graph.control_outputs}
+        for op in ops:
+            if op.type in writes:
+                assert op.name in control_outputs, op.name
+                found += 1
+        # Each return waits for the ops that must run, through one NoOp.
+        if control_outputs:
+            for t in fn.graph.outputs:
+                assert [c.type for c in t.op.control_inputs] == ["NoOp"], t.name
+    assert found >= 2
+    run(tf.constant(x), tf.constant(y))
+    assert counter.numpy() == 255.0
+
+
 def test_calls_without_body_shape_inference_restores_the_graph_and_nests():
     from smp_tf.lowering import calls_without_body_shape_inference
 
