@@ -118,14 +118,23 @@ def _task_body(sub, input_names, captured, outputs, captures, pins=()):
     return body
 
 
-def _must_run(op: tf.Operation) -> bool:
+def _must_run(op: tf.Operation, stateful_types: Dict[str, Optional[bool]]) -> bool:
     """Whether `op` must run even when no output needs it: the rule of
-    TensorFlow's automatic control dependencies (`ops_which_must_run`)."""
-    if op.type in acd.MUST_RUN_ORDER_INSENSITIVE_STATEFUL_OPS or op_def_registry.get(op.type) is None:
+    TensorFlow's automatic control dependencies (`ops_which_must_run`).
+
+    `stateful_types` caches, per op type, whether the type is stateful in
+    that rule's sense (None: not a registered op, such as a function call),
+    so that most ops are decided by their type alone.
+    """
+    kind = op.type
+    if kind not in stateful_types:
+        op_def = op_def_registry.get(kind)
+        stateful_types[kind] = None if op_def is None else acd.op_is_stateful(op)
+    stateful = stateful_types[kind]
+    if stateful is None or kind in acd.MUST_RUN_ORDER_INSENSITIVE_STATEFUL_OPS:
         return True
-    return acd.op_is_stateful(op) and (
-        op.type not in acd_utils.RESOURCE_READ_OPS or any(out.consumers() for out in op.outputs)
-    )
+    # A variable read must run only if something reads its value.
+    return stateful and (kind not in acd_utils.RESOURCE_READ_OPS or any(out.consumers() for out in op.outputs))
 
 
 def _returned(fg, outs: List[tf.Tensor]) -> List[tf.Tensor]:
@@ -141,7 +150,8 @@ def _returned(fg, outs: List[tf.Tensor]) -> List[tf.Tensor]:
     and those ops are the function's control outputs, which TensorFlow runs
     even when no output reads them (a BatchNorm statistic's update).
     """
-    must_run = [op for op in fg.get_operations() if _must_run(op)]
+    stateful_types: Dict[str, Optional[bool]] = {}
+    must_run = [op for op in fg.get_operations() if _must_run(op, stateful_types)]
     returned = [tf.identity(x) for x in outs]
     if must_run:
         done = tf.no_op()

@@ -13,6 +13,7 @@ from __future__ import annotations
 import smp_tf._autograph  # noqa: F401  (keeps AutoGraph out of smp_tf)
 
 import functools
+import weakref
 from dataclasses import dataclass
 from typing import Any, Iterator, List, Optional, Sequence, Tuple
 
@@ -41,6 +42,30 @@ def _combination(method):
             return method(self, *args, **kwargs)
 
     return _no_autograph(wrapper)
+
+
+# Graph -> {(count, dtype, device): constant}: the divisor of the means,
+# made once per graph, dtype and device, not once per gradient. The graph
+# optimiser would merge the copies anyway (they are equal constants on one
+# device); building one op instead of one per variable shortens the first
+# call (an op costs about half a millisecond to build).
+_COUNTS: "weakref.WeakKeyDictionary[Any, dict]" = weakref.WeakKeyDictionary()
+
+
+def _count_constant(count: int, dtype: tf.DType, device: str) -> tf.Tensor:
+    """`tf.constant(count, dtype)`, shared in a graph by the callers under
+    the scope of `device` (the device of the values it divides)."""
+    if tf.executing_eagerly():
+        return tf.constant(count, dtype=dtype)
+    graph = tf.compat.v1.get_default_graph()
+    cache = _COUNTS.setdefault(graph, {})
+    key = (count, dtype, device)
+    if key not in cache:
+        # Outside any control dependencies of the caller, which the later
+        # users of the constant do not share.
+        with tf.control_dependencies(None):
+            cache[key] = tf.constant(count, dtype=dtype)
+    return cache[key]
 
 
 def _describe(value: Any) -> str:
@@ -219,7 +244,7 @@ class StepOutput:
 
     def _divide(self, total: Any) -> Any:
         # A constant in the values' own dtype (no float32 -> float64 upcast).
-        count = tf.constant(len(self), dtype=total.dtype)
+        count = _count_constant(len(self), total.dtype, total.device)
         if total.dtype.is_floating or total.dtype.is_complex:
             return total / count
         # Integers: true division, as `tf.add_n(outputs) / M` does (int32 and
