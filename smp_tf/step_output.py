@@ -53,8 +53,8 @@ _COUNTS: "weakref.WeakKeyDictionary[Any, dict]" = weakref.WeakKeyDictionary()
 
 
 def _count_constant(count: int, dtype: tf.DType, device: str) -> tf.Tensor:
-    """`tf.constant(count, dtype)`, shared in a graph by the callers under
-    the scope of `device` (the device of the values it divides)."""
+    """`tf.constant(count, dtype)` on `device` (the device of the values it
+    divides), shared in a graph."""
     if tf.executing_eagerly():
         return tf.constant(count, dtype=dtype)
     graph = tf.compat.v1.get_default_graph()
@@ -63,7 +63,7 @@ def _count_constant(count: int, dtype: tf.DType, device: str) -> tf.Tensor:
     if key not in cache:
         # Outside any control dependencies of the caller, which the later
         # users of the constant do not share.
-        with tf.control_dependencies(None):
+        with tf.control_dependencies(None), tf.device(device or None):
             cache[key] = tf.constant(count, dtype=dtype)
     return cache[key]
 

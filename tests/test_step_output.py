@@ -212,6 +212,43 @@ def test_inside_tf_function():
     np.testing.assert_allclose(got["sparse_mean"], expected / 2, rtol=1e-6)
 
 
+def test_means_in_one_graph_share_their_divisor_per_dtype_and_device():
+    """Every mean divides by one constant per graph, dtype and device (not
+    one per value), made outside the caller's control dependencies; the
+    results are those of dividing each by its own constant."""
+    half = [v.astype(np.float16) for v in VALUES]
+
+    @tf.function(autograph=False)
+    def means(a, b, c, h0, h1, h2):
+        outs = []
+        with tf.device("/device:CPU:0"):
+            with tf.control_dependencies([tf.no_op(name="before")]):
+                outs.append(StepOutput([a, b, c]).accumulate())
+            outs.append(StepOutput([a * 2.0, b, c]).reduce_mean())
+            outs.append(StepOutput([h0, h1, h2]).accumulate())
+        outs.append(StepOutput([a, c, b]).accumulate())  # no device scope
+        return outs
+
+    concrete = means.get_concrete_function(*VALUES, *half)
+    divisors = [op for op in concrete.graph.get_operations() if op.type in ("RealDiv", "Div")]
+    assert len(divisors) == 4
+    counts = {op.inputs[1].op for op in divisors}
+    # float32 on CPU:0, float16 on CPU:0, float32 without a device.
+    assert len(counts) == 3
+    assert all(c.type == "Const" and not c.control_inputs for c in counts)
+
+    @tf.function(autograph=False)
+    def reference(a, b, c, h0, h1, h2):
+        def mean(x, y, z):
+            return (x + y + z) / tf.constant(3, dtype=x.dtype)
+
+        return [mean(a, b, c), mean(a * 2.0, b, c), mean(h0, h1, h2), mean(a, c, b)]
+
+    got = means(*VALUES, *half)
+    for g, r in zip(got, reference(*VALUES, *half)):
+        np.testing.assert_array_equal(g, r)
+
+
 def test_inside_tf_function_with_dynamic_shapes():
     @tf.function(input_signature=[tf.TensorSpec([None, 5], tf.float32)] * 3, autograph=False)
     def merge(a, b, c):
