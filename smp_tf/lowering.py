@@ -118,19 +118,19 @@ def _task_body(sub, input_names, captured, outputs, captures, pins=()):
     return body
 
 
-def _must_run(op: tf.Operation, stateful_types: Dict[str, Optional[bool]]) -> bool:
-    """Whether `op` must run even when no output needs it: the rule of
-    TensorFlow's automatic control dependencies (`ops_which_must_run`).
+# Op type -> whether it is stateful in the sense of `_must_run` (None: not a
+# registered op, such as a call of a function by name). Depends on the type
+# alone, so it is looked up once per type for all task functions.
+_STATEFUL_TYPES: Dict[str, Optional[bool]] = {}
 
-    `stateful_types` caches, per op type, whether the type is stateful in
-    that rule's sense (None: not a registered op, such as a function call),
-    so that most ops are decided by their type alone.
-    """
+
+def _must_run(op: tf.Operation) -> bool:
+    """Whether `op` must run even when no output needs it: the rule of
+    TensorFlow's automatic control dependencies (`ops_which_must_run`)."""
     kind = op.type
-    if kind not in stateful_types:
-        op_def = op_def_registry.get(kind)
-        stateful_types[kind] = None if op_def is None else acd.op_is_stateful(op)
-    stateful = stateful_types[kind]
+    if kind not in _STATEFUL_TYPES:
+        _STATEFUL_TYPES[kind] = None if op_def_registry.get(kind) is None else acd.op_is_stateful(op)
+    stateful = _STATEFUL_TYPES[kind]
     if stateful is None or kind in acd.MUST_RUN_ORDER_INSENSITIVE_STATEFUL_OPS:
         return True
     # A variable read must run only if something reads its value.
@@ -150,8 +150,7 @@ def _returned(fg, outs: List[tf.Tensor]) -> List[tf.Tensor]:
     and those ops are the function's control outputs, which TensorFlow runs
     even when no output reads them (a BatchNorm statistic's update).
     """
-    stateful_types: Dict[str, Optional[bool]] = {}
-    must_run = [op for op in fg.get_operations() if _must_run(op, stateful_types)]
+    must_run = [op for op in fg.get_operations() if _must_run(op)]
     returned = [tf.identity(x) for x in outs]
     if must_run:
         done = tf.no_op()
@@ -499,7 +498,8 @@ class CompiledStep:
         # Task functions stay calls (not inlined): the graph optimiser
         # then works on each task once instead of on M copies, and a
         # call waits for its control dependencies before any op of its
-        # body runs.
+        # body runs. Traced without automatic control dependencies: the
+        # body makes what the pass would add (see `_returned`).
         fn = tf.function(body, autograph=False, experimental_attributes={"_noinline": True, "_disable_acd": True})
         with tf.device(device):
             concrete = fn.get_concrete_function(*in_specs)

@@ -13,7 +13,6 @@ from __future__ import annotations
 import smp_tf._autograph  # noqa: F401  (keeps AutoGraph out of smp_tf)
 
 import functools
-import weakref
 from dataclasses import dataclass
 from typing import Any, Iterator, List, Optional, Sequence, Tuple
 
@@ -44,21 +43,18 @@ def _combination(method):
     return _no_autograph(wrapper)
 
 
-# Graph -> {(count, dtype, device): constant}: the divisor of the means,
-# made once per graph, dtype and device, not once per gradient. The graph
-# optimiser would merge the copies anyway (they are equal constants on one
-# device); building one op instead of one per variable shortens the first
-# call (an op costs about half a millisecond to build).
-_COUNTS: "weakref.WeakKeyDictionary[Any, dict]" = weakref.WeakKeyDictionary()
-
-
 def _count_constant(count: int, dtype: tf.DType, device: str) -> tf.Tensor:
     """`tf.constant(count, dtype)` on `device` (the device of the values it
-    divides), shared in a graph."""
+    divides), made once per graph, dtype and device rather than once per
+    gradient: the graph optimiser would merge the copies anyway, and each op
+    costs the first call about half a millisecond to build."""
     if tf.executing_eagerly():
         return tf.constant(count, dtype=dtype)
     graph = tf.compat.v1.get_default_graph()
-    cache = _COUNTS.setdefault(graph, {})
+    # Kept on the graph, as the step's other per-graph state is.
+    cache = getattr(graph, "_smp_tf_counts", None)
+    if cache is None:
+        cache = graph._smp_tf_counts = {}
     key = (count, dtype, device)
     if key not in cache:
         # Outside any control dependencies of the caller, which the later
