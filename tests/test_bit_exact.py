@@ -39,15 +39,18 @@ from tests import models
 M = 4
 
 
-def _assert_bit_exact(model, x, y):
+def _assert_bit_exact(model, x, y, state=()):
     """The pipelined step equals the per-micro-batch tf.function exactly.
 
+    `state`: variables outside the model that the step reads and writes;
+    they start both runs from the same value and must end equal too.
     Returns the step, for a look at its plan."""
     body = models.make_body(model, "mlp")  # mean squared error
-    init = [v.numpy() for v in model.variables]
+    variables = list(model.variables) + list(state)
+    init = [v.numpy() for v in variables]
     ref = models.reference(body, x, y, M)
-    ref_state = [v.numpy() for v in model.variables]
-    for v, value in zip(model.variables, init):
+    ref_state = [v.numpy() for v in variables]
+    for v, value in zip(variables, init):
         v.assign(value)
 
     step = smp.step(body)
@@ -56,7 +59,7 @@ def _assert_bit_exact(model, x, y):
         np.testing.assert_array_equal(loss.outputs[m], ref[m][0], err_msg=f"loss of micro-batch {m}")
         for g, r, v in zip(grads, ref[m][1], model.trainable_variables):
             np.testing.assert_array_equal(g.outputs[m], r, err_msg=f"gradient of {v.path}, micro-batch {m}")
-    for v, r in zip(model.variables, ref_state):
+    for v, r in zip(variables, ref_state):
         np.testing.assert_array_equal(v.numpy(), r, err_msg=f"state of {v.path}")
     return step
 
@@ -264,6 +267,57 @@ def test_a_dropout_called_in_two_blocks_draws_as_on_one_device():
     plan = step.last_plan
     second = [op for op in plan.op_graph.ops if op.forward is None and op.layer and op.layer.startswith(model.second.name + "#")]
     assert {plan.partition_of_op[op.index] for op in second if op.type != "ReadVariableOp"} == {1}
+
+
+class GlobalDropPath(keras.layers.Layer):
+    """Stochastic depth that draws from Keras's global seed generator
+    (``keras.random.uniform`` without a seed), as ConvNeXt's does."""
+
+    def call(self, x, training=False):
+        if not training:
+            return x
+        keep = keras.ops.floor(0.7 + keras.random.uniform((keras.ops.shape(x)[0], 1)))
+        return x / 0.7 * keep
+
+
+class GlobalDropPathBlocks(smp.DistributedModel):
+    """Two residual blocks with stochastic depth, one per partition."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.stem = keras.layers.Dense(16)
+        self.blocks = [keras.layers.Dense(16, activation="relu") for _ in range(2)]
+        self.drops = [GlobalDropPath() for _ in range(2)]
+        self.head = keras.layers.Dense(4)
+
+    def call(self, x, training=False):
+        with smp.partition(0):
+            h = self.stem(x)
+            h = h + self.drops[0](self.blocks[0](h), training=training)
+        with smp.partition(1):
+            h = h + self.drops[1](self.blocks[1](h), training=training)
+            return self.head(h)
+
+
+def test_draws_from_the_global_seed_generator_follow_the_loop():
+    # The global generator's state is no variable of the model, so it is
+    # not moved, and both blocks draw from it. Micro-batch m draws what the
+    # loop's m-th call draws, and the state ends where the loop leaves it.
+    # A user's comparison must restore that state as well as the model's
+    # variables (without it, every loss and gradient differs).
+    from keras.src.random.seed_generator import global_seed_generator
+
+    smp.init({"partitions": 2, "microbatches": M, "auto_partition": False, "default_partition": 0})
+    keras.utils.set_random_seed(9)
+    model = GlobalDropPathBlocks()
+    model(tf.zeros([2, 8]))
+    generator = global_seed_generator()
+    start = generator.state.numpy()
+    rng = np.random.default_rng(1)
+    x = rng.normal(size=(16, 8)).astype("float32")
+    y = rng.normal(size=(16, 4)).astype("float32")
+    _assert_bit_exact(model, x, y, state=[generator.state])
+    assert not np.array_equal(generator.state.numpy(), start)
 
 
 @pytest.mark.filterwarnings("ignore:Layer .* does not support masking")
