@@ -57,6 +57,14 @@ memory_budget          None           (smp_tf only) bytes each partition's
 pipeline_processes     1              (smp_tf only) processes one pipeline
                                       spans; with n processes there are
                                       n / pipeline_processes replicas
+tensor_parallel_degree 1              devices each partition's ops are
+                                      split over (tensor parallelism); a
+                                      replica uses partitions x this many
+layout_map             None           (smp_tf only) variable path regular
+                                      expression -> shard spec (see
+                                      ``smp.LayoutMap``); None with
+                                      tensor_parallel_degree > 1: the
+                                      built-in rules
 =====================  =============  =======================================
 
 As on SageMaker, the JSON object in the environment variable
@@ -91,7 +99,9 @@ _CHOICES: Dict[str, Tuple[str, ...]] = {
     "uneven_inputs": ("join", "raise"),
     "recompute": ("never", "selective", "full", "auto"),
 }
-_INT_KEYS = ("partitions", "microbatches", "default_partition", "pipeline_processes", "virtual_stages")
+_INT_KEYS = (
+    "partitions", "microbatches", "default_partition", "pipeline_processes", "virtual_stages", "tensor_parallel_degree",
+)
 _BOOL_KEYS = (
     "auto_partition", "contiguous", "horovod", "fuse_weight_gradients", "pretranspose_weights", "shard_inputs",
 )
@@ -171,6 +181,14 @@ class Config:
             device runs its chunks depth first (Megatron-LM's interleaved
             1F1B), which divides the bubble by about v for more boundary
             traffic.
+        tensor_parallel_degree: devices per partition (t). Each partition
+            (model chunk) gets t devices of this process, and its sharded
+            ops are split over them (`docs/tensor_parallelism.md`).
+        layout_map: which variables are split over a partition's t
+            devices: regular expression on the variable's path -> spec
+            (one ``"tensor"`` or None per dimension), as a dict or a
+            `smp.LayoutMap`; kept as a tuple of ``(key, spec)`` pairs.
+            None: the built-in rules decide (with t > 1).
 
     Raises:
         ValueError: a value has the wrong type or is out of range.
@@ -194,6 +212,8 @@ class Config:
     memory_budget: Optional[int] = None
     pipeline_processes: int = 1
     virtual_stages: int = 1
+    tensor_parallel_degree: int = 1
+    layout_map: Optional[Any] = None
 
     @property
     def num_stages(self) -> int:
@@ -238,13 +258,22 @@ class Config:
                     f"(e.g. 8 * 2**30 for 8 GiB) or None. Received: memory_budget={budget!r}"
                 )
             object.__setattr__(self, "memory_budget", int(budget))
-        for key in ("partitions", "microbatches", "pipeline_processes", "virtual_stages"):
+        if self.layout_map is not None:
+            object.__setattr__(self, "layout_map", _check_layout_map(self.layout_map))
+        for key in ("partitions", "microbatches", "pipeline_processes", "virtual_stages", "tensor_parallel_degree"):
             if getattr(self, key) < 1:
                 raise ValueError(
                     f"Config parameter '{key}' must be at least 1. "
                     f"Received: {key}={getattr(self, key)!r}"
                 )
 
+        if self.tensor_parallel_degree > 1 and self.pipeline_processes > 1:
+            raise ValueError(
+                f"tensor_parallel_degree={self.tensor_parallel_degree} with pipeline_processes="
+                f"{self.pipeline_processes} is not supported: a stage's devices must belong to the process "
+                "that drives the pipeline. Use pipeline_processes=1 (data parallelism across processes "
+                "works with tensor parallelism)."
+            )
         if self.partitions % self.pipeline_processes:
             raise ValueError(
                 f"partitions={self.partitions} cannot be shared evenly by pipeline_processes="
@@ -280,6 +309,24 @@ class Config:
             A dict mapping each config key to its value.
         """
         return dataclasses.asdict(self)
+
+
+def _check_layout_map(value: Any) -> Tuple[Tuple[str, Tuple[Optional[str], ...]], ...]:
+    """A layout map as a tuple of ``(regular expression, spec)`` pairs (hashable)."""
+    from smp_tf.sharding.layout_map import LayoutMap
+
+    if isinstance(value, Mapping):
+        items = list(value.items())
+    elif isinstance(value, (list, tuple)) and all(isinstance(p, (list, tuple)) and len(p) == 2 for p in value):
+        items = [tuple(p) for p in value]
+    else:
+        raise ValueError(
+            "Config parameter 'layout_map' must be a dict (or smp.LayoutMap) from a regular expression "
+            "on variable paths to a spec such as (None, 'tensor'). "
+            f"Received: layout_map={value!r} (of type {type(value).__name__})"
+        )
+    checked = LayoutMap(dict(items))
+    return tuple((k, checked[k].dims) for k in checked)
 
 
 def _valid_keys() -> Tuple[str, ...]:

@@ -44,6 +44,7 @@ from smp_tf.rewrite import (
     task_specs,
 )
 from smp_tf.schedules import Action, Schedule, make_schedule, schedule_builder
+from smp_tf.sharding.lower import place_shards
 from smp_tf.step_output import FusedOp
 from smp_tf.trace import CapturedVariable, Traced, gc_paused
 
@@ -467,6 +468,10 @@ class CompiledStep:
         # every node of the task belongs, and the importer does not enter a
         # device scope for every op (a fifth of the import on BERT).
         sub = task_graph_def(graph_def, g, task, "", nodes)
+        stage = getattr(self.plan, "tensor_devices", None)
+        if stage:
+            # Tensor parallelism: each shard's copy runs on its device of the stage.
+            place_shards(sub, stage[task.partition])
         in_specs = []
         for t in task.inputs:
             info = g.tensors[t]

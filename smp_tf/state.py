@@ -18,6 +18,8 @@ plays the part of all the ranks of one replica:
 ``mp_size()``       the number of partitions (``pp_size``)
 ``local_rank()``    this process's index among the processes of its host
 ``local_size()``    the number of processes on its host
+``tp_rank()``       0: the process drives every device of each stage
+``tp_size()``       ``tensor_parallel_degree``: the devices of one stage
 ==================  =====================================================
 
 So ``if smp.rank() == 0:`` runs on exactly one process, and
@@ -58,6 +60,8 @@ __all__ = [
     "data_parallel",
     "process_group",
     "local_partitions",
+    "tp_rank",
+    "tp_size",
 ]
 
 
@@ -69,11 +73,21 @@ class Topology:
         devices: device name of partition ``p`` is ``devices[p]``.
         kind: ``"GPU"`` or ``"CPU"``.
         logical_cpu: True when the devices are logical CPU devices.
+        tensor_devices: with tensor parallelism, the ``t`` devices of
+            partition ``p`` are ``tensor_devices[p]`` (the first is
+            ``devices[p]``); empty without.
     """
 
     devices: tuple
     kind: str
     logical_cpu: bool
+    tensor_devices: tuple = ()
+
+    def stage_devices(self, partition: int) -> tuple:
+        """The devices partition `partition`'s ops are split over."""
+        if self.tensor_devices:
+            return self.tensor_devices[partition]
+        return (self.device(partition),)
 
     def device(self, partition: int) -> str:
         """Returns the device name of `partition`."""
@@ -127,8 +141,16 @@ def gpu_indices(num_gpus: int, num_partitions: int, local_rank: int, local_size:
     return tuple(local_rank * num_partitions + p for p in range(num_partitions))
 
 
-def _setup_devices(num_partitions: int, local_rank: int = 0, local_size: int = 1, strategy: str = "cluster") -> Topology:
-    """Returns one device per partition, creating logical CPU devices if needed."""
+def _setup_devices(
+    num_partitions: int, local_rank: int = 0, local_size: int = 1, strategy: str = "cluster", tensor_degree: int = 1
+) -> Topology:
+    """Returns one device per partition (``tensor_degree`` with tensor
+    parallelism: partition p gets devices ``p*t .. p*t+t-1``), creating
+    logical CPU devices if needed."""
+    if tensor_degree > 1:
+        flat = _setup_devices(num_partitions * tensor_degree, local_rank, local_size, strategy)
+        groups = tuple(flat.devices[p * tensor_degree:(p + 1) * tensor_degree] for p in range(num_partitions))
+        return Topology(tuple(g[0] for g in groups), flat.kind, flat.logical_cpu, groups)
     import tensorflow as tf
 
     physical = tf.config.list_physical_devices("GPU")
@@ -138,8 +160,8 @@ def _setup_devices(num_partitions: int, local_rank: int = 0, local_size: int = 1
     if gpus:
         if len(gpus) < num_partitions:
             raise ValueError(
-                f"partitions={num_partitions} needs {num_partitions} GPUs but "
-                f"{len(gpus)} are visible. Lower `partitions` or make more GPUs "
+                f"partitions x tensor_parallel_degree = {num_partitions} needs {num_partitions} GPUs but "
+                f"{len(gpus)} are visible. Lower `partitions` or `tensor_parallel_degree`, or make more GPUs "
                 "visible (CUDA_VISIBLE_DEVICES)."
             )
         indices = gpu_indices(len(gpus), num_partitions, local_rank, local_size, strategy)
@@ -267,7 +289,9 @@ def init(config: Optional[Mapping[str, Any]] = None) -> Config:
 
             group = remote.data_parallel_group(process, json.dumps(cfg.to_dict(), sort_keys=True))
     else:
-        topo = _setup_devices(cfg.partitions, info.local_rank, info.local_size, cfg.placement_strategy)
+        topo = _setup_devices(
+            cfg.partitions, info.local_rank, info.local_size, cfg.placement_strategy, cfg.tensor_parallel_degree
+        )
     if info.is_distributed and cfg.pipeline_processes == 1:
         import json
 
@@ -287,7 +311,11 @@ def init(config: Optional[Mapping[str, Any]] = None) -> Config:
         _STATE.group = group
         _STATE.layout = layout
         _STATE.generation += 1
-    logger.info("smp_tf initialised: %s on %s (rank %d of %d)", cfg, topo.devices, info.rank, info.size)
+    if topo.tensor_devices:
+        logger.info("smp_tf initialised: %s; each partition's ops split over tensor_parallel_degree=%d devices: %s "
+                    "(rank %d of %d)", cfg, cfg.tensor_parallel_degree, topo.tensor_devices, info.rank, info.size)
+    else:
+        logger.info("smp_tf initialised: %s on %s (rank %d of %d)", cfg, topo.devices, info.rank, info.size)
     return cfg
 
 
@@ -376,6 +404,19 @@ def local_partitions() -> Tuple[int, ...]:
     ``pipeline_processes`` > 1)."""
     st = _require_init()
     return st.layout.stages(st.cluster.rank)
+
+
+def tp_rank() -> int:
+    """Tensor-parallel rank: 0, since the process drives every device of
+    each stage (as `mp_rank` is 0 for the process that drives a pipeline)."""
+    _require_init()
+    return 0
+
+
+def tp_size() -> int:
+    """Tensor-parallel size: the devices each partition is split over
+    (``tensor_parallel_degree``)."""
+    return _require_init().config.tensor_parallel_degree
 
 
 def data_parallel() -> bool:

@@ -292,6 +292,11 @@ class StepFunction:
             self._fn, mbs[0][0], mbs[0][1], shapes=self._trace_shapes(mbs), tf_function_kwargs=self._tf_kwargs
         )
         _check_no_trainable_writes(traced)
+        shard_plan = None
+        if cfg.tensor_parallel_degree > 1:
+            from smp_tf.sharding.api import shard_step
+
+            traced, shard_plan = shard_step(traced, cfg)
         t1 = time.perf_counter()
         devices = stage_devices(cfg, topo.devices)
         pinned = placement.pinned_partitions(traced.captures, devices)
@@ -348,6 +353,10 @@ class StepFunction:
         )
         plan.trace_seconds = t1 - t0 - traced.view_seconds
         plan.view_seconds = traced.view_seconds
+        plan.shard_plan = shard_plan
+        plan.tensor_devices = (
+            [topo.stage_devices(c % cfg.partitions) for c in range(cfg.num_stages)] if shard_plan is not None else None
+        )
         return traced, plan
 
     def get_plan(self, *args: Any, **kwargs: Any) -> PartitionPlan:

@@ -1,0 +1,197 @@
+"""Built-in layouts: what to shard when no `layout_map` is given.
+
+Megatron-LM's pattern, found on the traced graph rather than by layer
+names, so that it covers any model built of dense products:
+
+* **Pairs of products.** A product that reads a kernel (``MatMul`` or
+  ``Einsum`` on a variable), whose result reaches a second product that
+  reads another kernel through element-wise ops only (bias, activation,
+  a gate's multiplication), is column-parallel: its kernel is split along
+  the output dimension, its bias with it. The second is row-parallel: its
+  kernel is split along the contracted dimension and its result is a
+  partial sum. So an MLP (up, activation, down) and a gated MLP (gate and
+  up, product, down) run with one all-reduce in the forward.
+* **Attention.** `keras.layers.MultiHeadAttention` (and keras_hub's
+  subclasses) has its query, key and value projections split by head and
+  its output projection by head along the contracted dimensions
+  (`attention_layouts`).
+
+A product no rule covers stays whole; the partition report lists what was
+sharded. Plain Python over `ShardGraph` (the attention rule reads Keras
+layers' variables).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Set, Tuple
+
+from smp_tf.sharding.completion import READ_OPS, ShardGraph, ShardOp
+from smp_tf.sharding.rules import BINARY, UNARY, parse_einsum
+from smp_tf.sharding.spec import TENSOR, ShardSpec
+
+__all__ = ["product_pairs", "pair_layouts", "attention_layouts"]
+
+_PRODUCTS = frozenset(["MatMul", "Einsum"])
+_THROUGH = (UNARY | BINARY | frozenset(["BiasAdd"])) - frozenset(["AddN"])
+
+
+def _kernel_dims(op: ShardOp, position: int) -> Optional[Tuple[List[int], List[int]]]:
+    """The kernel's (output, contracted) dimensions of a product that reads
+    its kernel at input `position`."""
+    if op.type == "MatMul":
+        if position != 1:
+            return None
+        tb = bool(op.info.attrs.get("transpose_b"))
+        return ([0], [1]) if tb else ([1], [0])
+    ranks = [len(s) if s is not None else -1 for s in op.info.input_shapes]
+    parsed = parse_einsum(str(op.info.attrs.get("equation", "")), ranks) if min(ranks) >= 0 else None
+    if parsed is None or len(parsed[0]) != 2:
+        return None
+    letters, out = parsed
+    mine, other = letters[position], letters[1 - position]
+    outs = [i for i, c in enumerate(mine) if c in out and c not in other]
+    contracted = [i for i, c in enumerate(mine) if c not in out and c in other]
+    return outs, contracted
+
+
+def product_pairs(graph: ShardGraph) -> List[Tuple[str, str]]:
+    """(column-parallel product, row-parallel product) pairs, by op name
+    (see the module doc), forward ops only, in graph order.
+
+    From a product, the walk follows its result through element-wise ops
+    whose other inputs are constants, variables or results of its sibling
+    products (those reading the same activation: a gated MLP's gate and
+    up projections). A residual addition or a normalisation reads another
+    activation and stops it, so a pair never spans two blocks.
+    """
+    producer = {x: op for op in graph.ops for x in op.outputs}
+    readers: Dict[str, List[Tuple[ShardOp, int]]] = {}
+    for op in graph.ops:
+        for k, x in enumerate(op.inputs):
+            readers.setdefault(x, []).append((op, k))
+
+    def kernel_position(op: ShardOp) -> Optional[int]:
+        if op.type not in _PRODUCTS or len(op.inputs) != 2 or op.name.startswith(("gradient_tape", "gradients")):
+            return None
+        for k, x in enumerate(op.inputs):
+            p = producer.get(x)
+            if p is not None and p.type in READ_OPS and p.variable is not None and _kernel_dims(op, k):
+                return k
+        return None
+
+    def fixed(x: str) -> bool:
+        p = producer.get(x)
+        return p is not None and (p.type in READ_OPS or p.type == "Const")
+
+    pairs: List[Tuple[str, str]] = []
+    for op in graph.ops:
+        k = kernel_position(op)
+        if k is None:
+            continue
+        activation = op.inputs[1 - k]
+        siblings = [r for r, pos in readers.get(activation, ()) if kernel_position(r) == 1 - pos]
+        path: Set[str] = {x for s in siblings for x in s.outputs}
+        stack = list(path)
+        found: List[ShardOp] = []
+        seen: Set[str] = set()
+        while stack:
+            x = stack.pop()
+            for r, pos in readers.get(x, ()):
+                if r.name in seen:
+                    continue
+                kr = kernel_position(r)
+                if kr is not None:
+                    if pos != kr and r not in siblings:
+                        seen.add(r.name)
+                        found.append(r)
+                    continue
+                if r.type not in _THROUGH or r.name.startswith(("gradient_tape", "gradients")):
+                    continue
+                if not all(y in path or fixed(y) for y in r.inputs):
+                    continue  # waits until its other inputs join the path, or never does
+                seen.add(r.name)
+                for y in r.outputs:
+                    if y not in path:
+                        path.add(y)
+                        stack.append(y)
+        pairs.extend((op.name, second.name) for second in found)
+    return pairs
+
+
+def pair_layouts(graph: ShardGraph, t: int) -> Dict[str, ShardSpec]:
+    """Variable -> layout for the product pairs of `graph` (module doc).
+
+    A pair whose split dimension `t` does not divide stays whole."""
+    by_name = {op.name: op for op in graph.ops}
+    producer = {x: op for op in graph.ops for x in op.outputs}
+    readers: Dict[str, List[ShardOp]] = {}
+    for op in graph.ops:
+        for x in op.inputs:
+            readers.setdefault(x, []).append(op)
+    out: Dict[str, ShardSpec] = {}
+
+    def kernel_of(op: ShardOp) -> Optional[Tuple[ShardOp, int]]:
+        for k, x in enumerate(op.inputs):
+            p = producer.get(x)
+            if p is not None and p.type in READ_OPS and p.variable is not None:
+                return p, k
+        return None
+
+    for first, second in product_pairs(graph):
+        a, b = by_name[first], by_name[second]
+        ka, kb = kernel_of(a), kernel_of(b)
+        if ka is None or kb is None:
+            continue
+        (read_a, pa), (read_b, pb) = ka, kb
+        dims_a, dims_b = _kernel_dims(a, pa), _kernel_dims(b, pb)
+        shape_a, shape_b = read_a.info.output_shapes[0], read_b.info.output_shapes[0]
+        if not dims_a or not dims_b or not dims_a[0] or not dims_b[1] or shape_a is None or shape_b is None:
+            continue
+        col, row = dims_a[0][0], dims_b[1][0]
+        if shape_a[col] is None or shape_a[col] % t or shape_b[row] is None or shape_b[row] % t:
+            continue
+        spec_a, spec_b = ShardSpec.split(len(shape_a), col), ShardSpec.split(len(shape_b), row)
+        if out.get(read_a.variable, spec_a) != spec_a or out.get(read_b.variable, spec_b) != spec_b:
+            continue  # a kernel two pairs would split differently stays as first decided
+        out[read_a.variable] = spec_a
+        out[read_b.variable] = spec_b
+        # The bias of the column-parallel product follows its output.
+        for x in a.outputs:
+            for r in readers.get(x, ()):
+                if r.type in ("BiasAdd", "AddV2", "Add"):
+                    for y in r.inputs:
+                        p = producer.get(y)
+                        if p is not None and p.type in READ_OPS and p.variable is not None and p is not read_a:
+                            shape = p.info.output_shapes[0]
+                            if shape is not None and len(shape) == 1 and shape[0] == shape_a[col]:
+                                out[p.variable] = ShardSpec.split(1, 0)
+    return out
+
+
+def attention_layouts(layers: Sequence[Any], t: int) -> Dict[str, ShardSpec]:
+    """Variable path -> layout for the `keras.layers.MultiHeadAttention`
+    layers (and subclasses) among `layers`: heads split over the devices."""
+    import keras
+
+    out: Dict[str, ShardSpec] = {}
+    for layer in layers:
+        if not isinstance(layer, keras.layers.MultiHeadAttention):
+            continue
+        heads = getattr(layer, "num_heads", None) or getattr(layer, "_num_heads", None)
+        if not heads or heads % t:
+            continue
+        for name in ("_query_dense", "_key_dense", "_value_dense"):
+            sub = getattr(layer, name, None)
+            for v in getattr(sub, "weights", ()):
+                shape = tuple(v.shape)
+                # Kernel (model, heads, head size); bias (heads, head size).
+                if len(shape) == 3 and shape[1] == heads:
+                    out[v.path] = ShardSpec((None, TENSOR, None))
+                elif len(shape) == 2 and shape[0] == heads:
+                    out[v.path] = ShardSpec((TENSOR, None))
+        sub = getattr(layer, "_output_dense", None)
+        for v in getattr(sub, "weights", ()):
+            shape = tuple(v.shape)
+            if len(shape) == 3 and shape[0] == heads:  # kernel (heads, head size, model)
+                out[v.path] = ShardSpec((TENSOR, None, None))
+    return out

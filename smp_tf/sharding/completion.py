@@ -1,0 +1,292 @@
+"""Completion: a spec for every tensor of a traced step, from a few marks.
+
+The marks are the variables' layouts (a layout map or the built-in rules)
+and the activations' constraints (`smp.shard_tensor`). Completion is a
+data-flow analysis over the graph, forward pass and backward pass alike,
+as in PaddlePaddle's completion of distributed attributes:
+
+1. **Forward.** In topological order every op takes the specs its inputs
+   arrive in and asks its rule (`smp_tf.sharding.rules`) which specs it
+   needs and which it produces. A variable read produces its variable's
+   layout, a constraint its spec. An op whose inputs are all whole stays
+   whole without asking. An op with no rule, or whose rule declines, runs
+   whole: it needs every input whole and is listed in the plan's
+   ``whole_ops``.
+2. **Backward.** Where every reader of a whole tensor needs it split the
+   same way, and the op that produces it can produce that split from split
+   inputs (its rule's back rule: element-wise ops, bias additions,
+   reshapes, transposes), that op computes split instead, and the split
+   moves to its inputs; then the forward pass runs again. Repeated until
+   nothing moves, so a mark reaches every op it determines. Variable
+   reads, constraints and stateful ops are never moved.
+3. **Reshards.** Wherever a tensor is produced in one spec and read in
+   another, a reshard (`smp_tf.sharding.reshard`) is recorded, once per
+   tensor and target spec. The step's outputs are read whole.
+
+Plain Python over `ShardGraph`, a small graph description that tests can
+write by hand (`ShardGraph.from_spec`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
+
+from smp_tf.sharding.reshard import reshard_bytes, reshard_steps
+from smp_tf.sharding.rules import Decision, OpInfo, back_rule_for, rule_for
+from smp_tf.sharding.spec import ShardSpec
+
+__all__ = ["ShardOp", "ShardGraph", "Reshard", "ShardPlan", "complete", "READ_OPS", "WRITE_OPS"]
+
+#: Ops that read a variable's value: they produce the variable's layout.
+READ_OPS = frozenset(["ReadVariableOp"])
+#: Ops that write a value into a variable: the value must be in its layout.
+WRITE_OPS = frozenset(["AssignVariableOp", "AssignAddVariableOp", "AssignSubVariableOp"])
+#: Ops that take a variable's handle and use its value themselves.
+_HANDLE_OPS = frozenset(["ResourceGather"])
+
+
+@dataclass
+class ShardOp:
+    """One op as completion sees it.
+
+    Attributes:
+        info: its type, attributes and shapes (`OpInfo`).
+        inputs: names of its data input tensors (``"op:0"``).
+        outputs: names of its output tensors.
+        variable: the variable whose handle it takes (reads and writes).
+        constraint: the spec `smp.shard_tensor` asks of its output.
+        stateful: whether it changes state (never moved by the backward pass).
+    """
+
+    info: OpInfo
+    inputs: Tuple[str, ...] = ()
+    outputs: Tuple[str, ...] = ()
+    variable: Optional[str] = None
+    constraint: Optional[ShardSpec] = None
+    stateful: bool = False
+
+    @property
+    def name(self) -> str:
+        return self.info.name
+
+    @property
+    def type(self) -> str:
+        return self.info.type
+
+
+@dataclass
+class ShardGraph:
+    """Ops in topological order, and the tensors the step returns."""
+
+    ops: List[ShardOp]
+    outputs: List[str] = field(default_factory=list)
+    bytes_of: Dict[str, int] = field(default_factory=dict)
+
+    @classmethod
+    def from_spec(cls, spec: Sequence[Mapping[str, Any]], outputs: Sequence[str] = (), t: int = 2) -> "ShardGraph":
+        """A graph written by hand, for tests: each entry has ``name``,
+        ``type``, ``inputs`` (op names, each op one output), ``shape`` (its
+        output's), and optionally ``attrs``, ``const`` (position -> value),
+        ``variable``, ``constraint`` and ``stateful``."""
+        shapes: Dict[str, Any] = {}
+        ops = []
+        for s in spec:
+            ins = tuple(f"{n}:0" for n in s.get("inputs", ()))
+            shape = tuple(s["shape"]) if s.get("shape") is not None else None
+            info = OpInfo(
+                name=s["name"], type=s.get("type", "Identity"), attrs=dict(s.get("attrs", {})),
+                input_shapes=tuple(shapes[n] for n in s.get("inputs", ())), output_shapes=(shape,),
+                const_inputs=dict(s.get("const", {})), t=t,
+            )
+            c = s.get("constraint")
+            ops.append(ShardOp(info, ins, (f"{s['name']}:0",), s.get("variable"),
+                               None if c is None else ShardSpec(tuple(c)), bool(s.get("stateful", False))))
+            shapes[s["name"]] = shape
+        nbytes = {f"{n}:0": 4 * _elements(sh) for n, sh in shapes.items()}
+        return cls(ops, [f"{o}:0" for o in outputs], nbytes)
+
+
+def _elements(shape: Any) -> int:
+    n = 1
+    for d in shape or ():
+        n *= d or 1
+    return n
+
+
+@dataclass(frozen=True)
+class Reshard:
+    """One tensor taken from layout `src` to `dst` for the ops `readers`
+    (``(op name, input position)``; ``("<output>", k)`` for the step's
+    k-th output)."""
+
+    tensor: str
+    src: ShardSpec
+    dst: ShardSpec
+    readers: Tuple[Tuple[str, int], ...]
+    nbytes: int = 0
+
+    @property
+    def steps(self) -> Tuple[str, ...]:
+        return reshard_steps(self.src, self.dst)
+
+
+@dataclass
+class ShardPlan:
+    """Completion's result.
+
+    Attributes:
+        t: the tensor-parallel degree.
+        variables: variable -> its layout.
+        specs: tensor name -> the spec its producer makes it in.
+        decisions: op name -> its `Decision`, for the ops that run sharded.
+        reshards: the reshards, in the order of the first reader.
+        whole_ops: ``(name, type)`` of the ops that have sharded inputs but
+            no rule (or a rule that declined): they run whole.
+    """
+
+    t: int
+    variables: Dict[str, ShardSpec]
+    specs: Dict[str, ShardSpec]
+    decisions: Dict[str, Decision]
+    reshards: List[Reshard]
+    whole_ops: List[Tuple[str, str]]
+
+    def spec(self, tensor: str) -> Optional[ShardSpec]:
+        return self.specs.get(tensor)
+
+    def need(self, op: str, position: int) -> Optional[ShardSpec]:
+        """The spec op `op` needs of its input `position` (None: as it comes)."""
+        d = self.decisions.get(op)
+        return None if d is None else d.inputs[position]
+
+    def reshard_bytes(self) -> float:
+        """Bytes each device receives per micro-batch for the reshards."""
+        return float(sum(reshard_bytes(r.src, r.dst, r.nbytes, self.t) for r in self.reshards))
+
+    def summary(self) -> str:
+        """A readable report: sharded variables, ops run whole, reshards."""
+        lines = [f"tensor parallelism: t={self.t}"]
+        lines.append(f"  sharded variables ({sum(not s.is_replicated for s in self.variables.values())}):")
+        for v, s in self.variables.items():
+            if not s.is_replicated:
+                lines.append(f"    {v:<48} {s}  {s.dims}")
+        sharded_ops = sum(1 for d in self.decisions.values() if any(not s.is_replicated for s in d.outputs + d.inputs))
+        lines.append(f"  ops run sharded: {sharded_ops}")
+        kinds: Dict[str, int] = {}
+        for r in self.reshards:
+            for s in r.steps:
+                kinds[s] = kinds.get(s, 0) + 1
+        lines.append("  reshards: " + (", ".join(f"{k} x{n}" for k, n in sorted(kinds.items())) or "none")
+                     + f" ({self.reshard_bytes() / 2**20:.2f} MiB received per device per micro-batch)")
+        if self.whole_ops:
+            by_type: Dict[str, int] = {}
+            for _, t in self.whole_ops:
+                by_type[t] = by_type.get(t, 0) + 1
+            lines.append("  ops without a sharding rule, run whole on gathered inputs: "
+                         + ", ".join(f"{t} x{n}" for t, n in sorted(by_type.items())))
+        return "\n".join(lines)
+
+
+def _replicated_like(shape: Any) -> ShardSpec:
+    return ShardSpec.replicated(len(shape) if shape is not None else 0)
+
+
+def _forward(graph: ShardGraph, variables: Mapping[str, ShardSpec], preferred: Mapping[str, Decision]):
+    specs: Dict[str, ShardSpec] = {}
+    decisions: Dict[str, Decision] = {}
+    whole: List[Tuple[str, str]] = []
+    for op in graph.ops:
+        info = op.info
+        ins = [specs.get(x) or _replicated_like(s) for x, s in zip(op.inputs, info.input_shapes)]
+        var_spec = variables.get(op.variable) if op.variable is not None else None
+        dec: Optional[Decision] = None
+        if op.constraint is not None:
+            dec = Decision((op.constraint,) + tuple(ins[1:]), (op.constraint,) + tuple(
+                _replicated_like(s) for s in info.output_shapes[1:]))
+        elif var_spec is not None and op.type in READ_OPS:
+            dec = Decision(tuple(ins), (var_spec,))
+        elif var_spec is not None and op.type in WRITE_OPS and len(ins) > 1:
+            dec = Decision((ins[0], var_spec) + tuple(ins[2:]), ())
+        elif var_spec is not None and op.type in _HANDLE_OPS:
+            rule = rule_for(op.type)
+            dec = rule(info, [var_spec] + ins[1:]) if rule else None
+            if dec is None:
+                whole.append((op.name, op.type))
+                dec = Decision(tuple(ins), tuple(_replicated_like(s) for s in info.output_shapes))
+        elif op.name in preferred:
+            dec = preferred[op.name]
+        elif any(not s.is_replicated for s in ins):
+            rule = rule_for(op.type)
+            dec = rule(info, ins) if rule is not None else None
+            if dec is None:
+                whole.append((op.name, op.type))
+                dec = Decision(tuple(_replicated_like(s) for s in info.input_shapes),
+                               tuple(_replicated_like(s) for s in info.output_shapes))
+        if dec is not None:
+            decisions[op.name] = dec
+            for x, s in zip(op.outputs, dec.outputs):
+                specs[x] = s
+    return specs, decisions, whole
+
+
+def _readers(graph: ShardGraph, specs, decisions) -> Dict[str, List[Tuple[str, int, ShardSpec]]]:
+    """tensor -> (reader, position, spec needed), for every read."""
+    readers: Dict[str, List[Tuple[str, int, ShardSpec]]] = {}
+    for op in graph.ops:
+        d = decisions.get(op.name)
+        for k, x in enumerate(op.inputs):
+            have = specs.get(x) or _replicated_like(op.info.input_shapes[k])
+            readers.setdefault(x, []).append((op.name, k, d.inputs[k] if d is not None else have))
+    return readers
+
+
+def complete(graph: ShardGraph, variables: Mapping[str, ShardSpec], t: int, max_rounds: int = 16) -> ShardPlan:
+    """Completes the specs of `graph` from the `variables`' layouts and the
+    ops' constraints (see the module doc)."""
+    producer = {x: op for op in graph.ops for x in op.outputs}
+    outputs = set(graph.outputs)
+    preferred: Dict[str, Decision] = {}
+    for _ in range(max_rounds):
+        specs, decisions, whole = _forward(graph, variables, preferred)
+        readers = _readers(graph, specs, decisions)
+        moved = False
+        for x, reads in readers.items():
+            op = producer.get(x)
+            if (op is None or x in outputs or op.name in preferred or op.name in decisions
+                    or op.stateful or op.variable is not None or op.constraint is not None or len(op.outputs) != 1):
+                continue
+            needs = {s for _, _, s in reads}
+            if len(needs) != 1:
+                continue
+            need = needs.pop()
+            back = back_rule_for(op.type)
+            if need.split_dim is None or back is None:
+                continue
+            ins = back(op.info, need)
+            if ins is None:
+                continue
+            preferred[op.name] = Decision(tuple(ins), (need,))
+            moved = True
+        if not moved:
+            break
+    readers = _readers(graph, specs, decisions)
+    reshards: List[Reshard] = []
+    for x, reads in readers.items():
+        have = specs.get(x)
+        if have is None:
+            continue
+        groups: Dict[ShardSpec, List[Tuple[str, int]]] = {}
+        for name, k, need in reads:
+            if need != have:
+                groups.setdefault(need, []).append((name, k))
+        for need, who in groups.items():
+            reshards.append(Reshard(x, have, need, tuple(who), graph.bytes_of.get(x, 0)))
+    for k, x in enumerate(graph.outputs):
+        have = specs.get(x)
+        if have is not None and not have.is_replicated:
+            reshards.append(Reshard(x, have, ShardSpec.replicated(have.rank), (("<output>", k),),
+                                    graph.bytes_of.get(x, 0)))
+    # Decisions that change nothing (whole in, whole out) are not kept.
+    kept = {n: d for n, d in decisions.items() if any(not s.is_replicated for s in d.inputs + d.outputs)}
+    return ShardPlan(t, dict(variables), specs, kept, reshards, whole)

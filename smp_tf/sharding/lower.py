@@ -1,0 +1,420 @@
+"""Sharding a traced step: completion over its graph, then the graph rewritten.
+
+`shard_traced` is the one step between the trace and the partitioner
+(trace -> **shard** -> partition -> tasks -> schedule -> lowering). It reads
+the traced `GraphDef` into a `ShardGraph`, completes the specs from the
+variables' layouts and the `smp.shard_tensor` constraints, and writes a new
+`GraphDef` in which
+
+* every op that runs sharded becomes ``t`` copies (``<name>__smp_s<k>``),
+  copy ``k`` computing device ``k``'s piece from the pieces of its inputs,
+  with its shape inputs made local (a reshape's target shape);
+* every reshard is a few plain ops (`smp_tf.sharding.reshard`): ``Split``
+  (split), ``ConcatV2`` (all-gather), ``AddV2`` in device order (all-reduce
+  of a partial sum), added once per tensor and target layout;
+* everything else is unchanged.
+
+Copy ``k`` carries the attribute ``_smp_shard = k``; the lowering places it
+on device ``k`` of its partition's stage (`place_shards`), and every op
+without it on device 0. In one process TensorFlow's runtime moves the
+tensors between the stage's devices: no transport of smp_tf's own.
+
+Variables stay whole on device 0 of their stage: a sharded variable is read
+whole and split for its readers, and its gradient is gathered whole for the
+step's outputs. The optimizer, checkpoints and the model are then unchanged;
+the products, the activations and their gradients are split over the
+devices.
+
+The new graph has the same arguments, captures and outputs as the traced
+one, so the partitioner and everything after it work on it unchanged; the
+copies of an op belong to its layer, so a stage keeps all of them.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
+
+import numpy as np
+import tensorflow as tf
+from tensorflow.core.framework import attr_value_pb2, graph_pb2
+
+from smp_tf.graph_view import OpGraph, from_tf_graph
+from smp_tf.sharding.completion import READ_OPS, ShardGraph, ShardOp, ShardPlan, complete
+from smp_tf.sharding.rules import OpInfo
+from smp_tf.sharding.spec import ShardSpec
+from smp_tf.trace import CapturedVariable, Traced
+
+__all__ = ["SHARD_ATTR", "shard_graph_of", "shard_traced", "expand_graph_def", "place_shards", "origin_of"]
+
+#: NodeDef attribute of a shard's copy: its device's index in the stage.
+SHARD_ATTR = "_smp_shard"
+#: Attribute `smp.shard_tensor` sets on its Identity: the spec, as text.
+CONSTRAINT_ATTR = "_smp_shard_spec"
+_MARK = "__smp"
+
+# Attributes a rule reads, as plain values.
+_ATTRS = ("transpose_a", "transpose_b", "adj_x", "adj_y", "keep_dims", "equation", "data_format")
+
+
+def origin_of(name: str) -> str:
+    """The traced op a node of the sharded graph comes from."""
+    return name.split(_MARK, 1)[0]
+
+
+def _plain(attr: attr_value_pb2.AttrValue) -> Any:
+    which = attr.WhichOneof("value")
+    if which == "b":
+        return attr.b
+    if which == "s":
+        return attr.s.decode()
+    if which == "i":
+        return attr.i
+    return None
+
+
+def _const_value(node: Any) -> Optional[Any]:
+    if node.op != "Const":
+        return None
+    try:
+        value = tf.make_ndarray(node.attr["value"].tensor)
+    except Exception:  # pragma: no cover - exotic constants
+        return None
+    if value.dtype.kind not in "iu" or value.size > 16:
+        return None
+    return value.tolist()
+
+
+def _parse_constraint(text: str) -> ShardSpec:
+    return ShardSpec(tuple(None if d == "-" else "tensor" for d in text.split(",")) if text else ())
+
+
+def constraint_text(spec: ShardSpec) -> str:
+    """How `smp.shard_tensor` writes a spec into its op's attribute."""
+    return ",".join("-" if d is None else "t" for d in spec.dims)
+
+
+def shard_graph_of(graph_def: Any, op_graph: OpGraph, outputs: Sequence[str], t: int) -> ShardGraph:
+    """The `ShardGraph` of a traced step (its ops in the view's order)."""
+    nodes = {n.name: n for n in graph_def.node}
+    g = op_graph
+    ops: List[ShardOp] = []
+    bytes_of: Dict[str, int] = {}
+    for op in g.ops:
+        node = nodes.get(op.name)
+        if node is None:
+            continue
+        attrs = {k: _plain(node.attr[k]) for k in _ATTRS if k in node.attr}
+        data_inputs = [x for x in node.input if not x.startswith("^")]
+        const: Dict[int, Any] = {}
+        for k, x in enumerate(data_inputs):
+            src = nodes.get(x.split(":")[0].lstrip("^"))
+            if src is not None:
+                value = _const_value(src)
+                if value is not None:
+                    const[k] = value
+        info = OpInfo(
+            name=op.name,
+            type=op.type,
+            attrs=attrs,
+            input_shapes=tuple(g.tensors[x].shape for x in op.inputs),
+            output_shapes=tuple(g.tensors[x].shape for x in op.outputs),
+            const_inputs=const,
+            t=t,
+        )
+        constraint = None
+        if CONSTRAINT_ATTR in node.attr:
+            constraint = _parse_constraint(node.attr[CONSTRAINT_ATTR].s.decode())
+        variable = op.variables[0] if op.variables and (op.type in READ_OPS or op.writes) else None
+        ops.append(ShardOp(
+            info,
+            tuple(g.tensor_name(x) for x in op.inputs),
+            tuple(g.tensor_name(x) for x in op.outputs),
+            variable=variable,
+            constraint=constraint,
+            stateful=op.stateful,
+        ))
+        for x in op.outputs:
+            bytes_of[g.tensor_name(x)] = g.tensors[x].bytes
+    return ShardGraph(ops, [o for o in outputs if o], bytes_of)
+
+
+class _Writer:
+    """Writes the sharded GraphDef (see the module doc)."""
+
+    def __init__(self, graph_def: Any, plan: ShardPlan, op_graph: OpGraph, t: int) -> None:
+        self.src = {n.name: n for n in graph_def.node}
+        self.plan = plan
+        self.g = op_graph
+        self.t = t
+        self.out = graph_pb2.GraphDef()
+        self.out.versions.CopyFrom(graph_def.versions)
+        if len(graph_def.library.function):
+            self.out.library.CopyFrom(graph_def.library)
+        self.sharded: Dict[str, bool] = {}  # op name -> runs as copies
+        self.physical: Dict[str, ShardSpec] = {}  # tensor -> layout it is produced in
+        self.pieces: Dict[Tuple[str, ShardSpec], List[str]] = {}
+        self.shape_of = {g_name: op_graph.tensors[x].shape for x in range(len(op_graph.tensors))
+                         for g_name in [op_graph.tensor_name(x)]}
+
+    # -- helpers -------------------------------------------------------------
+    def _node(self, name: str, op: str, inputs: Sequence[str], dtype: Any = None, shard: Optional[int] = None):
+        node = self.out.node.add()
+        node.name = name
+        node.op = op
+        node.input.extend(inputs)
+        if dtype is not None:
+            node.attr["T"].type = dtype
+        if shard is not None:
+            node.attr[SHARD_ATTR].i = shard
+        return node
+
+    def _const(self, name: str, value: Any, shard: Optional[int] = None) -> str:
+        node = self._node(name, "Const", [], shard=shard)
+        node.attr["dtype"].type = tf.int32.as_datatype_enum
+        node.attr["value"].tensor.CopyFrom(tf.make_tensor_proto(np.asarray(value, dtype=np.int32)))
+        return name
+
+    def _dtype_of(self, tensor: str) -> int:
+        return tf.as_dtype(self.g.tensors[self._tid(tensor)].dtype).as_datatype_enum
+
+    def _tid(self, tensor: str) -> int:
+        name, _, port = tensor.partition(":")
+        op = self.g.ops[self.g.op_index[name]]
+        return op.outputs[int(port or 0)]
+
+    @staticmethod
+    def _ref(tensor: str) -> str:
+        name, _, port = tensor.partition(":")
+        return name if port in ("", "0") else tensor
+
+    # -- pieces of a tensor in a layout ---------------------------------------
+    def piece(self, tensor: str, need: ShardSpec, k: Optional[int]) -> str:
+        """The name of `tensor` in layout `need` on device `k` (None: whole)."""
+        have = self.physical.get(tensor)
+        if have is None:
+            have = ShardSpec.replicated(need.rank)
+        if need.is_replicated or need.rank == 0:
+            return self._whole(tensor, have)
+        key = (tensor, need)
+        if key not in self.pieces:
+            self.pieces[key] = self._reshard(tensor, have, need)
+        return self.pieces[key][k or 0]
+
+    def _copies(self, tensor: str) -> List[str]:
+        name, _, port = tensor.partition(":")
+        return [self._ref(f"{name}{_MARK}_s{k}:{port or 0}") for k in range(self.t)]
+
+    def _whole(self, tensor: str, have: ShardSpec) -> str:
+        if have.is_replicated:
+            return self._ref(tensor)
+        key = (tensor, ShardSpec.replicated(have.rank))
+        if key not in self.pieces:
+            self.pieces[key] = [self._gather(tensor, have)] * self.t
+        return self.pieces[key][0]
+
+    def _gather(self, tensor: str, have: ShardSpec) -> str:
+        """All-gather (split) or all-reduce (partial) into a whole tensor on device 0."""
+        dtype = self._dtype_of(tensor)
+        base = tensor.replace(":", "_")
+        parts = self._copies(tensor)
+        if have.partial:
+            # Added in device order, so that a run repeats itself bit for bit.
+            acc = parts[0]
+            for k in range(1, self.t):
+                acc = self._node(f"{base}{_MARK}_sum{k}", "AddV2", [acc, parts[k]], dtype).name
+            return acc
+        axis = self._const(f"{base}{_MARK}_gather_axis", have.split_dim)
+        node = self._node(f"{base}{_MARK}_gather", "ConcatV2", parts + [axis], dtype)
+        node.attr["N"].i = self.t
+        node.attr["Tidx"].type = tf.int32.as_datatype_enum
+        return node.name
+
+    def _reshard(self, tensor: str, have: ShardSpec, need: ShardSpec) -> List[str]:
+        if have == need:
+            return self._copies(tensor)
+        whole = self._whole(tensor, have)
+        dtype = self._dtype_of(tensor)
+        base = tensor.replace(":", "_")
+        d = need.split_dim
+        axis = self._const(f"{base}{_MARK}_split{d}_axis", d)
+        node = self._node(f"{base}{_MARK}_split{d}", "Split", [axis, whole], dtype)
+        node.attr["num_split"].i = self.t
+        return [f"{node.name}:{k}" if k else node.name for k in range(self.t)]
+
+    # -- ops -------------------------------------------------------------------
+    def write(self) -> None:
+        for op in self.g.ops:
+            src = self.src.get(op.name)
+            if src is None:
+                continue
+            if op.static_value is not None:
+                self._static(op, src)
+                continue
+            dec = self.plan.decisions.get(op.name)
+            if dec is None or op.type in READ_OPS or dec.kind != "local" or op.writes or op.stateful:
+                self._as_is(op, src, dec)
+            else:
+                self._copy(op, src, dec)
+
+    def _control(self, inputs: Sequence[str]) -> List[str]:
+        out = []
+        for x in inputs:
+            name = x[1:]
+            if self.sharded.get(name):
+                out.extend(f"^{name}{_MARK}_s{k}" for k in range(self.t))
+            else:
+                out.append(x)
+        return out
+
+    def _static(self, op: Any, src: Any) -> None:
+        """A shape known when tracing: a constant (its input may now be pieces)."""
+        node = self.out.node.add()
+        node.CopyFrom(src)
+        del node.input[:]
+        node.input.extend(self._control([x for x in src.input if x.startswith("^")]))
+        if op.type in ("Shape", "Size", "Rank"):
+            dtype = src.attr["out_type"].type if "out_type" in src.attr else tf.int32.as_datatype_enum
+            node.op = "Const"
+            for key in list(node.attr):
+                del node.attr[key]
+            node.attr["dtype"].type = dtype
+            node.attr["value"].tensor.CopyFrom(
+                tf.make_tensor_proto(np.asarray(op.static_value[0], dtype=tf.as_dtype(dtype).as_numpy_dtype))
+            )
+        else:  # ShapeN and the like keep their (whole) inputs
+            del node.input[:]
+            node.input.extend([self.piece(x, ShardSpec.replicated(0), None) for x in src.input if not x.startswith("^")])
+            node.input.extend(self._control([x for x in src.input if x.startswith("^")]))
+        for x in op.outputs:
+            self.physical[self.g.tensor_name(x)] = ShardSpec.replicated(0)
+
+    def _data_inputs(self, src: Any) -> List[str]:
+        return [x for x in src.input if not x.startswith("^")]
+
+    def _as_is(self, op: Any, src: Any, dec: Any) -> None:
+        """Runs whole: every data input whole (a write's value too)."""
+        node = self.out.node.add()
+        node.CopyFrom(src)
+        del node.input[:]
+        for x in self._data_inputs(src):
+            t = self._canonical(x)
+            shape = self.shape_of.get(t)
+            node.input.append(self.piece(t, ShardSpec.replicated(len(shape) if shape else 0), None)
+                              if t in self.physical else x)
+        node.input.extend(self._control([x for x in src.input if x.startswith("^")]))
+        for x in op.outputs:
+            name = self.g.tensor_name(x)
+            shape = self.g.tensors[x].shape
+            self.physical[name] = ShardSpec.replicated(len(shape) if shape else 0)
+
+    def _canonical(self, x: str) -> str:
+        return x if ":" in x else f"{x}:0"
+
+    def _copy(self, op: Any, src: Any, dec: Any) -> None:
+        self.sharded[op.name] = True
+        data = self._data_inputs(src)
+        controls = self._control([x for x in src.input if x.startswith("^")])
+        out_shape = self.g.tensors[op.outputs[0]].shape if op.outputs else None
+        out_spec = dec.outputs[0] if dec.outputs else None
+        local = None
+        if out_shape is not None and out_spec is not None and out_spec.split_dim is not None and None not in out_shape:
+            local = list(out_shape)
+            local[out_spec.split_dim] //= self.t
+        for k in range(self.t):
+            node = self.out.node.add()
+            node.CopyFrom(src)
+            node.name = f"{op.name}{_MARK}_s{k}"
+            del node.input[:]
+            for position, x in enumerate(data):
+                t = self._canonical(x)
+                if local is not None and self._is_shape_input(op.type, position):
+                    node.input.append(self._const(f"{op.name}{_MARK}_shape_s{k}", local, shard=k))
+                    continue
+                node.input.append(self.piece(t, dec.inputs[position], k))
+            node.input.extend(controls)
+            node.attr[SHARD_ATTR].i = k
+            if "_class" in node.attr:
+                del node.attr["_class"]
+        for x, spec in zip(op.outputs, dec.outputs):
+            self.physical[self.g.tensor_name(x)] = spec
+
+    @staticmethod
+    def _is_shape_input(op_type: str, position: int) -> bool:
+        return (op_type == "Reshape" and position == 1) or (op_type == "Conv2DBackpropInput" and position == 0) or (
+            op_type == "Conv2DBackpropFilter" and position == 1)
+
+
+def expand_graph_def(graph_def: Any, op_graph: OpGraph, plan: ShardPlan, t: int, outputs: Sequence[Optional[str]]):
+    """The sharded `GraphDef` and the names of `outputs` in it (whole)."""
+    w = _Writer(graph_def, plan, op_graph, t)
+    w.write()
+    renamed = []
+    for name in outputs:
+        if name is None:
+            renamed.append(None)
+            continue
+        spec = w.physical.get(name)
+        if spec is None or spec.is_replicated:
+            renamed.append(name)
+        else:
+            ref = w._whole(name, spec)
+            renamed.append(ref if ":" in ref else f"{ref}:0")
+    return w.out, renamed
+
+
+def shard_traced(
+    traced: Traced, variable_specs: Mapping[str, ShardSpec], t: int, graph: Optional[ShardGraph] = None
+) -> Tuple[Traced, ShardPlan]:
+    """Completes and applies the sharding of a traced step (module doc).
+
+    Returns:
+        The sharded `Traced` (same arguments, captures and outputs) and the
+        `ShardPlan`.
+    """
+    g = traced.op_graph
+    sgraph = graph or shard_graph_of(traced.graph_def, g, [n for n in traced.output_names if n], t)
+    plan = complete(sgraph, variable_specs, t)
+    if not plan.decisions:
+        return traced, plan
+    graph_def, outputs = expand_graph_def(traced.graph_def, g, plan, t, traced.output_names)
+    graph = tf.Graph()
+    with graph.as_default():
+        tf.graph_util.import_graph_def(graph_def, name="")
+    by_name = {op.name: op for op in g.ops}
+    captured_vars = {}
+    for name, cap in traced.captures.items():
+        if isinstance(cap, CapturedVariable):
+            key = by_name[name].variables[0] if name in by_name and by_name[name].variables else cap.key
+            captured_vars[name] = (key, g.variable_bytes.get(key, 0), g.trainable.get(key, True))
+
+    def lookup(attr: str):
+        return lambda op: getattr(by_name.get(origin_of(op.name)), attr, None)
+
+    t0 = time.perf_counter()
+    view = from_tf_graph(
+        graph,
+        arg_ops=traced.arg_names,
+        captured_variables=captured_vars,
+        captured_ops=list(traced.captures),
+        layer_of=lookup("layer"),
+        layer_call_of=lookup("call"),
+        glue_of=lambda op: bool(getattr(by_name.get(origin_of(op.name)), "glue", False)),
+        manual_partition_of=lookup("manual_partition"),
+        graph_def=graph_def,
+    )
+    sharded = Traced(graph_def, view, traced.arg_names, outputs, traced.output_structure, traced.captures,
+                     traced.layers, traced.view_seconds + time.perf_counter() - t0)
+    sharded._graph = graph
+    return sharded, plan
+
+
+def place_shards(graph_def: Any, stage_devices: Sequence[str]) -> None:
+    """Puts each shard's copy on its device of the stage (in place); the
+    other ops keep the device of the call (the stage's device 0)."""
+    for node in graph_def.node:
+        if SHARD_ATTR in node.attr:
+            k = node.attr[SHARD_ATTR].i
+            del node.attr[SHARD_ATTR]
+            if k:
+                node.device = stage_devices[k]
