@@ -315,12 +315,24 @@ def _contraction(
                 needs[p] = s
             return Decision(tuple(needs), _outs_like(info, _P))
         specs = [(_R(sh) if s.partial else s) for s, sh in zip(specs, shapes)]
+    # The letter to split: the first an input arrives split on. A contracted
+    # letter leaves a partial sum, which changes the order of the sum: it
+    # is taken only when every input that has it arrives split on it (a
+    # row-parallel product, as the layouts asked); otherwise the split
+    # input is gathered, which computes each element as one device does.
     letter = None
     for s, l in zip(specs, letters):
         d = s.split_dim
-        if d is not None and l[d] not in fixed and sizes.get(l[d], 1) % info.t == 0 and sizes.get(l[d], 1) >= info.t:
-            letter = l[d]
-            break
+        if d is None or l[d] in fixed or sizes.get(l[d], 1) % info.t or sizes.get(l[d], 1) < info.t:
+            continue
+        c = l[d]
+        if c not in out_letters and any(
+            c in l2 and sh[l2.index(c)] not in (1, None) and s2.split_dim != l2.index(c)
+            for s2, l2, sh in zip(specs, letters, shapes)
+        ):
+            continue
+        letter = c
+        break
     if letter is None:
         return whole()
     needs = list(_R(s) for s in info.input_shapes)
