@@ -85,6 +85,63 @@ def _const_value(node: Any) -> Optional[Any]:
     return value.tolist()
 
 
+def _known_values(g: OpGraph, nodes: Mapping[str, Any]) -> Dict[int, Any]:
+    """tensor id -> value, for the small integer tensors known when tracing:
+    constants, shapes of fully known tensors, and what the gradients compute
+    from them (the axes a broadcast's gradient sums over, an inverted
+    permutation), so that rules can read a reduction's axes or a transpose's
+    permutation in the backward pass too."""
+    known: Dict[int, Any] = {}
+    for op in g.ops:
+        value: Any = None
+        if op.static_value is not None:
+            values = list(op.static_value)
+        else:
+            node = nodes.get(op.name)
+            ins = [known.get(x) for x in op.inputs]
+            values = None
+            if node is not None and op.type == "Const":
+                values = [_const_value(node)]
+            elif op.type in ("Identity", "Snapshot") and ins and ins[0] is not None:
+                values = [ins[0]]
+            elif op.type == "InvertPermutation" and ins and ins[0] is not None:
+                perm = list(ins[0])
+                values = [[perm.index(i) for i in range(len(perm))]]
+            elif op.type == "StridedSlice" and node is not None and len(ins) == 4 and None not in ins:
+                values = [_strided_slice_1d(ins, {k: node.attr[k].i for k in node.attr if k.endswith("_mask")})]
+            elif op.type == "BroadcastGradientArgs" and len(ins) == 2 and None not in ins:
+                values = list(_broadcast_gradient_args(list(ins[0]), list(ins[1])))
+        if values is None:
+            continue
+        for x, value in zip(op.outputs, values):
+            if value is not None:
+                known[x] = value
+    return known
+
+
+def _strided_slice_1d(ins: List[Any], masks: Mapping[str, int]) -> Optional[Any]:
+    """A slice of a known shape vector (``shape[:-2]`` in a product's
+    gradient); None for anything but one axis without new or elided axes."""
+    value, begin, end, strides = ins
+    if not isinstance(value, list) or any(masks.get(k, 0) for k in ("ellipsis_mask", "new_axis_mask")):
+        return None
+    if not all(isinstance(v, list) and len(v) == 1 for v in (begin, end, strides)):
+        return None
+    b = None if masks.get("begin_mask", 0) & 1 else begin[0]
+    e = None if masks.get("end_mask", 0) & 1 else end[0]
+    if masks.get("shrink_axis_mask", 0) & 1:
+        return value[begin[0]] if -len(value) <= begin[0] < len(value) else None
+    return value[b:e:strides[0]]
+
+
+def _broadcast_gradient_args(a: List[int], b: List[int]) -> Tuple[List[int], List[int]]:
+    """The axes each input of a broadcasting op is summed over in its gradient
+    (TensorFlow's own ``BroadcastGradientArgs``, run on the two shapes)."""
+    with tf.init_scope():  # eagerly, also while a step is being traced
+        ra, rb = tf.raw_ops.BroadcastGradientArgs(s0=tf.constant(a, tf.int32), s1=tf.constant(b, tf.int32))
+        return ra.numpy().tolist(), rb.numpy().tolist()
+
+
 def _parse_constraint(text: str) -> ShardSpec:
     return ShardSpec(tuple(None if d == "-" else "tensor" for d in text.split(",")) if text else ())
 
@@ -100,6 +157,7 @@ def shard_graph_of(graph_def: Any, op_graph: OpGraph, outputs: Sequence[str], t:
     g = op_graph
     ops: List[ShardOp] = []
     bytes_of: Dict[str, int] = {}
+    known = _known_values(g, nodes)
     for op in g.ops:
         node = nodes.get(op.name)
         if node is None:
@@ -107,12 +165,10 @@ def shard_graph_of(graph_def: Any, op_graph: OpGraph, outputs: Sequence[str], t:
         attrs = {k: _plain(node.attr[k]) for k in _ATTRS if k in node.attr}
         data_inputs = [x for x in node.input if not x.startswith("^")]
         const: Dict[int, Any] = {}
-        for k, x in enumerate(data_inputs):
-            src = nodes.get(x.split(":")[0].lstrip("^"))
-            if src is not None:
-                value = _const_value(src)
-                if value is not None:
-                    const[k] = value
+        for k, x in enumerate(op.inputs):
+            value = known.get(x)
+            if value is not None:
+                const[k] = value
         info = OpInfo(
             name=op.name,
             type=op.type,

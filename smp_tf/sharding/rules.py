@@ -626,3 +626,18 @@ def _resource_gather(info: OpInfo, ins: Sequence[ShardSpec]) -> Optional[Decisio
     if out is None or table.split_dim != 0 or ids is None:
         return None
     return Decision((table, _R(ids)), (ShardSpec.partial_sum(len(out)),), kind="masked_gather")
+
+
+@register_rule("Tile")
+def _tile(info: OpInfo, ins: Sequence[ShardSpec]) -> Optional[Decision]:
+    """A split dimension that is not repeated stays split."""
+    multiples = info.const_inputs.get(1)
+    shape, out = info.input_shapes[0], info.output_shapes[0]
+    if multiples is None or shape is None or out is None:
+        return None
+    s = ins[0]
+    rest = (_R(info.input_shapes[1]),)
+    d = s.split_dim
+    if s.partial or d is None or int(multiples[d]) != 1:
+        return None
+    return Decision((s,) + rest, (_S(out, d),))
