@@ -271,11 +271,10 @@ def complete(graph: ShardGraph, variables: Mapping[str, ShardSpec], t: int, max_
         if not moved:
             break
     readers = _readers(graph, specs, decisions)
+    shape_of = {x: s for op in graph.ops for x, s in zip(op.inputs, op.info.input_shapes)}
     reshards: List[Reshard] = []
     for x, reads in readers.items():
-        have = specs.get(x)
-        if have is None:
-            continue
+        have = specs.get(x) or _replicated_like(shape_of.get(x))
         groups: Dict[ShardSpec, List[Tuple[str, int]]] = {}
         for name, k, need in reads:
             if need != have:

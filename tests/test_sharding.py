@@ -1,0 +1,284 @@
+"""The sharding layer's pure logic, on plain data and hand-written graphs:
+specs, layout maps, the per-op rules, completion, reshards and the built-in
+layouts. No TensorFlow op runs here."""
+
+import pytest
+
+from smp_tf.sharding.builtin import pair_layouts, product_pairs
+from smp_tf.sharding.completion import ShardGraph, complete
+from smp_tf.sharding.layout_map import LayoutMap, resolve_layout
+from smp_tf.sharding.reshard import reshard_bytes, reshard_steps
+from smp_tf.sharding.rules import OpInfo, parse_einsum, reshape_dim, rule_for
+from smp_tf.sharding.spec import ShardSpec, check_divisible, parse_spec
+
+R2, S0, S1, P2 = ShardSpec((None, None)), ShardSpec(("tensor", None)), ShardSpec((None, "tensor")), ShardSpec.partial_sum(2)
+
+
+# ---------------------------------------------------------------- specs
+
+
+def test_spec_forms():
+    assert str(R2) == "R" and str(S0) == "S(0)" and str(S1) == "S(1)" and str(P2) == "P"
+    assert ShardSpec.split(3, -1) == ShardSpec((None, None, "tensor"))
+    assert R2.is_replicated and not S0.is_replicated and not P2.is_replicated
+
+
+def test_spec_errors_name_the_value():
+    with pytest.raises(ValueError, match="'data'"):
+        parse_spec(("data", None))
+    with pytest.raises(ValueError, match="At most one"):
+        parse_spec(("tensor", "tensor"))
+    with pytest.raises(ValueError, match="rank 3"):
+        parse_spec((None, "tensor"), rank=3)
+    with pytest.raises(ValueError, match="one entry per dimension"):
+        parse_spec("tensor")
+    with pytest.raises(ValueError, match=r"Variable 'up/kernel' of shape \(16, 30\).*dimension 1 has size 30, which 4"):
+        check_divisible(S1, (16, 30), 4, "Variable 'up/kernel'")
+
+
+# ----------------------------------------------------------- layout maps
+
+SHAPES = {"dense/kernel": (16, 64), "dense/bias": (64,), "dense_1/kernel": (64, 16), "dense_1/bias": (16,)}
+
+
+def test_layout_map_matches_whole_paths():
+    # re.fullmatch: "dense/.*" does not reach dense_1's variables.
+    lm = LayoutMap({"dense/kernel": (None, "tensor"), "dense/bias": ("tensor",), r"dense_1/kernel": ("tensor", None)})
+    specs = resolve_layout(lm, SHAPES, 2)
+    assert specs == {"dense/kernel": S1, "dense/bias": ShardSpec(("tensor",)), "dense_1/kernel": S0}
+
+
+def test_layout_map_key_matching_nothing_lists_closest_paths():
+    with pytest.raises(ValueError, match=r"'dense_2/kernel' matches no variable.*dense_1/kernel"):
+        resolve_layout({"dense_2/kernel": (None, "tensor")}, SHAPES, 2)
+
+
+def test_layout_map_two_keys_for_one_variable():
+    with pytest.raises(ValueError, match="'dense/kernel' is matched by two layout_map keys"):
+        resolve_layout({"dense/kernel": (None, "tensor"), "dense/.*": (None, "tensor")}, SHAPES, 2)
+
+
+def test_layout_map_rank_and_divisibility():
+    with pytest.raises(ValueError, match="has 1 entries but the tensor has rank 2"):
+        resolve_layout({"dense/kernel": ("tensor",)}, SHAPES, 2)
+    with pytest.raises(ValueError, match="dimension 0 has size 16, which 3 does not divide"):
+        resolve_layout({"dense_1/bias": ("tensor",)}, SHAPES, 3)
+    with pytest.raises(ValueError, match="not a valid regular expression"):
+        LayoutMap({"dense/[": (None,)})
+
+
+# -------------------------------------------------------------- reshards
+
+
+def test_reshard_table():
+    assert reshard_steps(R2, S1) == ("split",)
+    assert reshard_steps(S1, R2) == ("all_gather",)
+    assert reshard_steps(P2, R2) == ("all_reduce",)
+    assert reshard_steps(P2, S0) == ("reduce_scatter",)
+    assert reshard_steps(S0, S1) == ("all_gather", "split")
+    assert reshard_steps(S0, S0) == ()
+    with pytest.raises(ValueError):
+        reshard_steps(R2, P2)
+    # A ring all-reduce receives 2 (t-1)/t of the tensor, an all-gather (t-1)/t.
+    assert reshard_bytes(P2, R2, 1000, 4) == 1500.0
+    assert reshard_bytes(S0, R2, 1000, 2) == 500.0
+    assert reshard_bytes(R2, S0, 1000, 2) == 0.0
+
+
+# ------------------------------------------------------------------ rules
+
+
+def _decide(op_type, shapes, out, ins, attrs=None, const=None, t=2):
+    info = OpInfo("op", op_type, attrs or {}, tuple(shapes), (out,), const or {}, t)
+    return rule_for(op_type)(info, ins)
+
+
+def test_matmul_column_and_row_parallel():
+    # x (whole) @ W split by columns: the output is split by columns.
+    d = _decide("MatMul", [(8, 16), (16, 64)], (8, 64), [R2, S1])
+    assert d.inputs == (R2, S1) and d.outputs == (S1,)
+    # h split by columns @ W split by rows: a partial sum.
+    d = _decide("MatMul", [(8, 64), (64, 16)], (8, 16), [S1, S0])
+    assert d.outputs == (P2,)
+    # The weight gradient h^T @ dy keeps h's split on the kernel's rows.
+    d = _decide("MatMul", [(8, 64), (8, 16)], (64, 16), [S1, R2], {"transpose_a": True})
+    assert d.outputs == (S0,)
+    # dx = dz @ W^T with both split on the contracted dimension: partial.
+    d = _decide("MatMul", [(8, 64), (16, 64)], (8, 16), [S1, S1], {"transpose_b": True})
+    assert d.outputs == (P2,)
+
+
+def test_matmul_gathers_rather_than_splitting_a_whole_operand_on_a_contracted_dimension():
+    # h split by columns @ W whole: W could be split for free, but the sum
+    # over the split dimension would change its order; h is gathered instead.
+    d = _decide("MatMul", [(8, 64), (64, 16)], (8, 16), [S1, R2])
+    assert d.inputs == (R2, R2) and d.outputs == (R2,)
+
+
+def test_matmul_partial_times_whole_stays_partial():
+    d = _decide("MatMul", [(8, 16), (16, 4)], (8, 4), [P2, R2])
+    assert d.inputs == (P2, R2) and d.outputs == (P2,)
+
+
+def test_batch_matmul_by_heads():
+    s4 = ShardSpec((None, "tensor", None, None))
+    d = _decide("BatchMatMulV2", [(2, 4, 8, 16), (2, 4, 16, 8)], (2, 4, 8, 8), [s4, s4])
+    assert d.outputs == (s4,)
+
+
+def test_einsum_parse_and_heads():
+    assert parse_einsum("abc,cde->abde", [3, 3]) == (["abc", "cde"], "abde")
+    assert parse_einsum("...b,bc->...c", [3, 2]) == (["ABb", "bc"], "ABc")
+    # keras' attention projection: x (b, s, d) @ kernel (d, heads, size).
+    d = _decide("Einsum", [(2, 8, 16), (16, 4, 4)], (2, 8, 4, 4), [ShardSpec.replicated(3), ShardSpec((None, "tensor", None))],
+                {"equation": "abc,cde->abde"})
+    assert d.outputs == (ShardSpec((None, None, "tensor", None)),)
+
+
+def test_elementwise_broadcast_and_partials():
+    # A bias (64,) added to a column-split (8, 64): the bias is split too.
+    d = _decide("AddV2", [(8, 64), (64,)], (8, 64), [S1, ShardSpec((None,))])
+    assert d.inputs == (S1, ShardSpec(("tensor",))) and d.outputs == (S1,)
+    # A broadcast dimension of size 1 stays whole.
+    d = _decide("Mul", [(8, 64), (8, 1)], (8, 64), [S1, R2])
+    assert d.inputs == (S1, R2)
+    # Linear: a partial sum times a whole tensor stays partial; a ReLU needs the sum.
+    assert _decide("Mul", [(8, 4), (8, 4)], (8, 4), [P2, R2]).outputs == (P2,)
+    assert _decide("Relu", [(8, 4)], (8, 4), [P2]).inputs == (R2,)
+    # P + R would add the whole tensor t times: the partial sum is reduced first.
+    assert _decide("AddV2", [(8, 4), (8, 4)], (8, 4), [P2, R2]).inputs == (R2, R2)
+
+
+def test_reductions():
+    d = _decide("Sum", [(8, 64), (1,)], (8,), [S1, ShardSpec((None,))], const={1: [1]})
+    assert d.outputs == (ShardSpec.partial_sum(1),)
+    d = _decide("Sum", [(8, 64), (1,)], (64,), [S1, ShardSpec((None,))], const={1: [0]})
+    assert d.outputs == (ShardSpec(("tensor",)),)
+    d = _decide("Mean", [(8, 64), (1,)], (8, 1), [S1, ShardSpec((None,))], {"keep_dims": True}, const={1: [1]})
+    assert d.inputs[0] == R2  # a mean over a split dimension needs it whole
+    d = _decide("Mean", [(8, 64), (1,)], (1, 64), [S1, ShardSpec((None,))], {"keep_dims": True}, const={1: [0]})
+    assert d.outputs == (S1,)
+
+
+def test_softmax_needs_its_axis_whole():
+    assert _decide("Softmax", [(8, 64)], (8, 64), [S1]).inputs == (R2,)
+    assert _decide("Softmax", [(8, 64)], (8, 64), [S0]).outputs == (S0,)
+
+
+def test_reshape_dimension_map():
+    # Merging (4, 8) -> 32 keeps a split of the leading dimension, not of the second.
+    assert reshape_dim((2, 4, 8), (2, 32), 1, 2) == 1
+    assert reshape_dim((2, 4, 8), (2, 32), 2, 2) is None
+    # Splitting 32 -> (4, 8) keeps it on the leading piece when t divides it.
+    assert reshape_dim((2, 32), (2, 4, 8), 1, 2) == 1
+    assert reshape_dim((2, 32), (2, 4, 8), 1, 8) is None
+    assert reshape_dim((2, 1, 32), (2, 32), 2, 2) == 1  # size-1 dimensions belong to no group
+
+
+def test_transpose_bias_add_grad_and_conv():
+    s4 = ShardSpec((None, "tensor", None, None))
+    d = _decide("Transpose", [(2, 4, 8, 16), (4,)], (2, 8, 4, 16), [s4, ShardSpec((None,))], const={1: [0, 2, 1, 3]})
+    assert d.outputs == (ShardSpec((None, None, "tensor", None)),)
+    assert _decide("BiasAddGrad", [(8, 64)], (64,), [S1]).outputs == (ShardSpec(("tensor",)),)
+    assert _decide("BiasAddGrad", [(8, 64)], (64,), [S0]).outputs == (ShardSpec.partial_sum(1),)
+    # Conv2D with its output channels split (filter split on its last dimension).
+    r4 = ShardSpec.replicated(4)
+    d = _decide("Conv2D", [(2, 8, 8, 3), (3, 3, 3, 16)], (2, 8, 8, 16), [r4, ShardSpec((None, None, None, "tensor"))])
+    assert d.outputs == (ShardSpec((None, None, None, "tensor")),)
+
+
+# ------------------------------------------------------------- completion
+
+
+def _mlp(extra=(), t=2):
+    return ShardGraph.from_spec([
+        dict(name="x", type="Placeholder", shape=(8, 16)),
+        dict(name="h1", type="Placeholder", shape=()),
+        dict(name="w1", type="ReadVariableOp", inputs=["h1"], shape=(16, 64), variable="w1"),
+        dict(name="hb", type="Placeholder", shape=()),
+        dict(name="b1", type="ReadVariableOp", inputs=["hb"], shape=(64,), variable="b1"),
+        dict(name="mm1", type="MatMul", inputs=["x", "w1"], shape=(8, 64)),
+        dict(name="ba1", type="BiasAdd", inputs=["mm1", "b1"], shape=(8, 64)),
+        dict(name="relu", type="Relu", inputs=["ba1"], shape=(8, 64)),
+        dict(name="h2", type="Placeholder", shape=()),
+        dict(name="w2", type="ReadVariableOp", inputs=["h2"], shape=(64, 16), variable="w2"),
+        dict(name="mm2", type="MatMul", inputs=["relu", "w2"], shape=(8, 16)),
+        *extra,
+    ], outputs=["mm2"], t=t)
+
+
+def test_completion_of_a_megatron_mlp():
+    # Column-parallel up, row-parallel down: everything between is split,
+    # and the only reshard is the all-reduce of the partial output.
+    plan = complete(_mlp(), {"w1": S1, "b1": ShardSpec(("tensor",)), "w2": S0}, 2)
+    assert [str(plan.specs[f"{n}:0"]) for n in ("mm1", "ba1", "relu", "mm2")] == ["S(1)", "S(1)", "S(1)", "P"]
+    assert [(r.tensor, r.steps) for r in plan.reshards] == [("mm2:0", ("all_reduce",))]
+    assert plan.whole_ops == []
+    assert "w1" in plan.summary() and "all_reduce x1" in plan.summary()
+
+
+def test_completion_from_an_activation_constraint():
+    # No variable is sharded; smp.shard_tensor asks for relu's output split by
+    # columns. The split moves back through relu and the bias addition to the
+    # product, which splits its kernel (free) and computes only its columns.
+    g = ShardGraph.from_spec([
+        dict(name="x", type="Placeholder", shape=(8, 16)),
+        dict(name="h1", type="Placeholder", shape=()),
+        dict(name="w1", type="ReadVariableOp", inputs=["h1"], shape=(16, 64), variable="w1"),
+        dict(name="mm1", type="MatMul", inputs=["x", "w1"], shape=(8, 64)),
+        dict(name="exp", type="Exp", inputs=["mm1"], shape=(8, 64)),
+        dict(name="c", type="Identity", inputs=["exp"], shape=(8, 64), constraint=(None, "tensor")),
+        dict(name="out", type="Relu", inputs=["c"], shape=(8, 64)),
+    ], outputs=["out"])
+    plan = complete(g, {}, 2)
+    assert str(plan.specs["exp:0"]) == "S(1)" and str(plan.specs["out:0"]) == "S(1)"
+    assert plan.decisions["exp"].inputs == (S1,)
+    # The product has no sharded input, so the split lands on its output.
+    assert [(r.tensor, r.steps) for r in plan.reshards] == [("mm1:0", ("split",)), ("out:0", ("all_gather",))]
+
+
+def test_completion_runs_ops_without_rules_whole():
+    extra = [dict(name="odd", type="Cumsum", inputs=["relu"], shape=(8, 64))]
+    plan = complete(_mlp(extra), {"w1": S1, "b1": ShardSpec(("tensor",)), "w2": S0}, 2)
+    assert plan.whole_ops == [("odd", "Cumsum")]
+    assert any(r.tensor == "relu:0" and r.steps == ("all_gather",) for r in plan.reshards)
+    assert "Cumsum x1" in plan.summary()
+
+
+def test_completion_reads_outputs_whole():
+    plan = complete(_mlp(), {"w1": S1}, 2)
+    # Without w2 split, the down product gathers its input and is whole; the
+    # whole bias b1 is split (a local slice) for the column-split addition.
+    assert str(plan.specs["mm2:0"]) == "R"
+    assert [(r.tensor, r.steps) for r in plan.reshards] == [("b1:0", ("split",)), ("relu:0", ("all_gather",))]
+
+
+# ------------------------------------------------------- built-in layouts
+
+
+def test_builtin_pairs_an_mlp():
+    g = _mlp()
+    assert product_pairs(g) == [("mm1", "mm2")]
+    assert pair_layouts(g, 2) == {"w1": S1, "w2": S0, "b1": ShardSpec(("tensor",))}
+    # A degree that does not divide the hidden width leaves the pair whole.
+    assert pair_layouts(g, 3) == {}
+
+
+def test_builtin_pairs_a_gated_mlp_and_stops_at_residuals():
+    g = ShardGraph.from_spec([
+        dict(name="x", type="Placeholder", shape=(8, 16)),
+        *[dict(name=f"h{k}", type="Placeholder", shape=()) for k in range(4)],
+        dict(name="wg", type="ReadVariableOp", inputs=["h0"], shape=(16, 64), variable="gate"),
+        dict(name="wu", type="ReadVariableOp", inputs=["h1"], shape=(16, 64), variable="up"),
+        dict(name="wd", type="ReadVariableOp", inputs=["h2"], shape=(64, 16), variable="down"),
+        dict(name="wn", type="ReadVariableOp", inputs=["h3"], shape=(16, 16), variable="next"),
+        dict(name="g", type="MatMul", inputs=["x", "wg"], shape=(8, 64)),
+        dict(name="u", type="MatMul", inputs=["x", "wu"], shape=(8, 64)),
+        dict(name="act", type="Sigmoid", inputs=["g"], shape=(8, 64)),
+        dict(name="gu", type="Mul", inputs=["act", "u"], shape=(8, 64)),
+        dict(name="d", type="MatMul", inputs=["gu", "wd"], shape=(8, 16)),
+        dict(name="res", type="AddV2", inputs=["d", "x"], shape=(8, 16)),
+        dict(name="n", type="MatMul", inputs=["res", "wn"], shape=(8, 16)),
+    ])
+    assert sorted(product_pairs(g)) == [("g", "d"), ("u", "d")]
+    assert pair_layouts(g, 2) == {"gate": S1, "up": S1, "down": S0}
