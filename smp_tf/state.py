@@ -148,7 +148,13 @@ def _setup_devices(
     parallelism: partition p gets devices ``p*t .. p*t+t-1``), creating
     logical CPU devices if needed."""
     if tensor_degree > 1:
-        flat = _setup_devices(num_partitions * tensor_degree, local_rank, local_size, strategy)
+        try:
+            flat = _setup_devices(num_partitions * tensor_degree, local_rank, local_size, strategy)
+        except (RuntimeError, ValueError) as e:
+            raise type(e)(
+                f"partitions={num_partitions} x tensor_parallel_degree={tensor_degree} needs "
+                f"{num_partitions * tensor_degree} devices in this process. {e}"
+            ) from e
         groups = tuple(flat.devices[p * tensor_degree:(p + 1) * tensor_degree] for p in range(num_partitions))
         return Topology(tuple(g[0] for g in groups), flat.kind, flat.logical_cpu, groups)
     import tensorflow as tf

@@ -32,7 +32,10 @@ from smp_tf.sharding.spec import TENSOR, ShardSpec
 __all__ = ["product_pairs", "pair_layouts", "attention_layouts"]
 
 _PRODUCTS = frozenset(["MatMul", "Einsum"])
-_THROUGH = (UNARY | BINARY | frozenset(["BiasAdd"])) - frozenset(["AddN"])
+# Reshapes keep a product's output dimension last (a dense layer on a 3-D
+# input is reshape, product, reshape); only their data input joins the path.
+_RESHAPES = frozenset(["Reshape", "ExpandDims", "Squeeze"])
+_THROUGH = (UNARY | BINARY | _RESHAPES | frozenset(["BiasAdd"])) - frozenset(["AddN"])
 
 
 def _kernel_dims(op: ShardOp, position: int) -> Optional[Tuple[List[int], List[int]]]:
@@ -107,7 +110,8 @@ def product_pairs(graph: ShardGraph) -> List[Tuple[str, str]]:
                     continue
                 if r.type not in _THROUGH or r.name.startswith(("gradient_tape", "gradients")):
                     continue
-                if not all(y in path or fixed(y) for y in r.inputs):
+                data = r.inputs[:1] if r.type in _RESHAPES else r.inputs
+                if not all(y in path or fixed(y) for y in data):
                     continue  # waits until its other inputs join the path, or never does
                 seen.add(r.name)
                 for y in r.outputs:

@@ -1,0 +1,232 @@
+"""Tensor parallelism against the single-device step.
+
+Each partition's ops split over ``tensor_parallel_degree`` logical CPU
+devices. Per micro-batch, the loss and every gradient are compared with
+the same body run on one device in a loop: bit for bit where only splits,
+gathers and column-parallel products are involved, within float32
+rounding scaled by the contracted size where a row-parallel product's
+partial sums are added (docs/exactness.md, "Tensor parallelism").
+"""
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import smp_tf as smp
+from tests.zoo import zoo_models
+
+pytestmark = pytest.mark.xdist_group("tensor_parallel")
+
+M = 2
+
+
+def _mlp(width=64):
+    keras.utils.set_random_seed(3)
+    inp = keras.Input((16,))
+    h = keras.layers.Dense(width, activation="relu", name="up")(inp)
+    h = keras.layers.Dense(16, name="down")(h)
+    h = keras.layers.Dense(32, activation="gelu", name="up2")(h)
+    out = keras.layers.Dense(4, name="down2")(h)
+    return smp.DistributedModel(inp, out)
+
+
+def _data():
+    rng = np.random.default_rng(0)
+    return rng.normal(size=(8, 16)).astype("float32"), rng.normal(size=(8, 4)).astype("float32")
+
+
+def _body(model):
+    def body(x, y):
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_mean((model(x, training=True) - y) ** 2)
+        return loss, tape.gradient(loss, model.trainable_variables)
+    return body
+
+
+def _reference(body, x, y, m=M):
+    fn = tf.function(body)
+    outs = [fn(tf.constant(x[k::m]), tf.constant(y[k::m])) for k in range(m)]
+    return [float(l) for l, _ in outs], [[g.numpy() for g in gs] for _, gs in outs]
+
+
+def _run(body, x, y):
+    step = smp.step(body)
+    loss, grads = step(tf.constant(x), tf.constant(y))
+    losses = [float(v) for v in loss.outputs]
+    return step, losses, [[tf.convert_to_tensor(g.outputs[k]).numpy() for g in grads] for k in range(len(losses))]
+
+
+def _assert_within_rounding(got, expected, contracted):
+    """Partial sums reorder a sum of `contracted` products: each gradient
+    within contracted * eps of its own scale."""
+    eps = np.finfo(np.float32).eps
+    for gs, rs in zip(got, expected):
+        for g, r in zip(gs, rs):
+            scale = max(float(np.max(np.abs(r))), 1e-3)
+            assert np.max(np.abs(g - r)) <= contracted * eps * scale, (np.max(np.abs(g - r)), scale)
+
+
+def test_column_parallel_is_bit_exact_and_runs_on_the_stage_devices():
+    # The first layer column-parallel: its product, bias, activation and
+    # weight gradient are split, and gathered where the next layer reads
+    # them. (A later column-parallel layer's input gradient contracts the
+    # split dimension: a partial sum, within rounding; see the next tests.)
+    lm = {"up/kernel": (None, "tensor"), "up/bias": ("tensor",)}
+    smp.init({"partitions": 1, "microbatches": M, "tensor_parallel_degree": 2, "layout_map": lm})
+    assert smp.tp_size() == 2 and smp.tp_rank() == 0
+    assert smp.topology().stage_devices(0) == ("/device:CPU:0", "/device:CPU:1")
+    model = _mlp()
+    x, y = _data()
+    ref_losses, ref_grads = _reference(_body(model), x, y)
+    step, losses, grads = _run(_body(model), x, y)
+    assert losses == ref_losses
+    for gs, rs in zip(grads, ref_grads):
+        for g, r, v in zip(gs, rs, model.trainable_variables):
+            np.testing.assert_array_equal(g, r, err_msg=v.path)
+    plan = step.last_plan.shard_plan
+    assert {k for k, s in plan.variables.items() if not s.is_replicated} == set(lm)
+    assert not any(s == "all_reduce" for r in plan.reshards for s in r.steps)
+    # Each shard's copy runs on its own device of the stage.
+    entry = next(iter(step._compiled.values()))
+    devices = {op.device for f in entry._functions.values() for op in f.graph.get_operations()}
+    assert "/device:CPU:1" in devices
+
+
+@pytest.mark.parametrize("partitions", [1, 2])
+def test_builtin_rules_split_mlp_pairs_within_rounding(partitions):
+    smp.init({"partitions": partitions, "microbatches": M, "tensor_parallel_degree": 2})
+    model = _mlp()
+    x, y = _data()
+    ref_losses, ref_grads = _reference(_body(model), x, y)
+    step, losses, grads = _run(_body(model), x, y)
+    plan = step.last_plan.shard_plan
+    # Megatron's pairs: up and up2 column-parallel, down and down2 row-parallel.
+    assert plan.variables["up/kernel"].dims == (None, "tensor")
+    assert plan.variables["down/kernel"].dims == ("tensor", None)
+    assert plan.variables["up2/kernel"].dims == (None, "tensor")
+    assert plan.variables["down2/kernel"].dims == ("tensor", None)
+    np.testing.assert_allclose(losses, ref_losses, rtol=64 * np.finfo(np.float32).eps)
+    _assert_within_rounding(grads, ref_grads, contracted=64)
+    # Two runs add the partial sums in the same order: bit for bit the same.
+    _, losses2, grads2 = _run(_body(model), x, y)
+    assert losses2 == losses
+    for a, b in zip(grads, grads2):
+        for g, h in zip(a, b):
+            np.testing.assert_array_equal(g, h)
+    assert step.last_plan.devices == ["/device:CPU:0", "/device:CPU:2"][:partitions]
+
+
+@pytest.mark.parametrize("name", ["gpt2_lm", "bert_classifier"])
+def test_keras_hub_transformers_at_two_partitions_of_two_devices(name):
+    smp.init({"partitions": 2, "microbatches": M, "tensor_parallel_degree": 2})
+    case = zoo_models.ENTRIES[name]()
+    model = case.model
+
+    def body(x, y):
+        with tf.GradientTape() as tape:
+            loss = case.loss(y, model(x, training=True))
+        return loss, tape.gradient(loss, model.trainable_variables)
+
+    init = [v.numpy() for v in model.variables]
+    fn = tf.function(body)
+    mb = lambda v, k: tf.nest.map_structure(lambda a: tf.constant(a[k::M]), v)  # noqa: E731
+    outs = [fn(mb(case.x, k), mb(case.y, k)) for k in range(M)]
+    ref_losses = [float(l) for l, _ in outs]
+    ref_grads = [[tf.convert_to_tensor(g).numpy() for g in gs] for _, gs in outs]
+    for v, a in zip(model.variables, init):
+        v.assign(a)
+    step = smp.step(body)
+    loss, grads = step(tf.nest.map_structure(tf.constant, case.x), tf.constant(case.y))
+    plan = step.last_plan.shard_plan
+    sharded = [k for k, s in plan.variables.items() if not s.is_replicated]
+    # Attention split by heads, the feed-forward pairs by columns and rows.
+    assert any("query/kernel" in k for k in sharded) and any("attention_output/kernel" in k for k in sharded)
+    assert len(sharded) >= 16
+    np.testing.assert_allclose([float(v) for v in loss.outputs], ref_losses, rtol=1e-6)
+    got = [[tf.convert_to_tensor(g.outputs[k]).numpy() for g in grads] for k in range(M)]
+    floor = 1e-3 * max(float(np.max(np.abs(g))) for gs in ref_grads for g in gs)
+    for gs, rs in zip(got, ref_grads):
+        for g, r in zip(gs, rs):
+            assert np.max(np.abs(g - r)) <= 1e-5 * max(float(np.max(np.abs(r))), floor)
+
+
+def test_shard_tensor_constraint_splits_an_activation():
+    smp.init({"partitions": 1, "microbatches": M, "tensor_parallel_degree": 2,
+              "layout_map": {r"(.*/)?up/kernel": (None, "tensor")}})
+    keras.utils.set_random_seed(3)
+    dense1, dense2 = keras.layers.Dense(64, name="up"), keras.layers.Dense(4, name="down")
+
+    class Model(smp.DistributedModel):
+        def call(self, x):
+            h = tf.nn.relu(dense1(x))
+            return dense2(smp.shard_tensor(h, (None, "tensor")))
+
+    model = Model()
+    model(np.zeros((2, 16), "float32"))
+    x, y = _data()
+    ref_losses, ref_grads = _reference(_body(model), x, y)
+    step, losses, grads = _run(_body(model), x, y)
+    assert losses == ref_losses
+    plan = step.last_plan.shard_plan
+    assert any(op.endswith("smp_shard_tensor") for op in plan.decisions)
+
+
+def test_fit_matches_plain_keras_and_weights_load_in_plain_keras(tmp_path):
+    rng = np.random.default_rng(1)
+    x, y = rng.normal(size=(64, 16)).astype("float32"), rng.integers(0, 4, size=(64,)).astype("int32")
+
+    def build(cls):
+        keras.utils.set_random_seed(5)
+        inp = keras.Input((16,))
+        h = keras.layers.Dense(32, activation="relu", name="up")(inp)
+        return cls(inp, keras.layers.Dense(4, name="down")(h))
+
+    def fit(model):
+        model.compile(optimizer=keras.optimizers.Adam(1e-2),
+                      loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+        return model.fit(x, y, batch_size=16, epochs=2, shuffle=False, verbose=0).history["loss"]
+
+    plain = build(keras.Model)
+    expected = fit(plain)
+    smp.init({"partitions": 2, "microbatches": 2, "tensor_parallel_degree": 2})
+    model = build(smp.DistributedModel)
+    got = fit(model)
+    np.testing.assert_allclose(got, expected, rtol=1e-5)
+    for w, r in zip(model.get_weights(), plain.get_weights()):
+        np.testing.assert_allclose(w, r, rtol=1e-4, atol=1e-6)
+    # Layout-free: the weights saved at t=2 load into plain Keras unchanged.
+    path = str(tmp_path / "tp.weights.h5")
+    model.save_weights(path)
+    other = build(keras.Model)
+    other.load_weights(path)
+    for w, r in zip(other.get_weights(), model.get_weights()):
+        np.testing.assert_array_equal(w, r)
+
+
+def test_errors_before_anything_runs():
+    with pytest.raises(ValueError, match="tensor_parallel_degree"):
+        smp.init({"tensor_parallel_degree": 0})
+    with pytest.raises(ValueError, match="pipeline_processes"):
+        smp.init({"partitions": 2, "tensor_parallel_degree": 2, "pipeline_processes": 2})
+    with pytest.raises(ValueError, match="'data'"):
+        smp.init({"tensor_parallel_degree": 2, "layout_map": {"up/kernel": ("data", None)}})
+    with pytest.raises(ValueError, match="layout_map"):
+        smp.init({"tensor_parallel_degree": 2, "layout_map": ["up/kernel"]})
+    # A layout_map key that names no variable, and an indivisible split, at the first call.
+    x, y = _data()
+    smp.init({"partitions": 1, "microbatches": M, "tensor_parallel_degree": 2,
+              "layout_map": {"upp/kernel": (None, "tensor")}})
+    model = _mlp()
+    with pytest.raises(ValueError, match=r"'upp/kernel' matches no variable.*up/kernel"):
+        smp.step(_body(model))(tf.constant(x), tf.constant(y))
+    smp.init({"partitions": 1, "microbatches": M, "tensor_parallel_degree": 3,
+              "layout_map": {"down2/kernel": (None, "tensor")}})
+    with pytest.raises(ValueError, match=r"'down2/kernel' of shape \(32, 4\).*size 4, which 3 does not divide"):
+        smp.step(_body(model))(tf.constant(x), tf.constant(y))
+    with pytest.raises(ValueError, match="rank 2"):
+        smp.shard_tensor(tf.zeros((2, 3)), ("tensor",))
+    # More devices than this process has (the test session made 4, and
+    # TensorFlow's runtime has started).
+    with pytest.raises(RuntimeError, match=r"partitions=3 x tensor_parallel_degree=2 needs 6 devices"):
+        smp.init({"partitions": 3, "tensor_parallel_degree": 2})
