@@ -308,7 +308,10 @@ class Config:
         Returns:
             A dict mapping each config key to its value.
         """
-        return dataclasses.asdict(self)
+        out = dataclasses.asdict(self)
+        if self.layout_map is not None:
+            out["layout_map"] = {key: tuple(spec) for key, spec in self.layout_map}
+        return out
 
 
 def _check_layout_map(value: Any) -> Tuple[Tuple[str, Tuple[Optional[str], ...]], ...]:

@@ -63,6 +63,8 @@ def test_defaults():
         "memory_budget": None,
         "pipeline_processes": 1,
         "virtual_stages": 1,
+        "tensor_parallel_degree": 1,
+        "layout_map": None,
     }
     assert parse({}) == cfg
 
@@ -87,6 +89,9 @@ def test_all_keys_set():
         "memory_budget": 2**30,
         "pipeline_processes": 2,
         "virtual_stages": 1,
+        # (tensor_parallel_degree > 1 is checked with pipeline_processes=1 below.)
+        "tensor_parallel_degree": 1,
+        "layout_map": {"dense/kernel": (None, "tensor")},
     }
     cfg = parse(given)
     assert cfg.to_dict() == given
@@ -346,3 +351,16 @@ def test_uneven_inputs_choices():
     assert parse({"uneven_inputs": "raise"}).uneven_inputs == "raise"
     with pytest.raises(ValueError, match=r"'uneven_inputs' must be one of 'join', 'raise'"):
         parse({"uneven_inputs": "pad"})
+
+
+def test_tensor_parallel_keys():
+    cfg = parse({"partitions": 2, "tensor_parallel_degree": 2, "layout_map": {"up/kernel": [None, "tensor"]}})
+    assert cfg.tensor_parallel_degree == 2
+    assert cfg.to_dict()["layout_map"] == {"up/kernel": (None, "tensor")}
+    hash(cfg)  # the layout map is kept hashable
+    with pytest.raises(ValueError, match="tensor_parallel_degree"):
+        parse({"tensor_parallel_degree": 0})
+    with pytest.raises(ValueError, match=r"tensor_parallel_degree=2 with pipeline_processes=2 is not supported"):
+        parse({"partitions": 2, "tensor_parallel_degree": 2, "pipeline_processes": 2})
+    with pytest.raises(ValueError, match="axis 'pipeline'"):
+        parse({"tensor_parallel_degree": 2, "layout_map": {"up/kernel": ("pipeline", None)}})

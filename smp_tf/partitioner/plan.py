@@ -714,6 +714,11 @@ class PartitionPlan:
         self.seconds = seconds
         self.trace_seconds = 0.0
         self.view_seconds = 0.0
+        # Tensor parallelism (`tensor_parallel_degree` > 1): the completed
+        # specs (`smp_tf.sharding.completion.ShardPlan`) and the devices
+        # each partition's ops are split over.
+        self.shard_plan: Any = None
+        self.tensor_devices: Optional[List[Sequence[str]]] = None
         self.assignment: Dict[str, int] = {
             op.name: p for op, p in zip(op_graph.ops, self.partition_of_op)
         }
@@ -788,6 +793,11 @@ class PartitionPlan:
                 f"{format_bytes(r['variable_bytes']):>10} {100 * r['variable_bytes'] / tot_v:>5.1f}% "
                 f"{r['flops'] / 1e9:>9.3f} {100 * r['flops'] / tot_f:>5.1f}%"
             )
+        if self.shard_plan is not None:
+            if self.tensor_devices:
+                lines.append("stage devices: " + ", ".join(
+                    f"{p}: {', '.join(d)}" for p, d in enumerate(self.tensor_devices)))
+            lines.append(self.shard_plan.summary())
         return "\n".join(lines)
 
     def __repr__(self) -> str:

@@ -78,4 +78,6 @@ def shard_step(traced: Any, cfg: Any) -> Any:
             shapes[cap.key] = tuple(cap.variable.shape.as_list())
     graph = shard_graph_of(traced.graph_def, traced.op_graph, [n for n in traced.output_names if n], t)
     specs = variable_layouts(graph, shapes, t, cfg.layout_map, traced.layers)
-    return shard_traced(traced, specs, t, graph=graph)
+    sharded, plan = shard_traced(traced, specs, t, graph=graph)
+    plan.whole_variables = sorted(k for k in shapes if k not in specs or specs[k].is_replicated)
+    return sharded, plan

@@ -143,6 +143,7 @@ class ShardPlan:
         reshards: the reshards, in the order of the first reader.
         whole_ops: ``(name, type)`` of the ops that have sharded inputs but
             no rule (or a rule that declined): they run whole.
+        whole_variables: the step's variables no layout splits.
     """
 
     t: int
@@ -151,6 +152,7 @@ class ShardPlan:
     decisions: Dict[str, Decision]
     reshards: List[Reshard]
     whole_ops: List[Tuple[str, str]]
+    whole_variables: List[str] = field(default_factory=list)
 
     def spec(self, tensor: str) -> Optional[ShardSpec]:
         return self.specs.get(tensor)
@@ -171,6 +173,9 @@ class ShardPlan:
         for v, s in self.variables.items():
             if not s.is_replicated:
                 lines.append(f"    {v:<48} {s}  {s.dims}")
+        if self.whole_variables:
+            shown = ", ".join(self.whole_variables[:6]) + (", ..." if len(self.whole_variables) > 6 else "")
+            lines.append(f"  variables left whole ({len(self.whole_variables)}): {shown}")
         sharded_ops = sum(1 for d in self.decisions.values() if any(not s.is_replicated for s in d.outputs + d.inputs))
         lines.append(f"  ops run sharded: {sharded_ops}")
         kinds: Dict[str, int] = {}

@@ -1,0 +1,200 @@
+"""Tensor parallelism: a transformer MLP block and a GPT-2 block at t=2 against t=1.
+
+Each case runs in a fresh process (``smp.init`` must come before any
+TensorFlow op), pinned to as many cores as it has devices, with one intra-op
+thread per device: t=1 is one core, t=2 two devices of one core each. A step
+is the forward, the backward and an SGD update in one ``tf.function``; the
+figure is the median over the timed steps. Prints one table.
+
+    python benchmarks/tensor_parallel/bench.py             # full sizes (a few minutes)
+    python benchmarks/tensor_parallel/bench.py --quick     # small sizes: checks the script only
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+
+
+def _case(args) -> dict:
+    from benchmarks.machine import choose_cpus
+
+    cpus = choose_cpus(args.devices)
+    if cpus is None:
+        return {"error": f"needs {args.devices} cores"}
+    os.sched_setaffinity(0, cpus)
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    import keras
+    import numpy as np
+    import tensorflow as tf
+
+    import smp_tf as smp
+
+    t = args.t
+    if args.mode == "plain":
+        tf.config.threading.set_intra_op_parallelism_threads(1)
+    else:
+        smp.init({"partitions": 1, "microbatches": 1, "tensor_parallel_degree": t})
+        tf.config.threading.set_intra_op_parallelism_threads(1)
+    keras.utils.set_random_seed(0)
+    rng = np.random.default_rng(0)
+    if args.model == "mlp":
+        width, tokens = args.width, args.tokens
+        inp = keras.Input((width,))
+        h = keras.layers.Dense(4 * width, activation="gelu", name="up")(inp)
+        out = keras.layers.Dense(width, name="down")(h)
+        x = tf.constant(rng.normal(size=(tokens, width)).astype("float32"))
+        y = tf.constant(rng.normal(size=(tokens, width)).astype("float32"))
+        cls = keras.Model if args.mode == "plain" else smp.DistributedModel
+        model = cls(inp, out)
+    else:
+        import keras_hub
+
+        backbone = keras_hub.models.GPT2Backbone(
+            vocabulary_size=256, num_layers=1, num_heads=args.width // 64, hidden_dim=args.width,
+            intermediate_dim=4 * args.width, dropout=0.0, max_sequence_length=args.seq,
+        )
+        inputs = {"token_ids": keras.Input((args.seq,), dtype="int32", name="token_ids"),
+                  "padding_mask": keras.Input((args.seq,), dtype="int32", name="padding_mask")}
+        cls = keras.Model if args.mode == "plain" else smp.DistributedModel
+        model = cls(inputs, backbone(inputs))
+        batch = args.tokens // args.seq
+        x = {"token_ids": tf.constant(rng.integers(0, 256, size=(batch, args.seq)).astype("int32")),
+             "padding_mask": tf.ones((batch, args.seq), "int32")}
+        y = tf.constant(rng.normal(size=(batch, args.seq, args.width)).astype("float32"))
+    opt = keras.optimizers.SGD(1e-3)
+
+    def body(x, y):
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_mean((model(x, training=True) - y) ** 2)
+        return loss, tape.gradient(loss, model.trainable_variables)
+
+    if args.mode == "plain":
+        @tf.function
+        def train(x, y):
+            loss, grads = body(x, y)
+            opt.apply_gradients(zip(grads, model.trainable_variables))
+            return loss
+    else:
+        step = smp.step(body)
+
+        @tf.function
+        def train(x, y):
+            loss, grads = step(x, y)
+            opt.apply_gradients(zip([g.accumulate() for g in grads], model.trainable_variables))
+            return loss.reduce_mean()
+
+    for _ in range(args.warmup):
+        float(train(x, y))
+    times = []
+    for _ in range(args.repeats):
+        t0 = time.perf_counter()
+        float(train(x, y))
+        times.append(time.perf_counter() - t0)
+    result = {"median": statistics.median(times), "times": times, "cpus": cpus}
+    if args.mode == "smp" and step.last_plan.shard_plan is not None:
+        plan = step.last_plan.shard_plan
+        result["all_reduces"] = sum(1 for r in plan.reshards for s in r.steps if s == "all_reduce")
+        result["all_gathers"] = sum(1 for r in plan.reshards for s in r.steps if s == "all_gather")
+        result["reshard_mib"] = plan.reshard_bytes() / 2**20
+        result["whole_ops"] = sorted({ty for _, ty in plan.whole_ops})
+        # Bytes of the sharded variables each device computes with, and of
+        # where the variables and their slots live.
+        sharded = {k for k, s in plan.variables.items() if not s.is_replicated}
+        result["sharded_variables"] = len(sharded)
+        devices = {}
+        for v in model.trainable_variables:
+            d = v.value.device
+            devices[d] = devices.get(d, 0) + int(np.prod(v.shape)) * 4
+        result["variable_bytes_by_device"] = devices
+    return result
+
+
+def _run(model, mode, t, devices, sizes, quick) -> dict:
+    cmd = [sys.executable, __file__, "--case", "--model", model, "--mode", mode, "--t", str(t),
+           "--devices", str(devices)] + sizes + (["--repeats", "2", "--warmup", "1"] if quick else [])
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=1800)
+    lines = [l for l in out.stdout.splitlines() if l.startswith("{")]
+    if out.returncode or not lines:
+        return {"error": (out.stderr or out.stdout)[-800:]}
+    return json.loads(lines[-1])
+
+
+def _torch_peer() -> str:
+    try:
+        import torch  # noqa: F401
+    except ImportError:
+        return "skipped: torch is not installed here"
+    return "not run by this script"
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--quick", action="store_true")
+    p.add_argument("--repeats", type=int, default=7)
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--json", default=None)
+    p.add_argument("--case", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--model", default="mlp")
+    p.add_argument("--mode", default="smp")
+    p.add_argument("--t", type=int, default=1)
+    p.add_argument("--devices", type=int, default=1)
+    p.add_argument("--width", type=int, default=2048)
+    p.add_argument("--tokens", type=int, default=1024)
+    p.add_argument("--seq", type=int, default=256)
+    args = p.parse_args()
+    if args.case:
+        print(json.dumps(_case(args)))
+        return
+    if args.quick:
+        mlp_sizes, gpt_sizes = ["--width", "128", "--tokens", "64"], ["--width", "128", "--tokens", "64", "--seq", "32"]
+    else:
+        mlp_sizes = ["--width", "2048", "--tokens", "1024"]
+        gpt_sizes = ["--width", "1024", "--tokens", "1024", "--seq", "256"]
+    extra = ["--repeats", str(args.repeats), "--warmup", str(args.warmup)]
+    rows = []
+    results = {}
+    for model, sizes, label in (("mlp", mlp_sizes, "MLP block"), ("gpt2", gpt_sizes, "GPT-2 block")):
+        one = _run(model, "plain", 1, 1, sizes + extra, args.quick)
+        smp1 = _run(model, "smp", 1, 1, sizes + extra, args.quick)
+        two = _run(model, "smp", 2, 2, sizes + extra, args.quick)
+        results[model] = {"plain_t1": one, "smp_t1": smp1, "smp_t2": two}
+        if any("error" in r for r in (one, smp1, two)):
+            rows.append((label, "error", next(r["error"] for r in (one, smp1, two) if "error" in r)))
+            continue
+        target = ">= 1.8" if model == "mlp" else "-"
+        ratio = one["median"] / two["median"]
+        rows.append((label, f"{one['median']:.3f}", f"{smp1['median']:.3f}", f"{two['median']:.3f}",
+                     f"{ratio:.2f}", f"{smp1['median'] / two['median']:.2f}", target,
+                     ("PASS" if ratio >= 1.8 else "FAIL") if model == "mlp" else "",
+                     f"{two['all_reduces']} / {two['all_gathers']}", f"{two['reshard_mib']:.1f}"))
+    head = ("case", "t=1 plain s", "t=1 smp s", "t=2 smp s", "plain/t2", "smp t1/t2", "target", "result",
+            "all-reduce / all-gather", "reshard MiB/dev")
+    widths = [max(len(str(r[i])) if i < len(r) else 0 for r in rows + [head]) for i in range(len(head))]
+    print("  ".join(h.ljust(w) for h, w in zip(head, widths)))
+    print("  ".join("-" * w for w in widths))
+    for r in rows:
+        print("  ".join(str(c).ljust(w) for c, w in zip(r, widths)))
+    print()
+    for model in results:
+        two = results[model].get("smp_t2", {})
+        if "variable_bytes_by_device" in two:
+            print(f"{model}: sharded variables {two['sharded_variables']}; variable bytes by device at t=2: "
+                  + ", ".join(f"{d}: {b / 2**20:.1f} MiB" for d, b in sorted(two["variable_bytes_by_device"].items()))
+                  + f"; ops run whole: {two['whole_ops'] or 'none'}")
+    print(f"PyTorch tensor-parallel peer: {_torch_peer()}")
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=1))
+
+
+if __name__ == "__main__":
+    main()
