@@ -192,7 +192,7 @@ def test_transpose_bias_add_grad_and_conv():
 
 def _mlp(extra=(), t=2):
     return ShardGraph.from_spec([
-        dict(name="x", type="Placeholder", shape=(8, 16)),
+        dict(name="x", type="Placeholder", shape=(8, 16), argument=True),
         dict(name="h1", type="Placeholder", shape=()),
         dict(name="w1", type="ReadVariableOp", inputs=["h1"], shape=(16, 64), variable="w1"),
         dict(name="hb", type="Placeholder", shape=()),
@@ -222,7 +222,7 @@ def test_completion_from_an_activation_constraint():
     # columns. The split moves back through relu and the bias addition to the
     # product, which splits its kernel (free) and computes only its columns.
     g = ShardGraph.from_spec([
-        dict(name="x", type="Placeholder", shape=(8, 16)),
+        dict(name="x", type="Placeholder", shape=(8, 16), argument=True),
         dict(name="h1", type="Placeholder", shape=()),
         dict(name="w1", type="ReadVariableOp", inputs=["h1"], shape=(16, 64), variable="w1"),
         dict(name="mm1", type="MatMul", inputs=["x", "w1"], shape=(8, 64)),
@@ -266,7 +266,7 @@ def test_builtin_pairs_an_mlp():
 
 def test_builtin_pairs_a_gated_mlp_and_stops_at_residuals():
     g = ShardGraph.from_spec([
-        dict(name="x", type="Placeholder", shape=(8, 16)),
+        dict(name="x", type="Placeholder", shape=(8, 16), argument=True),
         *[dict(name=f"h{k}", type="Placeholder", shape=()) for k in range(4)],
         dict(name="wg", type="ReadVariableOp", inputs=["h0"], shape=(16, 64), variable="gate"),
         dict(name="wu", type="ReadVariableOp", inputs=["h1"], shape=(16, 64), variable="up"),

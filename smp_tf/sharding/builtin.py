@@ -62,10 +62,11 @@ def product_pairs(graph: ShardGraph) -> List[Tuple[str, str]]:
     (see the module doc), forward ops only, in graph order.
 
     From a product, the walk follows its result through element-wise ops
-    whose other inputs are constants, variables or results of its sibling
-    products (those reading the same activation: a gated MLP's gate and
-    up projections). A residual addition or a normalisation reads another
-    activation and stops it, so a pair never spans two blocks.
+    whose other inputs do not depend on the batch (constants, variables,
+    dropout masks) or are results of its sibling products (those reading
+    the same activation: a gated MLP's gate and up projections). A residual
+    addition reads another activation and stops it, so a pair never spans
+    two blocks.
     """
     producer = {x: op for op in graph.ops for x in op.outputs}
     readers: Dict[str, List[Tuple[ShardOp, int]]] = {}
@@ -82,9 +83,15 @@ def product_pairs(graph: ShardGraph) -> List[Tuple[str, str]]:
                 return k
         return None
 
+    # Tensors computed from the step's arguments: another activation (a
+    # residual) stops a walk; a constant, a variable or a dropout mask does not.
+    from_batch: Set[str] = set()
+    for op in graph.ops:
+        if op.argument or any(x in from_batch for x in op.inputs):
+            from_batch.update(op.outputs)
+
     def fixed(x: str) -> bool:
-        p = producer.get(x)
-        return p is not None and (p.type in READ_OPS or p.type == "Const")
+        return x not in from_batch
 
     pairs: List[Tuple[str, str]] = []
     for op in graph.ops:

@@ -57,6 +57,7 @@ class ShardOp:
         variable: the variable whose handle it takes (reads and writes).
         constraint: the spec `smp.shard_tensor` asks of its output.
         stateful: whether it changes state (never moved by the backward pass).
+        argument: it is an argument of the step (a placeholder of the batch).
     """
 
     info: OpInfo
@@ -65,6 +66,7 @@ class ShardOp:
     variable: Optional[str] = None
     constraint: Optional[ShardSpec] = None
     stateful: bool = False
+    argument: bool = False
 
     @property
     def name(self) -> str:
@@ -88,7 +90,7 @@ class ShardGraph:
         """A graph written by hand, for tests: each entry has ``name``,
         ``type``, ``inputs`` (op names, each op one output), ``shape`` (its
         output's), and optionally ``attrs``, ``const`` (position -> value),
-        ``variable``, ``constraint`` and ``stateful``."""
+        ``variable``, ``constraint``, ``stateful`` and ``argument``."""
         shapes: Dict[str, Any] = {}
         ops = []
         for s in spec:
@@ -101,7 +103,8 @@ class ShardGraph:
             )
             c = s.get("constraint")
             ops.append(ShardOp(info, ins, (f"{s['name']}:0",), s.get("variable"),
-                               None if c is None else ShardSpec(tuple(c)), bool(s.get("stateful", False))))
+                               None if c is None else ShardSpec(tuple(c)), bool(s.get("stateful", False)),
+                               bool(s.get("argument", False))))
             shapes[s["name"]] = shape
         nbytes = {f"{n}:0": 4 * _elements(sh) for n, sh in shapes.items()}
         return cls(ops, [f"{o}:0" for o in outputs], nbytes)

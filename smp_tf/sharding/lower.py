@@ -189,6 +189,7 @@ def shard_graph_of(graph_def: Any, op_graph: OpGraph, outputs: Sequence[str], t:
             variable=variable,
             constraint=constraint,
             stateful=op.stateful,
+            argument=op.kind == "arg",
         ))
         for x in op.outputs:
             bytes_of[g.tensor_name(x)] = g.tensors[x].bytes
