@@ -154,6 +154,20 @@ def test_zero_bubble_set_through_the_environment_under_data_parallelism_matches_
     _assert_matches_whole_batch(a, b)
 
 
+def test_tensor_parallelism_under_data_parallelism_matches_one_process(tmp_path):
+    """Each replica's 2 partitions split over 2 devices each (4 per
+    process): its Dense pairs run column- and row-parallel, and the
+    replicas' averaged steps match one process within float32 rounding."""
+    codes, outputs, _ = run_replicas("custom_loop", tmp_path,
+                                     extra_env={"SM_HP_MP_PARAMETERS": json.dumps({"tensor_parallel_degree": 2})})
+    assert codes == [0, 0], outputs
+    a, b = results(tmp_path)
+    # Partition p on devices 2p and 2p + 1 of its replica's process.
+    assert a["devices"] == [f"/job:worker/replica:0/task:0/device:CPU:{p}" for p in (0, 2)]
+    assert b["devices"] == [f"/job:worker/replica:0/task:1/device:CPU:{p}" for p in (0, 2)]
+    _assert_matches_whole_batch(a, b)
+
+
 def _replicas_once(scenario: str, tmp_path_factory) -> List[dict]:
     """Both replicas' results of `scenario`, run once for the tests that read it."""
     def start():

@@ -106,6 +106,16 @@ def _case(args) -> dict:
         result["all_reduces"] = sum(1 for r in plan.reshards for s in r.steps if s == "all_reduce")
         result["all_gathers"] = sum(1 for r in plan.reshards for s in r.steps if s == "all_gather")
         result["reshard_mib"] = plan.reshard_bytes() / 2**20
+        # The all-reduces of activations (partial sums as large as a layer's
+        # output) against Megatron's count: per block two in the forward and
+        # two in the backward (one each in the forward for the MLP alone,
+        # whose input needs no gradient).
+        activation = args.tokens * args.width * 4
+        reduced = [r.nbytes for r in plan.reshards if "all_reduce" in r.steps]
+        result["activation_all_reduces"] = sum(1 for b in reduced if b >= activation)
+        result["activation_reduced_mib"] = sum(b for b in reduced if b >= activation) / 2**20
+        result["small_all_reduces"] = sum(1 for b in reduced if b < activation)
+        result["predicted_reduced_mib"] = (1 if args.model == "mlp" else 4) * activation / 2**20
         result["whole_ops"] = sorted({ty for _, ty in plan.whole_ops})
         # Bytes of the sharded variables each device computes with, and of
         # where the variables and their slots live.
@@ -176,9 +186,11 @@ def main() -> None:
         rows.append((label, f"{one['median']:.3f}", f"{smp1['median']:.3f}", f"{two['median']:.3f}",
                      f"{ratio:.2f}", f"{smp1['median'] / two['median']:.2f}", target,
                      ("PASS" if ratio >= 1.8 else "FAIL") if model == "mlp" else "",
-                     f"{two['all_reduces']} / {two['all_gathers']}", f"{two['reshard_mib']:.1f}"))
+                     f"{two['all_reduces']} / {two['all_gathers']}", f"{two['reshard_mib']:.1f}",
+                     f"{two['activation_all_reduces']} x, {two['activation_reduced_mib']:.0f} MiB",
+                     f"{two['predicted_reduced_mib']:.0f} MiB"))
     head = ("case", "t=1 plain s", "t=1 smp s", "t=2 smp s", "plain/t2", "smp t1/t2", "target", "result",
-            "all-reduce / all-gather", "reshard MiB/dev")
+            "all-reduce / all-gather", "reshard MiB/dev", "activations all-reduced", "Megatron")
     widths = [max(len(str(r[i])) if i < len(r) else 0 for r in rows + [head]) for i in range(len(head))]
     print("  ".join(h.ljust(w) for h, w in zip(head, widths)))
     print("  ".join("-" * w for w in widths))

@@ -209,6 +209,10 @@ class _Writer:
         if len(graph_def.library.function):
             self.out.library.CopyFrom(graph_def.library)
         self.sharded: Dict[str, bool] = {}  # op name -> runs as copies
+        # Static shape of every tensor the writer makes (name -> shape): the
+        # graph it writes is imported without the variables' handle data, so
+        # its own shape inference cannot know them (see `_restore_shapes`).
+        self.shapes: Dict[str, Any] = {}
         self.physical: Dict[str, ShardSpec] = {}  # tensor -> layout it is produced in
         self.pieces: Dict[Tuple[str, ShardSpec], List[str]] = {}
         self.shape_of = {g_name: op_graph.tensors[x].shape for x in range(len(op_graph.tensors))
@@ -275,16 +279,19 @@ class _Writer:
         dtype = self._dtype_of(tensor)
         base = tensor.replace(":", "_")
         parts = self._copies(tensor)
+        shape = self.shape_of.get(tensor)
         if have.partial:
             # Added in device order, so that a run repeats itself bit for bit.
             acc = parts[0]
             for k in range(1, self.t):
                 acc = self._node(f"{base}{_MARK}_sum{k}", "AddV2", [acc, parts[k]], dtype).name
+                self.shapes[f"{acc}:0"] = shape
             return acc
         axis = self._const(f"{base}{_MARK}_gather_axis", have.split_dim)
         node = self._node(f"{base}{_MARK}_gather", "ConcatV2", parts + [axis], dtype)
         node.attr["N"].i = self.t
         node.attr["Tidx"].type = tf.int32.as_datatype_enum
+        self.shapes[f"{node.name}:0"] = shape
         return node.name
 
     def _reshard(self, tensor: str, have: ShardSpec, need: ShardSpec) -> List[str]:
@@ -297,6 +304,8 @@ class _Writer:
         axis = self._const(f"{base}{_MARK}_split{d}_axis", d)
         node = self._node(f"{base}{_MARK}_split{d}", "Split", [axis, whole], dtype)
         node.attr["num_split"].i = self.t
+        for k in range(self.t):
+            self.shapes[f"{node.name}:{k}"] = self._local(self.shape_of.get(tensor), need)
         return [f"{node.name}:{k}" if k else node.name for k in range(self.t)]
 
     # -- ops -------------------------------------------------------------------
@@ -394,7 +403,18 @@ class _Writer:
             if "_class" in node.attr:
                 del node.attr["_class"]
         for x, spec in zip(op.outputs, dec.outputs):
-            self.physical[self.g.tensor_name(x)] = spec
+            name = self.g.tensor_name(x)
+            self.physical[name] = spec
+            port = name.rsplit(":", 1)[1]
+            for k in range(self.t):
+                self.shapes[f"{op.name}{_MARK}_s{k}:{port}"] = self._local(self.g.tensors[x].shape, spec)
+
+    def _local(self, shape: Any, spec: ShardSpec) -> Any:
+        """The shape of one device's piece of a tensor of `shape` in `spec`."""
+        d = spec.split_dim
+        if shape is None or d is None or shape[d] is None:
+            return shape
+        return tuple(n // self.t if i == d else n for i, n in enumerate(shape))
 
     @staticmethod
     def _is_shape_input(op_type: str, position: int) -> bool:
@@ -417,7 +437,33 @@ def expand_graph_def(graph_def: Any, op_graph: OpGraph, plan: ShardPlan, t: int,
         else:
             ref = w._whole(name, spec)
             renamed.append(ref if ":" in ref else f"{ref}:0")
-    return w.out, renamed
+    shapes = dict(w.shape_of)
+    shapes.update(w.shapes)
+    return w.out, renamed, shapes
+
+
+def _restore_shapes(view: OpGraph, shapes: Mapping[str, Any]) -> None:
+    """Gives the view the static shapes the traced graph had.
+
+    A plain `tf.Graph` imported from a `GraphDef` does not know the shapes
+    of the captured variables (their handle data lives on the traced
+    function's placeholders, not in the `GraphDef`), so every value computed
+    from a variable would have an unknown shape, and the task functions'
+    inputs with it. The shapes are those of the traced graph, and of the
+    pieces for the copies and reshards."""
+    from smp_tf.graph_view import _bytes_of, estimate_flops
+
+    changed = False
+    for t in view.tensors:
+        known = shapes.get(view.tensor_name(t.id))
+        if known is not None and (t.shape is None or None in t.shape) and known != t.shape:
+            t.shape = tuple(known)
+            t.bytes = _bytes_of(tf.as_dtype(t.dtype), t.shape)
+            changed = True
+    if changed:
+        for op in view.ops:
+            op.flops = estimate_flops(op.type, [view.tensors[x].shape for x in op.inputs],
+                                      [view.tensors[x].shape for x in op.outputs])
 
 
 def shard_traced(
@@ -434,7 +480,7 @@ def shard_traced(
     plan = complete(sgraph, variable_specs, t)
     if not plan.decisions:
         return traced, plan
-    graph_def, outputs = expand_graph_def(traced.graph_def, g, plan, t, traced.output_names)
+    graph_def, outputs, shapes = expand_graph_def(traced.graph_def, g, plan, t, traced.output_names)
     graph = tf.Graph()
     with graph.as_default():
         tf.graph_util.import_graph_def(graph_def, name="")
@@ -460,6 +506,7 @@ def shard_traced(
         manual_partition_of=lookup("manual_partition"),
         graph_def=graph_def,
     )
+    _restore_shapes(view, shapes)
     sharded = Traced(graph_def, view, traced.arg_names, outputs, traced.output_structure, traced.captures,
                      traced.layers, traced.view_seconds + time.perf_counter() - t0)
     sharded._graph = graph
