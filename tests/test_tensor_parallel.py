@@ -195,13 +195,32 @@ def test_fit_matches_plain_keras_and_weights_load_in_plain_keras(tmp_path):
     np.testing.assert_allclose(got, expected, rtol=1e-5)
     for w, r in zip(model.get_weights(), plain.get_weights()):
         np.testing.assert_allclose(w, r, rtol=1e-4, atol=1e-6)
-    # Layout-free: the weights saved at t=2 load into plain Keras unchanged.
+    # evaluate and predict through the sharded pipeline.
+    np.testing.assert_allclose(model.evaluate(x, y, batch_size=16, verbose=0),
+                               plain.evaluate(x, y, batch_size=16, verbose=0), rtol=1e-5)
+    np.testing.assert_allclose(model.predict(x, batch_size=16, verbose=0), plain.predict(x, batch_size=16, verbose=0),
+                               rtol=1e-4, atol=1e-5)
+    # Layout-free: the weights saved at t=2 load into plain Keras unchanged,
+    # and a tf.train.Checkpoint restores them at another t and partitions.
     path = str(tmp_path / "tp.weights.h5")
     model.save_weights(path)
     other = build(keras.Model)
     other.load_weights(path)
     for w, r in zip(other.get_weights(), model.get_weights()):
         np.testing.assert_array_equal(w, r)
+    ckpt = tf.train.Checkpoint(model=model).write(str(tmp_path / "ckpt"))
+    saved = model.get_weights()
+    smp.init({"partitions": 1, "microbatches": 2, "tensor_parallel_degree": 2,
+              "layout_map": {"down/kernel": ("tensor", None)}})
+    again = build(smp.DistributedModel)
+    tf.train.Checkpoint(model=again).read(ckpt).assert_existing_objects_matched().expect_partial()
+    for w, r in zip(again.get_weights(), saved):
+        np.testing.assert_array_equal(w, r)
+    # The exported SavedModel serves on one device, without the pipeline.
+    model.save_model(str(tmp_path / "served"))
+    served = tf.saved_model.load(str(tmp_path / "served"))
+    np.testing.assert_allclose(served.serve(tf.constant(x[:4])).numpy(), plain.predict(x[:4], verbose=0),
+                               rtol=1e-4, atol=1e-5)
 
 
 def test_errors_before_anything_runs():
