@@ -14,6 +14,7 @@ Run:
 
     python examples/gpt2_fit.py
     python examples/gpt2_fit.py --epochs 6 --max-bytes 400000 --partitions 2
+    python examples/gpt2_fit.py --partitions 2 --tensor-parallel 2   # 4 devices: attention and MLPs split in two
 
 The corpus is the source of Python's own standard library (the public
 top-level modules, in name order, cut at `--max-bytes`), read from the
@@ -59,6 +60,10 @@ def parse_args():
         "--virtual-stages", type=int, default=1,
         help="model chunks per device (Megatron-LM's interleaved schedule with --pipeline interleaved)",
     )
+    parser.add_argument(
+        "--tensor-parallel", type=int, default=1,
+        help="devices each stage's attention heads and MLPs are split over (tensor_parallel_degree)",
+    )
     parser.add_argument("--epochs", type=int, default=8)
     parser.add_argument(
         "--max-bytes", type=int, default=300_000,
@@ -85,6 +90,7 @@ smp.init({
     "microbatches": args.microbatches,
     "pipeline": args.pipeline,
     "virtual_stages": args.virtual_stages,
+    "tensor_parallel_degree": args.tensor_parallel,
 })
 if args.batch_size % args.microbatches:
     raise SystemExit(

@@ -52,6 +52,16 @@ def test_custom_training_loop_example():
     assert "PartitionPlan: 4 partitions" in out, out[-3000:]  # 2 devices x 2 virtual stages
 
 
+def test_gpt2_fit_example_with_tensor_parallelism():
+    out = _run(str(EXAMPLES / "gpt2_fit.py"), "--epochs", "1", "--max-bytes", "20000", "--generate", "4",
+               "--partitions", "2", "--tensor-parallel", "2")
+    first = _number(r"loss: ([\d.]+) \(first batch\)", out)
+    last = _number(r"-> ([\d.]+) \(last epoch\)", out)
+    assert last < first - 0.5, out[-3000:]
+    # The partition report names the stage devices and what was split.
+    assert "tensor parallelism: t=2" in out and "query/kernel" in out, out[-3000:]
+
+
 def test_gpt2_fit_example():
     out = _run(str(EXAMPLES / "gpt2_fit.py"), "--epochs", "1", "--max-bytes", "20000", "--generate", "8")
     first = _number(r"loss: ([\d.]+) \(first batch\)", out)

@@ -166,8 +166,12 @@ def pair_layouts(graph: ShardGraph, t: int) -> Dict[str, ShardSpec]:
             continue  # a kernel two pairs would split differently stays as first decided
         out[read_a.variable] = spec_a
         out[read_b.variable] = spec_b
-        # The bias of the column-parallel product follows its output.
-        for x in a.outputs:
+        # The bias of the column-parallel product follows its output (past
+        # the reshape back to 3-D of a dense layer on a sequence).
+        outs = list(a.outputs)
+        for x in list(outs):
+            outs.extend(y for r in readers.get(x, ()) if r.type in _RESHAPES for y in r.outputs)
+        for x in outs:
             for r in readers.get(x, ()):
                 if r.type in ("BiasAdd", "AddV2", "Add"):
                     for y in r.inputs:
