@@ -22,6 +22,7 @@ KERAS_FIT_BENCH = ROOT / "benchmarks" / "keras_fit" / "bench.py"
 PIPELINE_PROCESSES_BENCH = ROOT / "benchmarks" / "pipeline_processes" / "bench.py"
 TIMELINE_BENCH = ROOT / "benchmarks" / "pipeline" / "timeline.py"
 FIRST_CALL_BENCH = ROOT / "benchmarks" / "pipeline" / "first_call.py"
+TENSOR_PARALLEL_BENCH = ROOT / "benchmarks" / "tensor_parallel" / "bench.py"
 
 
 def _run(script: Path, timeout: int) -> str:
@@ -385,3 +386,14 @@ def test_first_call_runtime_breakdown_reads_a_real_log():
     assert 0 < b["outer"]["seconds"] <= t1 - t0
     assert b["outer"]["grappler"] > 0 and b["nested"]["grappler"] > 0
     assert b["outer"]["function_optimizer"] > 0  # the outer graph has a function library
+
+
+@pytest.mark.benchmark
+def test_tensor_parallel_bench_quick_prints_the_table():
+    out = _run(TENSOR_PARALLEL_BENCH, timeout=900)
+    header = next(line for line in out.splitlines() if line.startswith("case"))
+    for column in ("t=1 plain s", "t=2 smp s", "plain/t2", "target", "activations all-reduced", "Megatron"):
+        assert column in header, column
+    for case in ("MLP block", "GPT-2 block", "variables + Adam slots on the fullest device"):
+        assert case in out, case
+    assert "error" not in out

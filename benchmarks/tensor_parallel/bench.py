@@ -126,6 +126,15 @@ def _case(args) -> dict:
             d = v.value.device
             devices[d] = devices.get(d, 0) + int(np.prod(v.shape)) * 4
         result["variable_bytes_by_device"] = devices
+        # Adam's slots, built for the placed variables: where they live.
+        adam = keras.optimizers.Adam()
+        adam.build(model.trainable_variables)
+        slots = {}
+        for v in adam.variables:
+            if len(v.shape):
+                slots[v.value.device] = slots.get(v.value.device, 0) + int(np.prod(v.shape)) * 4
+        result["adam_slot_bytes_by_device"] = slots
+        result["variable_bytes"] = sum(devices.values())
     return result
 
 
@@ -203,6 +212,17 @@ def main() -> None:
             print(f"{model}: sharded variables {two['sharded_variables']}; variable bytes by device at t=2: "
                   + ", ".join(f"{d}: {b / 2**20:.1f} MiB" for d, b in sorted(two["variable_bytes_by_device"].items()))
                   + f"; ops run whole: {two['whole_ops'] or 'none'}")
+    for model in results:
+        two = results[model].get("smp_t2", {})
+        if "variable_bytes_by_device" in two:
+            per_device = {}
+            for table in (two["variable_bytes_by_device"], two["adam_slot_bytes_by_device"]):
+                for d, b in table.items():
+                    per_device[d] = per_device.get(d, 0) + b
+            whole = two["variable_bytes"] * 3  # the variables and Adam's two slots at t=1
+            ratio = max(per_device.values()) / whole
+            print(f"{model}: variables + Adam slots on the fullest device at t=2 / t=1: {ratio:.2f} "
+                  f"(target <= 0.55: {'PASS' if ratio <= 0.55 else 'FAIL'}; variables stay whole on a stage's first device)")
     print(f"PyTorch tensor-parallel peer: {_torch_peer()}")
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=1))
