@@ -143,6 +143,18 @@ def test_devices_per_process_is_passed_on_without_gpus(tmp_path):
         assert out["env"]["SMP_TF_CPU_DEVICES"] == "3" and out["env"]["CUDA_VISIBLE_DEVICES"] is None
 
 
+def test_tensor_parallel_degree_sets_the_config_and_the_devices(tmp_path):
+    script = _script(tmp_path, "env.py", PRINT_ENV + "    print(os.environ['SM_HP_MP_PARAMETERS'])\n")
+    result = _launch(tmp_path, ["-n", "2", "--partitions", "2", "--tensor-parallel-degree", "2", script])
+    assert result.returncode == 0, result.stderr
+    for r, out in enumerate(_envs(result, 2)):
+        # 2 partitions x 2 devices each, per process.
+        assert out["env"]["SMP_TF_CPU_DEVICES"] == "4"
+        params = json.loads(_lines(result.stdout, r)[1])
+        assert params["tensor_parallel_degree"] == 2 and params["partitions"] == 2
+    assert "4 logical CPU device(s) each (2 per partition)" in result.stderr + result.stdout
+
+
 @pytest.mark.parametrize(
     "strategy, expected",
     [("cluster", ["0,1", "2,3"]), ("spread", ["0,2", "1,3"])],
@@ -364,6 +376,11 @@ def test_exit_code_75_every_time_gives_up_after_three_retries(tmp_path):
         (["-n", "2", "--timeout", "0", "{script}"], "--timeout must be positive. Received: --timeout 0"),
         (["-n", "2", "--placement-strategy", "round", "{script}"], "invalid choice: 'round'"),
         (["-n", "2", "--host", "a b", "{script}"], "--host must be a host name or IP address"),
+        (["-n", "2", "--tensor-parallel-degree", "2", "{script}"], "--tensor-parallel-degree needs --partitions"),
+        (["-n", "2", "--partitions", "2", "--tensor-parallel-degree", "0", "{script}"],
+         "--tensor-parallel-degree must be at least 1"),
+        (["-n", "2", "--partitions", "2", "--pipeline-processes", "2", "--tensor-parallel-degree", "2", "{script}"],
+         "--tensor-parallel-degree > 1 with --pipeline-processes > 1 is not supported"),
     ],
 )
 def test_bad_arguments(tmp_path, capsys, args, message):

@@ -270,7 +270,9 @@ class _Launcher:
         if self.gpu_sets is not None:
             devices = "; ".join(f"rank {r}: GPUs {','.join(g)}" for r, g in enumerate(self.gpu_sets))
         elif self.layout is not None:
-            devices = f"{self.layout.partitions_per_process} logical CPU device(s) each"
+            devices = f"{self.per_process} logical CPU device(s) each"
+            if (self.args.tensor_parallel_degree or 1) > 1:
+                devices += f" ({self.args.tensor_parallel_degree} per partition)"
         else:
             devices = (
                 "each process creates one logical CPU device per partition it holds "
@@ -321,6 +323,8 @@ class _Launcher:
                 params = {}
             params.update(partitions=self.layout.partitions, pipeline_processes=self.layout.pipeline_processes,
                           placement_strategy=self.layout.strategy)
+            if self.args.tensor_parallel_degree is not None:
+                params.update(tensor_parallel_degree=self.args.tensor_parallel_degree)
             env["SM_HP_MP_PARAMETERS"] = json.dumps(params)
         if self.gpu_sets is not None:
             env["CUDA_VISIBLE_DEVICES"] = ",".join(self.gpu_sets[rank])
@@ -484,6 +488,16 @@ def _parser() -> argparse.ArgumentParser:
         help="processes each pipeline spans (the 'pipeline_processes' key; needs --partitions; default 1)",
     )
     parser.add_argument(
+        "--tensor-parallel-degree",
+        type=int,
+        default=None,
+        metavar="T",
+        help=(
+            "devices each partition is split over: sets the 'tensor_parallel_degree' key of every "
+            "process's config and gives each process T devices per partition it holds (needs --partitions)"
+        ),
+    )
+    parser.add_argument(
         "--placement-strategy",
         choices=_STRATEGIES,
         default="cluster",
@@ -537,6 +551,16 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             parser.error(f"--host must be a host name or IP address. Received: --host {args.host!r}")
         if args.pipeline_processes is not None and args.partitions is None:
             parser.error("--pipeline-processes needs --partitions (the partitions the processes share)")
+        if args.tensor_parallel_degree is not None:
+            if args.tensor_parallel_degree < 1:
+                parser.error(f"--tensor-parallel-degree must be at least 1. Received: --tensor-parallel-degree "
+                             f"{args.tensor_parallel_degree}")
+            if args.partitions is None:
+                parser.error("--tensor-parallel-degree needs --partitions (the devices of a process are "
+                             "partitions x tensor-parallel degree)")
+            if args.tensor_parallel_degree > 1 and (args.pipeline_processes or 1) > 1:
+                parser.error("--tensor-parallel-degree > 1 with --pipeline-processes > 1 is not supported: "
+                             "a stage's devices must belong to one process")
         try:
             layout = _layout(args)
         except ValueError as e:
@@ -547,7 +571,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     gpus = visible_gpus(os.environ)
     gpu_sets: Optional[List[List[str]]] = None
     if layout is not None and args.devices_per_process is None:
-        args.devices_per_process = layout.partitions_per_process
+        args.devices_per_process = layout.partitions_per_process * (args.tensor_parallel_degree or 1)
     if gpus:
         per_process = args.devices_per_process or len(gpus) // args.nproc
         if per_process < 1:
