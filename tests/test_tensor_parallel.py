@@ -285,3 +285,24 @@ def test_schedules_recompute_and_dropout_at_two_partitions_of_two_devices(extra)
     _assert_within_rounding(grads, ref_grads, contracted=64)
     for v, s in zip(model.variables, state):
         np.testing.assert_array_equal(v.numpy(), s, err_msg=v.path)
+
+
+def test_a_scalar_partial_sum_is_reduced_once():
+    # An L2 penalty on a split kernel: the sum of its squares is a scalar
+    # partial sum, scaled (still partial) and added to the loss (reduced).
+    smp.init({"partitions": 1, "microbatches": M, "tensor_parallel_degree": 2})
+    model = _mlp()
+    up = model.get_layer("up")
+    x, y = _data()
+
+    def body(x, y):
+        with tf.GradientTape() as tape:
+            penalty = 0.01 * (0.5 * tf.reduce_sum(tf.square(up.kernel)))
+            loss = tf.reduce_mean((model(x, training=True) - y) ** 2) + penalty
+        return loss, tape.gradient(loss, model.trainable_variables)
+
+    ref_losses, ref_grads = _reference(body, x, y)
+    step, losses, grads = _run(body, x, y)
+    assert any(r.src.partial and r.src.rank == 0 for r in step.last_plan.shard_plan.reshards)
+    np.testing.assert_allclose(losses, ref_losses, rtol=64 * np.finfo(np.float32).eps)
+    _assert_within_rounding(grads, ref_grads, contracted=64)

@@ -255,7 +255,7 @@ class _Writer:
         have = self.physical.get(tensor)
         if have is None:
             have = ShardSpec.replicated(need.rank)
-        if need.is_replicated or need.rank == 0:
+        if need.is_replicated:
             return self._whole(tensor, have)
         key = (tensor, need)
         if key not in self.pieces:
