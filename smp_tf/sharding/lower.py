@@ -323,6 +323,21 @@ class _Writer:
             else:
                 self._copy(op, src, dec)
 
+    def finish(self) -> None:
+        """Colocation constraints that name an op now split point at its
+        first copy (the named op no longer exists)."""
+        for node in self.out.node:
+            if "_class" not in node.attr:
+                continue
+            refs = list(node.attr["_class"].list.s)
+            fixed = []
+            for ref in refs:
+                name = ref.decode()[len("loc:@"):] if ref.startswith(b"loc:@") else None
+                fixed.append(f"loc:@{name}{_MARK}_s0".encode() if name and self.sharded.get(name) else ref)
+            if fixed != refs:
+                del node.attr["_class"].list.s[:]
+                node.attr["_class"].list.s.extend(fixed)
+
     def _control(self, inputs: Sequence[str]) -> List[str]:
         out = []
         for x in inputs:
@@ -426,6 +441,7 @@ def expand_graph_def(graph_def: Any, op_graph: OpGraph, plan: ShardPlan, t: int,
     """The sharded `GraphDef` and the names of `outputs` in it (whole)."""
     w = _Writer(graph_def, plan, op_graph, t)
     w.write()
+    w.finish()
     renamed = []
     for name in outputs:
         if name is None:

@@ -147,7 +147,7 @@ UNARY = frozenset(
     """Identity Snapshot StopGradient PreventGradient Relu Relu6 Elu Selu LeakyRelu Gelu Erf Erfc
     Tanh Sigmoid Exp Expm1 Log Log1p Sqrt Rsqrt Square Abs Neg Sign Softplus Softsign Sin Cos
     Floor Ceil Round Reciprocal Inv Cast IsFinite IsNan LogicalNot ZerosLike OnesLike Mish Swish
-    CheckNumerics EnsureShape""".split()
+    CheckNumerics""".split()
 )
 #: Element-wise ops of several inputs, with broadcasting.
 BINARY = frozenset(
@@ -158,7 +158,7 @@ BINARY = frozenset(
 )
 # Ops linear in their inputs: a partial sum in, a partial sum out (with the
 # other inputs whole where a product needs them so).
-_LINEAR_UNARY = frozenset("Identity Snapshot StopGradient PreventGradient Neg EnsureShape".split())
+_LINEAR_UNARY = frozenset("Identity Snapshot StopGradient PreventGradient Neg".split())
 _SUMS = frozenset("Add AddV2 Sub AddN".split())
 
 
