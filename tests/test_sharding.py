@@ -4,7 +4,7 @@ layouts. No TensorFlow op runs here."""
 
 import pytest
 
-from smp_tf.sharding.builtin import pair_layouts, product_pairs
+from smp_tf.sharding.builtin import output_layer_layouts, pair_layouts, product_pairs
 from smp_tf.sharding.completion import ShardGraph, complete
 from smp_tf.sharding.layout_map import LayoutMap, resolve_layout
 from smp_tf.sharding.reshard import reshard_bytes, reshard_steps
@@ -282,3 +282,45 @@ def test_builtin_pairs_a_gated_mlp_and_stops_at_residuals():
     ])
     assert sorted(product_pairs(g)) == [("g", "d"), ("u", "d")]
     assert pair_layouts(g, 2) == {"gate": S1, "up": S1, "down": S0}
+
+
+def test_cross_entropy_by_rows_or_vocabulary():
+    r1 = ShardSpec((None,))
+    d = _decide("SparseSoftmaxCrossEntropyWithLogits", [(8, 64), (8,)], (8,), [S1, r1])
+    assert d.kind == "vocab_cross_entropy" and d.inputs == (S1, r1) and d.outputs == (r1, S1)
+    d = _decide("SparseSoftmaxCrossEntropyWithLogits", [(8, 64), (8,)], (8,), [S0, r1])
+    assert d.kind == "local" and d.inputs == (S0, ShardSpec(("tensor",)))
+    # A partial sum of logits is reduced first (no rule for it).
+    assert _decide("SparseSoftmaxCrossEntropyWithLogits", [(8, 64), (8,)], (8,), [P2, r1]) is None
+
+
+def test_output_layer_of_a_loss_is_column_parallel_and_a_tied_embedding_split_by_rows():
+    g = ShardGraph.from_spec([
+        dict(name="h", type="Placeholder", shape=(8, 16), argument=True),
+        dict(name="labels", type="Placeholder", shape=(8,), argument=True),
+        dict(name="he", type="Placeholder", shape=()),
+        dict(name="emb", type="ReadVariableOp", inputs=["he"], shape=(64, 16), variable="embeddings"),
+        dict(name="embT", type="Transpose", inputs=["emb"], shape=(16, 64), const={1: [1, 0]}),
+        dict(name="logits", type="MatMul", inputs=["h", "embT"], shape=(8, 64)),
+        dict(name="loss", type="SparseSoftmaxCrossEntropyWithLogits", inputs=["logits", "labels"], shape=(8,)),
+    ])
+    assert output_layer_layouts(g, 2) == {"embeddings": S0}
+    plan = complete(g, output_layer_layouts(g, 2), 2)
+    assert str(plan.specs["logits:0"]) == "S(1)" and plan.decisions["loss"].kind == "vocab_cross_entropy"
+
+
+def test_log_softmax_over_split_classes_and_masked_gather():
+    # Split over the normalised axis, log-softmax reduces its maximum and sum
+    # over the devices instead of gathering the logits.
+    d = _decide("LogSoftmax", [(8, 64)], (8, 64), [S1])
+    assert d.kind == "split_log_softmax" and d.outputs == (S1,)
+    # A gather along the split axis (axis == batch_dims) is a masked lookup:
+    # a partial sum with one addend not zero per element.
+    r1, r2 = ShardSpec((None,)), ShardSpec((None, None))
+    d = _decide("GatherV2", [(8, 64), (8, 1), ()], (8, 1), [S1, r2, ShardSpec(())], {"batch_dims": 1}, const={2: 1})
+    assert d.kind == "masked_gather" and d.outputs == (P2,)
+    # An embedding table split by rows, looked up by ids (axis 0).
+    d = _decide("GatherV2", [(64, 16), (8,), ()], (8, 16), [S0, r1, ShardSpec(())], const={2: 0})
+    assert d.kind == "masked_gather"
+    # Split along another axis than the gathered one: no rule (run whole).
+    assert _decide("GatherV2", [(64, 16), (8,), ()], (8, 16), [S1, r1, ShardSpec(())], const={2: 0}) is None

@@ -19,6 +19,10 @@ from tests.zoo import zoo_models
 pytestmark = pytest.mark.xdist_group("tensor_parallel")
 
 M = 2
+#: How a loss over class-split logits runs: the fused sparse cross-entropy,
+#: or (under TF_DETERMINISTIC_OPS, which the tests set) the log-softmax
+#: and gather that TensorFlow uses instead.
+VOCAB_PARALLEL = ("vocab_cross_entropy", "split_log_softmax")
 
 
 def _mlp(width=64):
@@ -143,6 +147,12 @@ def test_keras_hub_transformers_at_two_partitions_of_two_devices(name):
     # Attention split by heads, the feed-forward pairs by columns and rows.
     assert any("query/kernel" in k for k in sharded) and any("attention_output/kernel" in k for k in sharded)
     assert len(sharded) >= 16
+    if name == "gpt2_lm":
+        # The tied LM head is split by vocabulary rows and the loss computed
+        # vocabulary-parallel: the logits are never gathered.
+        table = next(k for k in plan.variables if k.endswith("token_embedding/embeddings"))
+        assert plan.variables[table].dims == ("tensor", None)
+        assert any(d.kind in VOCAB_PARALLEL for d in plan.decisions.values())
     np.testing.assert_allclose([float(v) for v in loss.outputs], ref_losses, rtol=1e-6)
     got = [[tf.convert_to_tensor(g.outputs[k]).numpy() for g in grads] for k in range(M)]
     floor = 1e-3 * max(float(np.max(np.abs(g))) for gs in ref_grads for g in gs)
@@ -306,3 +316,36 @@ def test_a_scalar_partial_sum_is_reduced_once():
     assert any(r.src.partial and r.src.rank == 0 for r in step.last_plan.shard_plan.reshards)
     np.testing.assert_allclose(losses, ref_losses, rtol=64 * np.finfo(np.float32).eps)
     _assert_within_rounding(grads, ref_grads, contracted=64)
+
+
+def test_vocabulary_parallel_cross_entropy_of_a_classifier_head():
+    # The output layer's product is found as the maker of the loss's logits
+    # and split by classes; the loss is computed without gathering them.
+    smp.init({"partitions": 1, "microbatches": M, "tensor_parallel_degree": 2})
+    keras.utils.set_random_seed(3)
+    inp = keras.Input((16,))
+    h = keras.layers.Dense(32, activation="relu", name="hid")(inp)
+    model = smp.DistributedModel(inp, keras.layers.Dense(64, name="head")(h))
+    rng = np.random.default_rng(0)
+    x, y = rng.normal(size=(8, 16)).astype("float32"), rng.integers(0, 64, size=(8,)).astype("int32")
+
+    def body(x, y):
+        with tf.GradientTape() as tape:
+            logits = model(x, training=True)
+            loss = tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(labels=y, logits=logits))
+        return loss, tape.gradient(loss, model.trainable_variables)
+
+    fn = tf.function(body)
+    refs = [fn(tf.constant(x[k::M]), tf.constant(y[k::M])) for k in range(M)]
+    step = smp.step(body)
+    loss, grads = step(tf.constant(x), tf.constant(y))
+    plan = step.last_plan.shard_plan
+    assert plan.variables["head/kernel"].dims == (None, "tensor")
+    assert plan.variables["head/bias"].dims == ("tensor",)
+    assert any(d.kind in VOCAB_PARALLEL for d in plan.decisions.values())
+    # The logits (the head's output) are never gathered.
+    assert not any("head" in r.tensor and r.src.split_dim == 1 and "all_gather" in r.steps for r in plan.reshards)
+    # The sum of the exponentials is added over the devices: within rounding.
+    np.testing.assert_allclose([float(v) for v in loss.outputs], [float(r[0]) for r in refs], rtol=1e-6)
+    got = [[tf.convert_to_tensor(g.outputs[k]).numpy() for g in grads] for k in range(M)]
+    _assert_within_rounding(got, [[g.numpy() for g in r[1]] for r in refs], contracted=64)

@@ -7,7 +7,7 @@ from typing import Any, Dict, Mapping, Optional, Sequence
 import tensorflow as tf
 from tensorflow.core.framework import attr_value_pb2
 
-from smp_tf.sharding.builtin import attention_layouts, pair_layouts
+from smp_tf.sharding.builtin import attention_layouts, output_layer_layouts, pair_layouts
 from smp_tf.sharding.completion import ShardGraph
 from smp_tf.sharding.layout_map import resolve_layout
 from smp_tf.sharding.lower import CONSTRAINT_ATTR, constraint_text, shard_graph_of, shard_traced
@@ -59,7 +59,10 @@ def variable_layouts(
     rules (`smp_tf.sharding.builtin`)."""
     if layout_map is not None:
         return resolve_layout(dict(layout_map), shapes, t)
-    out = pair_layouts(graph, t)
+    # The output layer first: a classifier's last hidden layer and its head
+    # also look like an MLP pair, but the head split by classes lets the
+    # loss run without gathering the logits.
+    out = pair_layouts(graph, t, decided=output_layer_layouts(graph, t))
     for path, spec in attention_layouts(layers, t).items():
         if path in shapes:
             out[path] = spec

@@ -11,6 +11,11 @@ names, so that it covers any model built of dense products:
   kernel is split along the contracted dimension and its result is a
   partial sum. So an MLP (up, activation, down) and a gated MLP (gate and
   up, product, down) run with one all-reduce in the forward.
+* **Output layers.** The product that makes the logits of a sparse
+  softmax cross-entropy is column-parallel (a tied embedding read
+  transposed is split by vocabulary rows), and the loss is then computed
+  vocabulary-parallel, without gathering the logits
+  (`output_layer_layouts`).
 * **Attention.** `keras.layers.MultiHeadAttention` (and keras_hub's
   subclasses) has its query, key and value projections split by head and
   its output projection by head along the contracted dimensions
@@ -29,7 +34,7 @@ from smp_tf.sharding.completion import READ_OPS, ShardGraph, ShardOp
 from smp_tf.sharding.rules import BINARY, UNARY, parse_einsum
 from smp_tf.sharding.spec import TENSOR, ShardSpec
 
-__all__ = ["product_pairs", "pair_layouts", "attention_layouts"]
+__all__ = ["product_pairs", "pair_layouts", "output_layer_layouts", "attention_layouts"]
 
 _PRODUCTS = frozenset(["MatMul", "Einsum"])
 # Reshapes keep a product's output dimension last (a dense layer on a 3-D
@@ -129,8 +134,10 @@ def product_pairs(graph: ShardGraph) -> List[Tuple[str, str]]:
     return pairs
 
 
-def pair_layouts(graph: ShardGraph, t: int) -> Dict[str, ShardSpec]:
-    """Variable -> layout for the product pairs of `graph` (module doc).
+def pair_layouts(graph: ShardGraph, t: int, decided: Optional[Mapping[str, ShardSpec]] = None) -> Dict[str, ShardSpec]:
+    """Variable -> layout for the product pairs of `graph` (module doc),
+    with the layouts already `decided` (an output layer's) kept: a pair
+    that would split one of their variables otherwise stays whole.
 
     A pair whose split dimension `t` does not divide stays whole."""
     by_name = {op.name: op for op in graph.ops}
@@ -139,7 +146,7 @@ def pair_layouts(graph: ShardGraph, t: int) -> Dict[str, ShardSpec]:
     for op in graph.ops:
         for x in op.inputs:
             readers.setdefault(x, []).append(op)
-    out: Dict[str, ShardSpec] = {}
+    out: Dict[str, ShardSpec] = dict(decided or {})
 
     def kernel_of(op: ShardOp) -> Optional[Tuple[ShardOp, int]]:
         for k, x in enumerate(op.inputs):
@@ -180,6 +187,56 @@ def pair_layouts(graph: ShardGraph, t: int) -> Dict[str, ShardSpec]:
                             shape = p.info.output_shapes[0]
                             if shape is not None and len(shape) == 1 and shape[0] == shape_a[col]:
                                 out[p.variable] = ShardSpec.split(1, 0)
+    return out
+
+
+_TO_LOGITS = frozenset(["Reshape", "Identity", "Cast", "BiasAdd", "AddV2", "Add", "Snapshot"])
+# The losses over logits: the fused cross-entropies, and the log-softmax
+# that the sparse one becomes under TF_DETERMINISTIC_OPS (then a gather).
+_LOSSES = frozenset(["SparseSoftmaxCrossEntropyWithLogits", "SoftmaxCrossEntropyWithLogits", "LogSoftmax"])
+
+
+def output_layer_layouts(graph: ShardGraph, t: int) -> Dict[str, ShardSpec]:
+    """Variable -> layout for the output layers of a classification or
+    language-model loss: the product that makes the logits of a sparse
+    softmax cross-entropy is column-parallel (split by classes; a tied
+    embedding read transposed is split by vocabulary rows), its bias with
+    it, so that the logits are never gathered (the loss is
+    vocabulary-parallel, `rules._sparse_softmax_cross_entropy`)."""
+    producer = {x: op for op in graph.ops for x in op.outputs}
+    out: Dict[str, ShardSpec] = {}
+    for loss in graph.ops:
+        if loss.type not in _LOSSES or not loss.inputs or loss.name.startswith(("gradient_tape", "gradients")):
+            continue
+        x, biases = loss.inputs[0], []
+        op = producer.get(x)
+        while op is not None and op.type in _TO_LOGITS and op.inputs:
+            if op.type in ("BiasAdd", "AddV2", "Add") and len(op.inputs) == 2:
+                biases.append(producer.get(op.inputs[1]))
+            op = producer.get(op.inputs[0])
+        if op is None or op.type not in _PRODUCTS or len(op.inputs) != 2:
+            continue
+        for k, y in enumerate(op.inputs):
+            read, perm = producer.get(y), None
+            if read is not None and read.type == "Transpose":
+                perm = read.info.const_inputs.get(1)
+                read = producer.get(read.inputs[0])
+            if read is None or read.type not in READ_OPS or read.variable is None:
+                continue
+            dims = _kernel_dims(op, k)
+            shape = read.info.output_shapes[0]
+            if not dims or not dims[0] or shape is None:
+                continue
+            col = dims[0][0] if perm is None else int(perm[dims[0][0]])
+            if shape[col] is None or shape[col] % t:
+                continue
+            out[read.variable] = ShardSpec.split(len(shape), col)
+            for b in biases:
+                if b is not None and b.type in READ_OPS and b.variable is not None:
+                    bshape = b.info.output_shapes[0]
+                    if bshape is not None and len(bshape) == 1 and bshape[0] == shape[col]:
+                        out[b.variable] = ShardSpec.split(1, 0)
+            break
     return out
 
 
