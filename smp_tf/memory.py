@@ -44,7 +44,7 @@ micro-batch's forward earlier than the simulated costs say).
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
 
 from smp_tf.graph_view import OpGraph, OpNode
@@ -182,6 +182,9 @@ class PartitionMemory:
         recompute: the partition's recompute mode.
         measured: the measured peak where a measurement exists (None
             otherwise); see `MemoryReport.method`.
+        shard: with tensor parallelism, in `MemoryReport.devices`: the
+            device's index in its partition's stage (None in the
+            per-partition rows).
     """
 
     partition: int
@@ -195,6 +198,7 @@ class PartitionMemory:
     total: int = 0
     recompute: str = "never"
     measured: Optional[int] = None
+    shard: Optional[int] = None
 
 
 def _process_of(device: str) -> str:
@@ -246,6 +250,12 @@ class MemoryReport:
 
     Attributes:
         partitions: one `PartitionMemory` per partition.
+        devices: with tensor parallelism, one row per device of every
+            stage (``partition``, ``shard``, ``device``): the variables,
+            the optimizer state and the gradients on device 0 of the stage,
+            each device's own activations, buffers and transient peak.
+            Empty without. `device_totals` (and so ``memory_budget``) reads
+            these rows where there are any.
         process_peak: the predicted peak of all partitions together, each
             tensor counted once (what one shared allocator sees).
         measured_process_peak: the measured peak of one shared allocator
@@ -256,6 +266,7 @@ class MemoryReport:
     """
 
     partitions: List[PartitionMemory]
+    devices: List[PartitionMemory] = field(default_factory=list)
     process_peak: int = 0
     measured_process_peak: Optional[int] = None
     method: str = ""
@@ -282,7 +293,8 @@ class MemoryReport:
         need not coincide, so the sum is an upper bound of the device's. A row
         without a device counts as a device of its own (``"partition N"``)."""
         out: Dict[str, int] = {}
-        for r in self.partitions:
+        # With tensor parallelism, each device of a stage by its own row.
+        for r in self.devices or self.partitions:
             out[_device_of(r)] = out.get(_device_of(r), 0) + r.total
         return out
 
@@ -306,7 +318,7 @@ class MemoryReport:
                 f"{r.partition:>4}  {r.device:<{width}} {r.recompute:<9} " + " ".join(f"{c:>11}" for c in cells)
             )
         totals = self.device_totals()
-        if len(totals) < len(self.partitions):
+        if len(totals) < len(self.devices or self.partitions):
             lines.append("per device, sum of its partitions' peaks (an upper bound): " + ", ".join(
                 f"{d or '-'} {format_bytes(b)}" for d, b in totals.items()))
         devices = [r.device for r in self.partitions]
@@ -324,6 +336,12 @@ class MemoryReport:
             if len(per_process) > 1:  # a pipeline across processes: each has its own allocator
                 lines.append("per process, sum of its partitions' peaks (an upper bound): " + ", ".join(
                     f"{k} {format_bytes(b)}" for k, b in per_process.items()))
+        if self.devices:
+            lines.append("per device of each stage (tensor parallelism):")
+            for r in self.devices:
+                cells = [format_bytes(getattr(r, c)) for c in cols[:-1]]
+                lines.append(f"{r.partition:>4}.{r.shard:<1} {r.device:<{width}} {'':<9} "
+                             + " ".join(f"{c:>11}" for c in cells))
         if self.method:
             lines.append(f"measured: {self.method}")
         return "\n".join(lines)
@@ -537,6 +555,8 @@ def predict_memory(
     budget: Optional[int] = None,
     workspace: Optional[Mapping[Tuple[int, int], int]] = None,
     cpu_kernel_scratch: bool = True,
+    shard_of_op: Optional[Sequence[int]] = None,
+    stage_devices: Optional[Sequence[Sequence[str]]] = None,
 ) -> MemoryReport:
     """Predicts every partition's peak under a simulated schedule.
 
@@ -563,6 +583,10 @@ def predict_memory(
             on CPUs allocate `kernel_scratch` (TensorFlow's own CPU kernels);
             False where oneDNN's kernels run them, which keep their
             scratch outside TensorFlow's allocator.
+        shard_of_op: with tensor parallelism, the device of each op within
+            its partition's stage (0 for what is not split); the report
+            then also has a row per device (`MemoryReport.devices`).
+        stage_devices: the devices of each partition's stage.
 
     Returns:
         The `MemoryReport` (``measured`` unset).
@@ -605,6 +629,15 @@ def predict_memory(
                                              cpu_scratch=cpu_kernel_scratch and t.partition not in on_gpu))
                  for t in tasks}
     start, end = simulation.start, simulation.end
+    # With tensor parallelism, the same intervals per device of a stage:
+    # (partition, shard) -> intervals, each task's transient peak per shard.
+    per_shard: Dict[Tuple[int, int], List[_Interval]] = {}
+    shard_workspace = (_shard_workspaces(graph, tasks, storage, shard_of_op, cpu_kernel_scratch, on_gpu)
+                       if shard_of_op is not None else {})
+
+    def shard_of(x: int) -> int:
+        return shard_of_op[graph.tensors[x].producer] if shard_of_op is not None else 0
+
     for action in start:
         task = by_key[action.task]
         m = action.microbatch
@@ -612,6 +645,8 @@ def predict_memory(
         iv = _Interval(start[action], end[action], workspace[task.key], "transient")
         per_device[p].append(iv)
         process.append(iv)
+        for k, nbytes in shard_workspace.get(task.key, {}).items():
+            per_shard.setdefault((p, k), []).append(_Interval(start[action], end[action], nbytes, "transient"))
         for x in task.outputs:
             nbytes = storage[x]
             users = readers.get(x, [])
@@ -623,6 +658,8 @@ def predict_memory(
                 iv = _Interval(end[action], max(ends), nbytes, "activations" if kept else "buffers")
                 per_device[p].append(iv)
                 process.append(iv)
+                if shard_of_op is not None:
+                    per_shard.setdefault((p, shard_of(x)), []).append(iv)
             # The received copy on every other partition that reads it; a
             # variable's value (a tied weight used on another stage) takes no
             # memory where it is read, but its copy does.
@@ -631,9 +668,10 @@ def predict_memory(
                 mine = [u for u in users if u.partition == q]
                 acts = [Action(u.partition, u.wave, m) for u in mine]
                 kind = "activations" if len(mine) > 1 else "buffers"
-                per_device[q].append(
-                    _Interval(min(start[a] for a in acts), max(end[a] for a in acts), copy_bytes, kind)
-                )
+                iv = _Interval(min(start[a] for a in acts), max(end[a] for a in acts), copy_bytes, kind)
+                per_device[q].append(iv)
+                if shard_of_op is not None:
+                    per_shard.setdefault((q, shard_of(x)), []).append(iv)
     for p in range(num_partitions):
         peak, parts = _peak(per_device[p])
         r = rows[p]
@@ -641,7 +679,47 @@ def predict_memory(
         r.total = r.variables + r.optimizer + r.gradients + peak
     static = sum(r.variables + r.optimizer + r.gradients for r in rows)
     process_peak = static + _peak(process)[0]
-    return MemoryReport(rows, process_peak=process_peak, budget=budget)
+    device_rows: List[PartitionMemory] = []
+    if shard_of_op is not None and stage_devices:
+        for p, r in enumerate(rows):
+            for k, device in enumerate(stage_devices[p]):
+                # The variables, their optimizer state and the gradients
+                # live on device 0 of the stage (variables are not split).
+                d = PartitionMemory(p, device=device, recompute=r.recompute, shard=k)
+                if k == 0:
+                    d.variables, d.optimizer, d.gradients = r.variables, r.optimizer, r.gradients
+                peak, parts = _peak(per_shard.get((p, k), []))
+                d.activations, d.buffers, d.transient = parts["activations"], parts["buffers"], parts["transient"]
+                d.total = d.variables + d.optimizer + d.gradients + peak
+                device_rows.append(d)
+    return MemoryReport(rows, devices=device_rows, process_peak=process_peak, budget=budget)
+
+
+def _shard_workspaces(graph: OpGraph, tasks: Sequence[Task], storage: Sequence[int], shard_of_op: Sequence[int],
+                      cpu_scratch: bool, on_gpu: set) -> Dict[Tuple[int, int], Dict[int, int]]:
+    """task key -> shard -> the transient peak of the task's ops on that
+    device of its stage (`task_workspace` of those ops alone; what they read
+    from another device of the stage counts as received there)."""
+    out: Dict[Tuple[int, int], Dict[int, int]] = {}
+    for task in tasks:
+        ops = set(task.members) | set(task.copies) | set(task.recomputed)
+        by_shard: Dict[int, Dict[str, List[int]]] = {}
+        for name in ("members", "copies", "recomputed"):
+            for i in getattr(task, name):
+                by_shard.setdefault(shard_of_op[i], {"members": [], "copies": [], "recomputed": []})[name].append(i)
+        peaks: Dict[int, int] = {}
+        for k, parts in by_shard.items():
+            mine = set(parts["members"]) | set(parts["copies"]) | set(parts["recomputed"])
+            outputs = [x for op in mine for x in graph.ops[op].outputs
+                       if x in task.outputs or any(c in ops and c not in mine for c in graph.tensors[x].consumers)]
+            sub = replace(task, members=parts["members"], copies=parts["copies"], recomputed=parts["recomputed"],
+                          outputs=outputs)
+            received = sum(storage[x] for op in mine for x in graph.ops[op].inputs
+                           if graph.tensors[x].producer in ops and graph.tensors[x].producer not in mine)
+            peaks[k] = task_workspace(graph, sub, storage, cpu_scratch=cpu_scratch and task.partition not in on_gpu) \
+                + received
+        out[task.key] = peaks
+    return out
 
 
 def is_gradient_output(graph: OpGraph, op: int, tensor: int) -> bool:

@@ -349,3 +349,29 @@ def test_vocabulary_parallel_cross_entropy_of_a_classifier_head():
     np.testing.assert_allclose([float(v) for v in loss.outputs], [float(r[0]) for r in refs], rtol=1e-6)
     got = [[tf.convert_to_tensor(g.outputs[k]).numpy() for g in grads] for k in range(M)]
     _assert_within_rounding(got, [[g.numpy() for g in r[1]] for r in refs], contracted=64)
+
+
+def test_memory_report_has_a_row_per_device_and_the_budget_holds_per_device():
+    import smp_tf.memory as memory
+
+    smp.init({"partitions": 2, "microbatches": 4, "tensor_parallel_degree": 2})
+    model = _mlp(width=256)
+    x, y = _data()
+    step = smp.step(_body(model))
+    step(tf.constant(x), tf.constant(y))
+    report = step.memory_report(keras.optimizers.Adam())
+    rows = report.devices
+    assert [(r.partition, r.shard, r.device) for r in rows] == [
+        (0, 0, "/device:CPU:0"), (0, 1, "/device:CPU:1"), (1, 0, "/device:CPU:2"), (1, 1, "/device:CPU:3")]
+    # The variables, their slots and gradients are on device 0 of each stage;
+    # the other device holds its split activations and transient buffers.
+    for r in rows:
+        assert (r.variables > 0) == (r.shard == 0) and (r.optimizer > 0) == (r.shard == 0)
+    assert rows[1].total > 0 and rows[1].total < rows[0].total
+    assert set(report.device_totals()) == {r.device for r in rows}
+    assert "per device of each stage" in report.table()
+    # A budget below device 0's predicted peak fails before the step runs.
+    budget = max(r.total for r in rows) - 1
+    smp.init({"partitions": 2, "microbatches": 4, "tensor_parallel_degree": 2, "memory_budget": budget})
+    with pytest.raises(memory.MemoryBudgetError):
+        smp.step(_body(model))(tf.constant(x), tf.constant(y))
