@@ -44,7 +44,7 @@ from smp_tf.rewrite import (
     task_specs,
 )
 from smp_tf.schedules import Action, Schedule, make_schedule, schedule_builder
-from smp_tf.sharding.lower import SHARD_ATTR, place_shards
+from smp_tf.sharding.lower import place_shards
 from smp_tf.step_output import FusedOp
 from smp_tf.trace import CapturedVariable, Traced, gc_paused
 
@@ -680,10 +680,7 @@ class CompiledStep:
         (`smp_tf.sharding.lower.SHARD_ATTR`); None without."""
         if not getattr(self.plan, "tensor_devices", None):
             return None
-        if not hasattr(self, "_shards"):
-            shard = {n.name: n.attr[SHARD_ATTR].i for n in self.traced.graph_def.node if SHARD_ATTR in n.attr}
-            self._shards = [shard.get(op.name, 0) for op in self.plan.op_graph.ops]
-        return self._shards
+        return self.plan.shard_of_op
 
     def _optimizer_bytes(self, optimizer: Any) -> Optional[Dict[int, int]]:
         """Partition -> bytes of the optimizer state that exists (None when

@@ -354,9 +354,11 @@ class StepFunction:
         plan.trace_seconds = t1 - t0 - traced.view_seconds
         plan.view_seconds = traced.view_seconds
         plan.shard_plan = shard_plan
-        plan.tensor_devices = (
-            [topo.stage_devices(c % cfg.partitions) for c in range(cfg.num_stages)] if shard_plan is not None else None
-        )
+        if shard_plan is not None:
+            from smp_tf.sharding.lower import shard_of_ops
+
+            plan.tensor_devices = [topo.stage_devices(c % cfg.partitions) for c in range(cfg.num_stages)]
+            plan.shard_of_op = shard_of_ops(traced.graph_def, traced.op_graph)
         return traced, plan
 
     def get_plan(self, *args: Any, **kwargs: Any) -> PartitionPlan:

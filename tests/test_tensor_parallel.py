@@ -370,6 +370,12 @@ def test_memory_report_has_a_row_per_device_and_the_budget_holds_per_device():
     assert rows[1].total > 0 and rows[1].total < rows[0].total
     assert set(report.device_totals()) == {r.device for r in rows}
     assert "per device of each stage" in report.table()
+    # The partition report too: a row per device, the variables on device 0.
+    summary = step.last_plan.summary()
+    assert [(r["partition"], r["shard"], r["device"]) for r in summary] == [
+        (r.partition, r.shard, r.device) for r in rows]
+    assert [r["variables"] > 0 for r in summary] == [True, False, True, False]
+    assert all(r["ops"] > 0 and r["flops"] > 0 for r in summary)
     # A budget below device 0's predicted peak fails before the step runs.
     budget = max(r.total for r in rows) - 1
     smp.init({"partitions": 2, "microbatches": 4, "tensor_parallel_degree": 2, "memory_budget": budget})

@@ -719,6 +719,9 @@ class PartitionPlan:
         # each partition's ops are split over.
         self.shard_plan: Any = None
         self.tensor_devices: Optional[List[Sequence[str]]] = None
+        # The device of each op within its partition's stage (index of
+        # `op_graph.ops`); None without tensor parallelism.
+        self.shard_of_op: Optional[List[int]] = None
         self.assignment: Dict[str, int] = {
             op.name: p for op, p in zip(op_graph.ops, self.partition_of_op)
         }
@@ -759,18 +762,25 @@ class PartitionPlan:
         return total
 
     def summary(self) -> List[Dict[str, Any]]:
-        """One dict per partition: ``ops``, ``variables``, ``variable_bytes``, ``flops``."""
+        """One dict per partition: ``partition``, ``device``, ``ops``,
+        ``variables``, ``variable_bytes``, ``flops``. With tensor
+        parallelism, one per device of every partition's stage, with
+        ``shard`` (the device's index in its stage) besides: the variables
+        are on device 0 of their stage."""
+        t = len(self.tensor_devices[0]) if self.tensor_devices and self.shard_of_op is not None else 1
         rows = [
-            {"partition": p, "device": self.devices[p] if p < len(self.devices) else None,
-             "ops": 0, "variables": 0, "variable_bytes": 0, "flops": 0.0}
-            for p in range(self.num_partitions)
+            {"partition": p, "device": (self.tensor_devices[p][k] if t > 1 else
+                                        self.devices[p] if p < len(self.devices) else None),
+             "ops": 0, "variables": 0, "variable_bytes": 0, "flops": 0.0, **({"shard": k} if t > 1 else {})}
+            for p in range(self.num_partitions) for k in range(t)
         ]
-        for op, p in zip(self.op_graph.ops, self.partition_of_op):
-            rows[p]["ops"] += 1
-            rows[p]["flops"] += op.flops
+        for i, (op, p) in enumerate(zip(self.op_graph.ops, self.partition_of_op)):
+            r = rows[p * t + (self.shard_of_op[i] if t > 1 else 0)]
+            r["ops"] += 1
+            r["flops"] += op.flops
         for v, p in self.partition_of_variable().items():
-            rows[p]["variables"] += 1
-            rows[p]["variable_bytes"] += self.op_graph.variable_bytes.get(v, 0)
+            rows[p * t]["variables"] += 1
+            rows[p * t]["variable_bytes"] += self.op_graph.variable_bytes.get(v, 0)
         return rows
 
     def report(self) -> str:
@@ -788,15 +798,13 @@ class PartitionPlan:
             f"{'share':>6}",
         ]
         for r in rows:
+            part = f"{r['partition']}.{r['shard']}" if "shard" in r else str(r["partition"])
             lines.append(
-                f"{r['partition']:>4}  {str(r['device'] or '-'):<{width}} {r['ops']:>7} {r['variables']:>5} "
+                f"{part:>4}  {str(r['device'] or '-'):<{width}} {r['ops']:>7} {r['variables']:>5} "
                 f"{format_bytes(r['variable_bytes']):>10} {100 * r['variable_bytes'] / tot_v:>5.1f}% "
                 f"{r['flops'] / 1e9:>9.3f} {100 * r['flops'] / tot_f:>5.1f}%"
             )
         if self.shard_plan is not None:
-            if self.tensor_devices:
-                lines.append("stage devices: " + ", ".join(
-                    f"{p}: {', '.join(d)}" for p, d in enumerate(self.tensor_devices)))
             lines.append(self.shard_plan.summary())
         return "\n".join(lines)
 

@@ -45,7 +45,8 @@ from smp_tf.sharding.rules import OpInfo
 from smp_tf.sharding.spec import ShardSpec
 from smp_tf.trace import CapturedVariable, Traced
 
-__all__ = ["SHARD_ATTR", "shard_graph_of", "shard_traced", "expand_graph_def", "place_shards", "origin_of"]
+__all__ = ["SHARD_ATTR", "shard_graph_of", "shard_traced", "expand_graph_def", "place_shards", "shard_of_ops",
+           "origin_of"]
 
 #: NodeDef attribute of a shard's copy: its device's index in the stage.
 SHARD_ATTR = "_smp_shard"
@@ -803,6 +804,13 @@ def shard_traced(
                      traced.layers, traced.view_seconds + time.perf_counter() - t0)
     sharded._graph = graph
     return sharded, plan
+
+
+def shard_of_ops(graph_def: Any, op_graph: OpGraph) -> List[int]:
+    """The device of each op of the sharded graph within its stage (the
+    index of `op_graph.ops`): its copy's ``k``, 0 for what is not split."""
+    shard = {n.name: n.attr[SHARD_ATTR].i for n in graph_def.node if SHARD_ATTR in n.attr}
+    return [shard.get(op.name, 0) for op in op_graph.ops]
 
 
 def place_shards(graph_def: Any, stage_devices: Sequence[str]) -> None:
