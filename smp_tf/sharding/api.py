@@ -10,7 +10,8 @@ from tensorflow.core.framework import attr_value_pb2
 from smp_tf.sharding.builtin import attention_layouts, output_layer_layouts, pair_layouts
 from smp_tf.sharding.completion import ShardGraph
 from smp_tf.sharding.layout_map import resolve_layout
-from smp_tf.sharding.lower import CONSTRAINT_ATTR, constraint_text, shard_graph_of, shard_traced
+from smp_tf.sharding.lower import shard_traced
+from smp_tf.sharding.read import CONSTRAINT_ATTR, constraint_text, shard_graph_of
 from smp_tf.trace import CapturedVariable
 from smp_tf.sharding.spec import ShardSpec, check_divisible, parse_spec
 

@@ -2,7 +2,7 @@
 
 `shard_traced` is the one step between the trace and the partitioner
 (trace -> **shard** -> partition -> tasks -> schedule -> lowering). It reads
-the traced `GraphDef` into a `ShardGraph`, completes the specs from the
+the traced `GraphDef` into a `ShardGraph` (`smp_tf.sharding.read`), completes the specs from the
 variables' layouts and the `smp.shard_tensor` constraints, and writes a new
 `GraphDef` in which
 
@@ -37,164 +37,17 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import numpy as np
 import tensorflow as tf
-from tensorflow.core.framework import attr_value_pb2, graph_pb2
+from tensorflow.core.framework import graph_pb2
 
 from smp_tf.graph_view import OpGraph, from_tf_graph
-from smp_tf.sharding.completion import READ_OPS, ShardGraph, ShardOp, ShardPlan, complete
+from smp_tf.sharding.completion import READ_OPS, ShardGraph, ShardPlan, complete
+from smp_tf.sharding.read import MARK, SHARD_ATTR, origin_of, shard_graph_of
 from smp_tf.sharding.rules import OpInfo
+from smp_tf.sharding.special import SPECIAL
 from smp_tf.sharding.spec import ShardSpec
 from smp_tf.trace import CapturedVariable, Traced
 
-__all__ = ["SHARD_ATTR", "shard_graph_of", "shard_traced", "expand_graph_def", "place_shards", "shard_of_ops",
-           "origin_of"]
-
-#: NodeDef attribute of a shard's copy: its device's index in the stage.
-SHARD_ATTR = "_smp_shard"
-#: Attribute `smp.shard_tensor` sets on its Identity: the spec, as text.
-CONSTRAINT_ATTR = "_smp_shard_spec"
-_MARK = "__smp"
-
-# Attributes a rule reads, as plain values.
-_ATTRS = ("transpose_a", "transpose_b", "adj_x", "adj_y", "keep_dims", "equation", "data_format", "batch_dims")
-
-
-def origin_of(name: str) -> str:
-    """The traced op a node of the sharded graph comes from."""
-    return name.split(_MARK, 1)[0]
-
-
-def _plain(attr: attr_value_pb2.AttrValue) -> Any:
-    which = attr.WhichOneof("value")
-    if which == "b":
-        return attr.b
-    if which == "s":
-        return attr.s.decode()
-    if which == "i":
-        return attr.i
-    return None
-
-
-def _const_value(node: Any) -> Optional[Any]:
-    if node.op != "Const":
-        return None
-    try:
-        value = tf.make_ndarray(node.attr["value"].tensor)
-    except Exception:  # pragma: no cover - exotic constants
-        return None
-    if value.dtype.kind not in "iu" or value.size > 16:
-        return None
-    return value.tolist()
-
-
-def _known_values(g: OpGraph, nodes: Mapping[str, Any]) -> Dict[int, Any]:
-    """tensor id -> value, for the small integer tensors known when tracing:
-    constants, shapes of fully known tensors, and what the gradients compute
-    from them (the axes a broadcast's gradient sums over, an inverted
-    permutation), so that rules can read a reduction's axes or a transpose's
-    permutation in the backward pass too."""
-    known: Dict[int, Any] = {}
-    for op in g.ops:
-        value: Any = None
-        if op.static_value is not None:
-            values = list(op.static_value)
-        else:
-            node = nodes.get(op.name)
-            ins = [known.get(x) for x in op.inputs]
-            values = None
-            if node is not None and op.type == "Const":
-                values = [_const_value(node)]
-            elif op.type in ("Identity", "Snapshot") and ins and ins[0] is not None:
-                values = [ins[0]]
-            elif op.type == "InvertPermutation" and ins and ins[0] is not None:
-                perm = list(ins[0])
-                values = [[perm.index(i) for i in range(len(perm))]]
-            elif op.type == "StridedSlice" and node is not None and len(ins) == 4 and None not in ins:
-                values = [_strided_slice_1d(ins, {k: node.attr[k].i for k in node.attr if k.endswith("_mask")})]
-            elif op.type == "BroadcastGradientArgs" and len(ins) == 2 and None not in ins:
-                values = list(_broadcast_gradient_args(list(ins[0]), list(ins[1])))
-        if values is None:
-            continue
-        for x, value in zip(op.outputs, values):
-            if value is not None:
-                known[x] = value
-    return known
-
-
-def _strided_slice_1d(ins: List[Any], masks: Mapping[str, int]) -> Optional[Any]:
-    """A slice of a known shape vector (``shape[:-2]`` in a product's
-    gradient); None for anything but one axis without new or elided axes."""
-    value, begin, end, strides = ins
-    if not isinstance(value, list) or any(masks.get(k, 0) for k in ("ellipsis_mask", "new_axis_mask")):
-        return None
-    if not all(isinstance(v, list) and len(v) == 1 for v in (begin, end, strides)):
-        return None
-    b = None if masks.get("begin_mask", 0) & 1 else begin[0]
-    e = None if masks.get("end_mask", 0) & 1 else end[0]
-    if masks.get("shrink_axis_mask", 0) & 1:
-        return value[begin[0]] if -len(value) <= begin[0] < len(value) else None
-    return value[b:e:strides[0]]
-
-
-def _broadcast_gradient_args(a: List[int], b: List[int]) -> Tuple[List[int], List[int]]:
-    """The axes each input of a broadcasting op is summed over in its gradient
-    (TensorFlow's own ``BroadcastGradientArgs``, run on the two shapes)."""
-    with tf.init_scope():  # eagerly, also while a step is being traced
-        ra, rb = tf.raw_ops.BroadcastGradientArgs(s0=tf.constant(a, tf.int32), s1=tf.constant(b, tf.int32))
-        return ra.numpy().tolist(), rb.numpy().tolist()
-
-
-def _parse_constraint(text: str) -> ShardSpec:
-    return ShardSpec(tuple(None if d == "-" else "tensor" for d in text.split(",")) if text else ())
-
-
-def constraint_text(spec: ShardSpec) -> str:
-    """How `smp.shard_tensor` writes a spec into its op's attribute."""
-    return ",".join("-" if d is None else "t" for d in spec.dims)
-
-
-def shard_graph_of(graph_def: Any, op_graph: OpGraph, outputs: Sequence[str], t: int) -> ShardGraph:
-    """The `ShardGraph` of a traced step (its ops in the view's order)."""
-    nodes = {n.name: n for n in graph_def.node}
-    g = op_graph
-    ops: List[ShardOp] = []
-    bytes_of: Dict[str, int] = {}
-    known = _known_values(g, nodes)
-    for op in g.ops:
-        node = nodes.get(op.name)
-        if node is None:
-            continue
-        attrs = {k: _plain(node.attr[k]) for k in _ATTRS if k in node.attr}
-        data_inputs = [x for x in node.input if not x.startswith("^")]
-        const: Dict[int, Any] = {}
-        for k, x in enumerate(op.inputs):
-            value = known.get(x)
-            if value is not None:
-                const[k] = value
-        info = OpInfo(
-            name=op.name,
-            type=op.type,
-            attrs=attrs,
-            input_shapes=tuple(g.tensors[x].shape for x in op.inputs),
-            output_shapes=tuple(g.tensors[x].shape for x in op.outputs),
-            const_inputs=const,
-            t=t,
-        )
-        constraint = None
-        if CONSTRAINT_ATTR in node.attr:
-            constraint = _parse_constraint(node.attr[CONSTRAINT_ATTR].s.decode())
-        variable = op.variables[0] if op.variables and (op.type in READ_OPS or op.writes) else None
-        ops.append(ShardOp(
-            info,
-            tuple(g.tensor_name(x) for x in op.inputs),
-            tuple(g.tensor_name(x) for x in op.outputs),
-            variable=variable,
-            constraint=constraint,
-            stateful=op.stateful,
-            argument=op.kind == "arg",
-        ))
-        for x in op.outputs:
-            bytes_of[g.tensor_name(x)] = g.tensors[x].bytes
-    return ShardGraph(ops, [o for o in outputs if o], bytes_of)
+__all__ = ["shard_traced", "expand_graph_def", "place_shards", "shard_of_ops"]
 
 
 class _Writer:
@@ -269,7 +122,7 @@ class _Writer:
 
     def _copies(self, tensor: str) -> List[str]:
         name, _, port = tensor.partition(":")
-        return [self._ref(f"{name}{_MARK}_s{k}:{port or 0}") for k in range(self.t)]
+        return [self._ref(f"{name}{MARK}_s{k}:{port or 0}") for k in range(self.t)]
 
     def _whole(self, tensor: str, have: ShardSpec) -> str:
         if have.is_replicated:
@@ -289,11 +142,11 @@ class _Writer:
             # Added in device order, so that a run repeats itself bit for bit.
             acc = parts[0]
             for k in range(1, self.t):
-                acc = self._node(f"{base}{_MARK}_sum{k}", "AddV2", [acc, parts[k]], dtype).name
+                acc = self._node(f"{base}{MARK}_sum{k}", "AddV2", [acc, parts[k]], dtype).name
                 self.shapes[f"{acc}:0"] = shape
             return acc
-        axis = self._const(f"{base}{_MARK}_gather_axis", have.split_dim)
-        node = self._node(f"{base}{_MARK}_gather", "ConcatV2", parts + [axis], dtype)
+        axis = self._const(f"{base}{MARK}_gather_axis", have.split_dim)
+        node = self._node(f"{base}{MARK}_gather", "ConcatV2", parts + [axis], dtype)
         node.attr["N"].i = self.t
         node.attr["Tidx"].type = tf.int32.as_datatype_enum
         self.shapes[f"{node.name}:0"] = shape
@@ -306,8 +159,8 @@ class _Writer:
         dtype = self._dtype_of(tensor)
         base = tensor.replace(":", "_")
         d = need.split_dim
-        axis = self._const(f"{base}{_MARK}_split{d}_axis", d)
-        node = self._node(f"{base}{_MARK}_split{d}", "Split", [axis, whole], dtype)
+        axis = self._const(f"{base}{MARK}_split{d}_axis", d)
+        node = self._node(f"{base}{MARK}_split{d}", "Split", [axis, whole], dtype)
         node.attr["num_split"].i = self.t
         for k in range(self.t):
             self.shapes[f"{node.name}:{k}"] = self._local(self.shape_of.get(tensor), need)
@@ -323,8 +176,8 @@ class _Writer:
                 self._static(op, src)
                 continue
             dec = self.plan.decisions.get(op.name)
-            if dec is not None and dec.kind in _SPECIAL:
-                _SPECIAL[dec.kind](self, op, src, dec)
+            if dec is not None and dec.kind in SPECIAL:
+                SPECIAL[dec.kind](self, op, src, dec)
             elif dec is None or op.type in READ_OPS or dec.kind != "local" or op.writes or op.stateful:
                 self._as_is(op, src, dec)
             else:
@@ -340,7 +193,7 @@ class _Writer:
             fixed = []
             for ref in refs:
                 name = ref.decode()[len("loc:@"):] if ref.startswith(b"loc:@") else None
-                fixed.append(f"loc:@{name}{_MARK}_s0".encode() if name and self.sharded.get(name) else ref)
+                fixed.append(f"loc:@{name}{MARK}_s0".encode() if name and self.sharded.get(name) else ref)
             if fixed != refs:
                 del node.attr["_class"].list.s[:]
                 node.attr["_class"].list.s.extend(fixed)
@@ -350,7 +203,7 @@ class _Writer:
         for x in inputs:
             name = x[1:]
             if self.sharded.get(name):
-                out.extend(f"^{name}{_MARK}_s{k}" for k in range(self.t))
+                out.extend(f"^{name}{MARK}_s{k}" for k in range(self.t))
             else:
                 out.append(x)
         return out
@@ -412,12 +265,12 @@ class _Writer:
         for k in range(self.t):
             node = self.out.node.add()
             node.CopyFrom(src)
-            node.name = f"{op.name}{_MARK}_s{k}"
+            node.name = f"{op.name}{MARK}_s{k}"
             del node.input[:]
             for position, x in enumerate(data):
                 t = self._canonical(x)
                 if local is not None and self._is_shape_input(op.type, position):
-                    node.input.append(self._const(f"{op.name}{_MARK}_shape_s{k}", local, shard=k))
+                    node.input.append(self._const(f"{op.name}{MARK}_shape_s{k}", local, shard=k))
                     continue
                 node.input.append(self.piece(t, dec.inputs[position], k))
             node.input.extend(controls)
@@ -429,7 +282,7 @@ class _Writer:
             self.physical[name] = spec
             port = name.rsplit(":", 1)[1]
             for k in range(self.t):
-                self.shapes[f"{op.name}{_MARK}_s{k}:{port}"] = self._local(self.g.tensors[x].shape, spec)
+                self.shapes[f"{op.name}{MARK}_s{k}:{port}"] = self._local(self.g.tensors[x].shape, spec)
 
     def _local(self, shape: Any, spec: ShardSpec) -> Any:
         """The shape of one device's piece of a tensor of `shape` in `spec`."""
@@ -442,272 +295,6 @@ class _Writer:
     def _is_shape_input(op_type: str, position: int) -> bool:
         return (op_type == "Reshape" and position == 1) or (op_type == "Conv2DBackpropInput" and position == 0) or (
             op_type == "Conv2DBackpropFilter" and position == 1)
-
-
-def _built(writer: "_Writer", op: Any, inputs: Mapping[str, Tuple[str, Any, Any]], build: Any) -> Dict[str, str]:
-    """Writes ops made with TensorFlow's Python API into the sharded graph.
-
-    `build(placeholders, shard)` makes them in a scratch graph from
-    placeholders standing for `inputs` (placeholder name -> (tensor of the
-    sharded graph, dtype, shape)), calling ``shard(k)`` (a context) around
-    the ops of device k; it returns name -> scratch tensor of the results.
-    Their nodes are copied under ``<op>__smp_x/``, device k's marked for its
-    device; returns name -> the result's name in the sharded graph."""
-    import contextlib
-
-    scratch = tf.Graph()
-    owner: Dict[str, int] = {}
-
-    @contextlib.contextmanager
-    def shard(k: int):
-        before = {o.name for o in scratch.get_operations()}
-        yield
-        for o in scratch.get_operations():
-            if o.name not in before:
-                owner.setdefault(o.name, k)
-
-    with scratch.as_default():
-        placeholders = {}
-        for name, (_, dtype, shape) in inputs.items():
-            placeholders[name] = tf.compat.v1.placeholder(tf.as_dtype(dtype), shape=shape, name=name)
-        results = build(placeholders, shard)
-    prefix = f"{op.name}{_MARK}_x/"
-    mapping = {p.op.name: inputs[n][0] for n, p in placeholders.items()}
-    for node in scratch.as_graph_def().node:
-        if node.name in mapping:
-            continue
-        new = writer.out.node.add()
-        new.CopyFrom(node)
-        new.name = prefix + node.name
-        del new.input[:]
-        for x in node.input:
-            control = x.startswith("^")
-            name, colon, port = x.lstrip("^").partition(":")
-            ref = mapping.get(name)
-            if ref is None:
-                ref = prefix + name + (colon + port if colon else "")
-            elif colon and port != "0":
-                raise ValueError(f"A placeholder has one output; received {x!r}.")
-            new.input.append(("^" if control else "") + (ref.split(":")[0] if control else ref))
-        k = owner.get(node.name, 0)
-        if k:
-            new.attr[SHARD_ATTR].i = k
-    for o in scratch.get_operations():
-        if o.name in mapping:
-            continue
-        for j, x in enumerate(o.outputs):
-            if x.shape.rank is not None:
-                writer.shapes[f"{prefix}{o.name}:{j}"] = tuple(x.shape.as_list())
-    return {n: f"{prefix}{t.op.name}:{t.value_index}" for n, t in results.items()}
-
-
-def _vocab_cross_entropy(writer: "_Writer", op: Any, src: Any, dec: Any) -> None:
-    """Megatron-LM's vocabulary-parallel cross-entropy (see the rule): the
-    logits stay split by classes; the maxima, the sums of exponentials and
-    the label's logit are reduced over the devices in device order."""
-    t = writer.t
-    feats, labels = [writer._canonical(x) for x in writer._data_inputs(src)[:2]]
-    n, v = writer.shape_of[feats]
-    local = v // t
-    # SparseSoftmaxCrossEntropyWithLogits takes class ids (N,), whole;
-    # SoftmaxCrossEntropyWithLogits label weights (N, V), split like the logits.
-    dense = op.type == "SoftmaxCrossEntropyWithLogits"
-    inputs = {f"f{k}": (writer.piece(feats, dec.inputs[0], k), writer._dtype_of(feats), (n, local))
-              for k in range(t)}
-    if dense:
-        inputs.update({f"l{k}": (writer.piece(labels, dec.inputs[1], k), writer._dtype_of(labels), (n, local))
-                       for k in range(t)})
-    else:
-        inputs["labels"] = (writer.piece(labels, dec.inputs[1], None), writer._dtype_of(labels), (n,))
-
-    def build(ph, shard):
-        f = [ph[f"f{k}"] for k in range(t)]
-        if dense:
-            return _dense_cross_entropy(f, [ph[f"l{k}"] for k in range(t)], shard)
-        lab = ph["labels"]
-        maxima = []
-        for k in range(t):
-            with shard(k):
-                maxima.append(tf.reduce_max(f[k], axis=1))
-        m = maxima[0]
-        for k in range(1, t):
-            m = tf.maximum(m, maxima[k])
-        m = tf.stop_gradient(m)
-        exps, sums, picked, hot = [], [], [], []
-        for k in range(t):
-            with shard(k):
-                e = tf.exp(f[k] - m[:, None])
-                exps.append(e)
-                sums.append(tf.reduce_sum(e, axis=1))
-                mine = tf.logical_and(lab >= k * local, lab < (k + 1) * local)
-                index = tf.where(mine, lab - k * local, tf.zeros_like(lab))
-                value = tf.gather(f[k], index[:, None], axis=1, batch_dims=1)[:, 0]
-                picked.append(tf.where(mine, value, tf.zeros_like(value)))
-                hot.append(tf.one_hot(index, local, dtype=f[k].dtype) * tf.cast(mine, f[k].dtype)[:, None])
-        total, label_logit = sums[0], picked[0]
-        for k in range(1, t):
-            total = total + sums[k]
-            label_logit = label_logit + picked[k]
-        loss = tf.math.log(total) - (label_logit - m)
-        out = {"loss": loss}
-        for k in range(t):
-            with shard(k):
-                out[f"backprop{k}"] = exps[k] / total[:, None] - hot[k]
-        return out
-
-    names = _built(writer, op, inputs, build)
-    writer.sharded[op.name] = True
-    # The op's outputs under the names the writer gives a split op's:
-    # output 0 (the loss, whole) under the op's own name, output 1 (the
-    # gradient, split by classes) under each copy's.
-    whole = writer.out.node.add()
-    whole.name = op.name
-    whole.op = "IdentityN"
-    whole.input.extend([names["loss"], names["backprop0"]])
-    whole.attr["T"].list.type.extend([src.attr["T"].type, src.attr["T"].type])
-    for k in range(t):
-        node = writer.out.node.add()
-        node.name = f"{op.name}{_MARK}_s{k}"
-        node.op = "IdentityN"
-        node.input.extend([names["loss"], names[f"backprop{k}"]])
-        node.attr["T"].list.type.extend([src.attr["T"].type, src.attr["T"].type])
-        if k:
-            node.attr[SHARD_ATTR].i = k
-        writer.shapes[f"{node.name}:1"] = (n, local)
-        writer.shapes[f"{node.name}:0"] = (n,)
-    writer.shapes[f"{op.name}:0"] = (n,)
-    writer.shapes[f"{op.name}:1"] = (n, local)
-    writer.physical[f"{op.name}:0"] = dec.outputs[0]
-    writer.physical[f"{op.name}:1"] = dec.outputs[1]
-
-
-def _dense_cross_entropy(f: List[tf.Tensor], labels: List[tf.Tensor], shard: Any) -> Dict[str, tf.Tensor]:
-    """The vocabulary-parallel loss of label weights split like the logits:
-    per device sum(labels * (log(total) - (logits - max))), added over the
-    devices; the gradient softmax - labels stays split."""
-    t = len(f)
-    maxima = []
-    for k in range(t):
-        with shard(k):
-            maxima.append(tf.reduce_max(f[k], axis=1))
-    m = maxima[0]
-    for k in range(1, t):
-        m = tf.maximum(m, maxima[k])
-    m = tf.stop_gradient(m)
-    exps, sums = [], []
-    for k in range(t):
-        with shard(k):
-            exps.append(tf.exp(f[k] - m[:, None]))
-            sums.append(tf.reduce_sum(exps[k], axis=1))
-    total = sums[0]
-    for k in range(1, t):
-        total = total + sums[k]
-    log_total = tf.math.log(total)
-    out: Dict[str, tf.Tensor] = {}
-    losses = []
-    for k in range(t):
-        with shard(k):
-            losses.append(tf.reduce_sum(labels[k] * (log_total[:, None] - (f[k] - m[:, None])), axis=1))
-            out[f"backprop{k}"] = exps[k] / total[:, None] - labels[k]
-    loss = losses[0]
-    for k in range(1, t):
-        loss = loss + losses[k]
-    out["loss"] = loss
-    return out
-
-
-def _split_log_softmax(writer: "_Writer", op: Any, src: Any, dec: Any) -> None:
-    """Log-softmax over a split last axis: (x - max) - log(sum(exp(x - max))),
-    the maximum and the sum reduced over the devices in device order."""
-    t = writer.t
-    x = writer._canonical(writer._data_inputs(src)[0])
-    shape = writer.shape_of[x]
-    local = writer._local(shape, dec.inputs[0])
-    inputs = {f"x{k}": (writer.piece(x, dec.inputs[0], k), writer._dtype_of(x), local) for k in range(t)}
-
-    def build(ph, shard):
-        xs = [ph[f"x{k}"] for k in range(t)]
-        maxima = []
-        for k in range(t):
-            with shard(k):
-                maxima.append(tf.reduce_max(xs[k], axis=-1, keepdims=True))
-        m = maxima[0]
-        for k in range(1, t):
-            m = tf.maximum(m, maxima[k])
-        sums = []
-        for k in range(t):
-            with shard(k):
-                sums.append(tf.reduce_sum(tf.exp(xs[k] - m), axis=-1, keepdims=True))
-        total = sums[0]
-        for k in range(1, t):
-            total = total + sums[k]
-        log_total = tf.math.log(total)
-        out = {}
-        for k in range(t):
-            with shard(k):
-                out[f"y{k}"] = (xs[k] - m) - log_total
-        return out
-
-    names = _built(writer, op, inputs, build)
-    _name_copies(writer, op, src, [names[f"y{k}"] for k in range(t)], dec.outputs[0], local)
-
-
-def _masked_gather(writer: "_Writer", op: Any, src: Any, dec: Any) -> None:
-    """Each device looks up the indices that fall in its piece of the
-    gathered axis and zeroes the rest: a partial sum with one addend not
-    zero per element (its all-reduce is exact)."""
-    t = writer.t
-    data = [writer._canonical(x) for x in writer._data_inputs(src)]
-    params, indices = data[0], data[1]
-    pshape, ishape = writer.shape_of[params], writer.shape_of[indices]
-    axis = int(writer.plan_info[op.name].const_inputs[2]) % len(pshape)
-    batch_dims = int(src.attr["batch_dims"].i) if "batch_dims" in src.attr else 0
-    local = writer._local(pshape, dec.inputs[0])
-    size = local[axis]
-    inputs = {f"p{k}": (writer.piece(params, dec.inputs[0], k), writer._dtype_of(params), local) for k in range(t)}
-    inputs["i"] = (writer.piece(indices, dec.inputs[1], None), writer._dtype_of(indices), ishape)
-    trailing = len(pshape) - axis - 1
-    out_shape = writer.shape_of[f"{op.name}:0"]
-
-    def build(ph, shard):
-        out = {}
-        for k in range(t):
-            with shard(k):
-                ids = ph["i"]
-                mine = tf.logical_and(ids >= k * size, ids < (k + 1) * size)
-                index = tf.where(mine, ids - k * size, tf.zeros_like(ids))
-                value = tf.gather(ph[f"p{k}"], index, axis=axis, batch_dims=batch_dims)
-                mask = tf.reshape(mine, tf.concat([tf.shape(mine), tf.ones([trailing], tf.int32)], 0))
-                out[f"y{k}"] = tf.where(mask, value, tf.zeros_like(value))
-        return out
-
-    names = _built(writer, op, inputs, build)
-    _name_copies(writer, op, src, [names[f"y{k}"] for k in range(t)], dec.outputs[0], out_shape)
-
-
-def _name_copies(writer: "_Writer", op: Any, src: Any, pieces: List[str], spec: ShardSpec, shape: Any) -> None:
-    """Names device k's result of a one-output op ``<op>__smp_s<k>``, as the
-    writer names a split op's copies, so that its readers find it."""
-    writer.sharded[op.name] = True
-    dtype = src.attr["T"].type if "T" in src.attr else src.attr["Tparams"].type
-    for k, piece in enumerate(pieces):
-        node = writer.out.node.add()
-        node.name = f"{op.name}{_MARK}_s{k}"
-        node.op = "Identity"
-        node.input.append(piece)
-        node.attr["T"].type = dtype
-        if k:
-            node.attr[SHARD_ATTR].i = k
-        writer.shapes[f"{node.name}:0"] = tuple(shape) if shape is not None else None
-    writer.physical[f"{op.name}:0"] = spec
-
-
-#: Decisions computed by more than a copy per device (`Decision.kind`).
-_SPECIAL = {
-    "vocab_cross_entropy": _vocab_cross_entropy,
-    "split_log_softmax": _split_log_softmax,
-    "masked_gather": _masked_gather,
-}
 
 
 def expand_graph_def(graph_def: Any, op_graph: OpGraph, plan: ShardPlan, t: int, outputs: Sequence[Optional[str]],

@@ -27,7 +27,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
-from smp_tf.sharding.spec import TENSOR, ShardSpec
+from smp_tf.sharding.spec import ShardSpec
 
 __all__ = [
     "OpInfo",
