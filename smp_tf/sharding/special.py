@@ -100,34 +100,22 @@ def _vocab_cross_entropy(writer: Any, op: Any, src: Any, dec: Any) -> None:
         if dense:
             return _dense_cross_entropy(f, [ph[f"l{k}"] for k in range(t)], shard)
         lab = ph["labels"]
-        maxima = []
+        m, exps, total = _normaliser(f, shard)
+        picked, hot = [], []
         for k in range(t):
             with shard(k):
-                maxima.append(tf.reduce_max(f[k], axis=1))
-        m = maxima[0]
-        for k in range(1, t):
-            m = tf.maximum(m, maxima[k])
-        m = tf.stop_gradient(m)
-        exps, sums, picked, hot = [], [], [], []
-        for k in range(t):
-            with shard(k):
-                e = tf.exp(f[k] - m[:, None])
-                exps.append(e)
-                sums.append(tf.reduce_sum(e, axis=1))
                 mine = tf.logical_and(lab >= k * local, lab < (k + 1) * local)
                 index = tf.where(mine, lab - k * local, tf.zeros_like(lab))
                 value = tf.gather(f[k], index[:, None], axis=1, batch_dims=1)[:, 0]
                 picked.append(tf.where(mine, value, tf.zeros_like(value)))
                 hot.append(tf.one_hot(index, local, dtype=f[k].dtype) * tf.cast(mine, f[k].dtype)[:, None])
-        total, label_logit = sums[0], picked[0]
+        label_logit = picked[0]
         for k in range(1, t):
-            total = total + sums[k]
             label_logit = label_logit + picked[k]
-        loss = tf.math.log(total) - (label_logit - m)
-        out = {"loss": loss}
+        out = {"loss": tf.math.log(total[:, 0]) - (label_logit - m[:, 0])}
         for k in range(t):
             with shard(k):
-                out[f"backprop{k}"] = exps[k] / total[:, None] - hot[k]
+                out[f"backprop{k}"] = exps[k] / total - hot[k]
         return out
 
     names = built(writer, op, inputs, build)
@@ -156,34 +144,43 @@ def _vocab_cross_entropy(writer: Any, op: Any, src: Any, dec: Any) -> None:
     writer.physical[f"{op.name}:1"] = dec.outputs[1]
 
 
+def _normaliser(xs: List[tf.Tensor], shard: Any) -> Tuple[tf.Tensor, List[tf.Tensor], tf.Tensor]:
+    """Over the last axis, split over the devices: the maximum (each
+    device's, then theirs), each device's ``exp(x - max)``, and the sum of
+    the exponentials (each device's, then added in device order); the
+    maximum and the sum keep the axis (size 1)."""
+    t = len(xs)
+    maxima = []
+    for k in range(t):
+        with shard(k):
+            maxima.append(tf.reduce_max(xs[k], axis=-1, keepdims=True))
+    m = maxima[0]
+    for k in range(1, t):
+        m = tf.maximum(m, maxima[k])
+    exps, sums = [], []
+    for k in range(t):
+        with shard(k):
+            exps.append(tf.exp(xs[k] - m))
+            sums.append(tf.reduce_sum(exps[k], axis=-1, keepdims=True))
+    total = sums[0]
+    for k in range(1, t):
+        total = total + sums[k]
+    return m, exps, total
+
+
 def _dense_cross_entropy(f: List[tf.Tensor], labels: List[tf.Tensor], shard: Any) -> Dict[str, tf.Tensor]:
     """The vocabulary-parallel loss of label weights split like the logits:
     per device sum(labels * (log(total) - (logits - max))), added over the
     devices; the gradient softmax - labels stays split."""
     t = len(f)
-    maxima = []
-    for k in range(t):
-        with shard(k):
-            maxima.append(tf.reduce_max(f[k], axis=1))
-    m = maxima[0]
-    for k in range(1, t):
-        m = tf.maximum(m, maxima[k])
-    m = tf.stop_gradient(m)
-    exps, sums = [], []
-    for k in range(t):
-        with shard(k):
-            exps.append(tf.exp(f[k] - m[:, None]))
-            sums.append(tf.reduce_sum(exps[k], axis=1))
-    total = sums[0]
-    for k in range(1, t):
-        total = total + sums[k]
+    m, exps, total = _normaliser(f, shard)
     log_total = tf.math.log(total)
     out: Dict[str, tf.Tensor] = {}
     losses = []
     for k in range(t):
         with shard(k):
-            losses.append(tf.reduce_sum(labels[k] * (log_total[:, None] - (f[k] - m[:, None])), axis=1))
-            out[f"backprop{k}"] = exps[k] / total[:, None] - labels[k]
+            losses.append(tf.reduce_sum(labels[k] * (log_total - (f[k] - m)), axis=1))
+            out[f"backprop{k}"] = exps[k] / total - labels[k]
     loss = losses[0]
     for k in range(1, t):
         loss = loss + losses[k]
@@ -202,20 +199,7 @@ def _split_log_softmax(writer: Any, op: Any, src: Any, dec: Any) -> None:
 
     def build(ph, shard):
         xs = [ph[f"x{k}"] for k in range(t)]
-        maxima = []
-        for k in range(t):
-            with shard(k):
-                maxima.append(tf.reduce_max(xs[k], axis=-1, keepdims=True))
-        m = maxima[0]
-        for k in range(1, t):
-            m = tf.maximum(m, maxima[k])
-        sums = []
-        for k in range(t):
-            with shard(k):
-                sums.append(tf.reduce_sum(tf.exp(xs[k] - m), axis=-1, keepdims=True))
-        total = sums[0]
-        for k in range(1, t):
-            total = total + sums[k]
+        m, _, total = _normaliser(xs, shard)
         log_total = tf.math.log(total)
         out = {}
         for k in range(t):
