@@ -7,14 +7,16 @@ import smp_tf
 
 
 def test_pure_modules_import_without_tensorflow():
-    # The configuration, the graph view, the partitioner, the task rewrite
-    # and the schedules are plain Python: a launcher or a planning tool can
-    # use them without loading TensorFlow.
+    # The configuration, the graph view, the partitioner, the task rewrite,
+    # the schedules and the sharding layer's logic are plain Python: a
+    # launcher or a planning tool can use them without loading TensorFlow.
     code = (
         "import sys\n"
         "import smp_tf, smp_tf.config, smp_tf.graph_view, smp_tf.schedules, smp_tf.rewrite\n"
         "import smp_tf.partitioner.plan, smp_tf.partitioner.balance, smp_tf.partitioner.groups, smp_tf.memory\n"
-        "smp_tf.Config(partitions=2, microbatches=4)\n"
+        "import smp_tf.sharding.spec, smp_tf.sharding.layout_map, smp_tf.sharding.rules\n"
+        "import smp_tf.sharding.completion, smp_tf.sharding.reshard, smp_tf.sharding.builtin\n"
+        "smp_tf.Config(partitions=2, microbatches=4, tensor_parallel_degree=2, layout_map={'a/kernel': (None, 'tensor')})\n"
         "assert 'tensorflow' not in sys.modules, 'tensorflow was imported'\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
