@@ -381,3 +381,33 @@ def test_memory_report_has_a_row_per_device_and_the_budget_holds_per_device():
     smp.init({"partitions": 2, "microbatches": 4, "tensor_parallel_degree": 2, "memory_budget": budget})
     with pytest.raises(memory.MemoryBudgetError):
         smp.step(_body(model))(tf.constant(x), tf.constant(y))
+
+
+def test_mixed_precision_pairs_are_found_through_the_casts():
+    # Under mixed_bfloat16 Keras reads each float32 kernel and casts it: the
+    # pairs are found through the casts. A row-parallel product's pieces
+    # are rounded to bfloat16 before they are added, so results agree within
+    # bfloat16's rounding (2^-8), not float32's.
+    smp.init({"partitions": 2, "microbatches": M, "tensor_parallel_degree": 2})
+    keras.mixed_precision.set_global_policy("mixed_bfloat16")
+    try:
+        model = _mlp()
+    finally:
+        keras.mixed_precision.set_global_policy("float32")
+    x, y = _data()
+
+    def body(x, y):
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_mean((tf.cast(model(x, training=True), tf.float32) - y) ** 2)
+        return loss, tape.gradient(loss, model.trainable_variables)
+
+    ref_losses, ref_grads = _reference(body, x, y)
+    step, losses, grads = _run(body, x, y)
+    specs = step.last_plan.shard_plan.variables
+    assert specs["up/kernel"].dims == (None, "tensor") and specs["down/kernel"].dims == ("tensor", None)
+    eps = 2.0 ** -8
+    np.testing.assert_allclose(losses, ref_losses, rtol=4 * eps)
+    for gs, rs in zip(grads, ref_grads):
+        for g, r in zip(gs, rs):
+            g, r = np.asarray(g, np.float32), np.asarray(r, np.float32)
+            assert np.max(np.abs(g - r)) <= 4 * eps * max(float(np.max(np.abs(r))), 1e-3)

@@ -43,6 +43,19 @@ _RESHAPES = frozenset(["Reshape", "ExpandDims", "Squeeze"])
 _THROUGH = (UNARY | BINARY | _RESHAPES | frozenset(["BiasAdd"])) - frozenset(["AddN"])
 
 
+# A variable read reaches its product through casts under mixed precision
+# (Keras reads a float32 kernel and casts it to the compute dtype).
+_CASTS = frozenset(["Cast", "Identity"])
+
+
+def _read_of(x: str, producer: Mapping[str, ShardOp]) -> Optional[ShardOp]:
+    """The variable read that tensor `x` is, through casts; None if it is not one."""
+    p = producer.get(x)
+    while p is not None and p.type in _CASTS and p.inputs:
+        p = producer.get(p.inputs[0])
+    return p if p is not None and p.type in READ_OPS and p.variable is not None else None
+
+
 def _kernel_dims(op: ShardOp, position: int) -> Optional[Tuple[List[int], List[int]]]:
     """The kernel's (output, contracted) dimensions of a product that reads
     its kernel at input `position`."""
@@ -83,8 +96,7 @@ def product_pairs(graph: ShardGraph) -> List[Tuple[str, str]]:
         if op.type not in _PRODUCTS or len(op.inputs) != 2 or op.name.startswith(("gradient_tape", "gradients")):
             return None
         for k, x in enumerate(op.inputs):
-            p = producer.get(x)
-            if p is not None and p.type in READ_OPS and p.variable is not None and _kernel_dims(op, k):
+            if _read_of(x, producer) is not None and _kernel_dims(op, k):
                 return k
         return None
 
@@ -150,8 +162,8 @@ def pair_layouts(graph: ShardGraph, t: int, decided: Optional[Mapping[str, Shard
 
     def kernel_of(op: ShardOp) -> Optional[Tuple[ShardOp, int]]:
         for k, x in enumerate(op.inputs):
-            p = producer.get(x)
-            if p is not None and p.type in READ_OPS and p.variable is not None:
+            p = _read_of(x, producer)
+            if p is not None:
                 return p, k
         return None
 
@@ -182,8 +194,8 @@ def pair_layouts(graph: ShardGraph, t: int, decided: Optional[Mapping[str, Shard
             for r in readers.get(x, ()):
                 if r.type in ("BiasAdd", "AddV2", "Add"):
                     for y in r.inputs:
-                        p = producer.get(y)
-                        if p is not None and p.type in READ_OPS and p.variable is not None and p is not read_a:
+                        p = _read_of(y, producer)
+                        if p is not None and p is not read_a:
                             shape = p.info.output_shapes[0]
                             if shape is not None and len(shape) == 1 and shape[0] == shape_a[col]:
                                 out[p.variable] = ShardSpec.split(1, 0)
@@ -212,16 +224,17 @@ def output_layer_layouts(graph: ShardGraph, t: int) -> Dict[str, ShardSpec]:
         op = producer.get(x)
         while op is not None and op.type in _TO_LOGITS and op.inputs:
             if op.type in ("BiasAdd", "AddV2", "Add") and len(op.inputs) == 2:
-                biases.append(producer.get(op.inputs[1]))
+                biases.append(_read_of(op.inputs[1], producer))
             op = producer.get(op.inputs[0])
         if op is None or op.type not in _PRODUCTS or len(op.inputs) != 2:
             continue
         for k, y in enumerate(op.inputs):
-            read, perm = producer.get(y), None
-            if read is not None and read.type == "Transpose":
-                perm = read.info.const_inputs.get(1)
-                read = producer.get(read.inputs[0])
-            if read is None or read.type not in READ_OPS or read.variable is None:
+            read, perm = _read_of(y, producer), None
+            moved = producer.get(y)
+            if read is None and moved is not None and moved.type == "Transpose":
+                perm = moved.info.const_inputs.get(1)
+                read = _read_of(moved.inputs[0], producer)
+            if read is None:
                 continue
             dims = _kernel_dims(op, k)
             shape = read.info.output_shapes[0]
@@ -232,7 +245,7 @@ def output_layer_layouts(graph: ShardGraph, t: int) -> Dict[str, ShardSpec]:
                 continue
             out[read.variable] = ShardSpec.split(len(shape), col)
             for b in biases:
-                if b is not None and b.type in READ_OPS and b.variable is not None:
+                if b is not None:
                     bshape = b.info.output_shapes[0]
                     if bshape is not None and len(bshape) == 1 and bshape[0] == shape[col]:
                         out[b.variable] = ShardSpec.split(1, 0)
