@@ -468,10 +468,9 @@ class CompiledStep:
         # every node of the task belongs, and the importer does not enter a
         # device scope for every op (a fifth of the import on BERT).
         sub = task_graph_def(graph_def, g, task, "", nodes)
-        stage = getattr(self.plan, "tensor_devices", None)
-        if stage:
+        if self.plan.tensor_devices:
             # Tensor parallelism: each shard's copy runs on its device of the stage.
-            place_shards(sub, stage[task.partition])
+            place_shards(sub, self.plan.tensor_devices[task.partition])
         in_specs = []
         for t in task.inputs:
             info = g.tensors[t]
@@ -669,18 +668,11 @@ class CompiledStep:
             budget=budget,
             workspace=workspace,
             cpu_kernel_scratch=cpu_kernels_allocate_scratch(),
-            shard_of_op=self._shard_of_op(),
-            stage_devices=getattr(self.plan, "tensor_devices", None),
+            shard_of_op=self.plan.shard_of_op,
+            stage_devices=self.plan.tensor_devices,
         )
         report.schedule = f"{self.schedule.kind}, {self.num_microbatches} micro-batches"
         return report
-
-    def _shard_of_op(self) -> Optional[List[int]]:
-        """With tensor parallelism, the device of each op within its stage
-        (`smp_tf.sharding.lower.SHARD_ATTR`); None without."""
-        if not getattr(self.plan, "tensor_devices", None):
-            return None
-        return self.plan.shard_of_op
 
     def _optimizer_bytes(self, optimizer: Any) -> Optional[Dict[int, int]]:
         """Partition -> bytes of the optimizer state that exists (None when

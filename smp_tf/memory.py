@@ -613,13 +613,6 @@ def predict_memory(
         rows[p].gradients += int(nbytes) * (2 if num_mb > 1 else 1)
 
     storage = storage_bytes(graph)
-    by_key = {t.key: t for t in tasks}
-    readers: Dict[int, List[Task]] = {}
-    for t in tasks:
-        for x in t.inputs:
-            readers.setdefault(x, []).append(t)
-    per_device: Dict[int, List[_Interval]] = {p: [] for p in range(num_partitions)}
-    process: List[_Interval] = []
     # The kernel scratch `kernel_scratch` predicts is that of TensorFlow's
     # CPU kernels: not counted on GPUs, whose kernels choose their own, nor
     # where oneDNN's CPU kernels run the convolutions.
@@ -628,12 +621,49 @@ def predict_memory(
                          else task_workspace(graph, t, storage,
                                              cpu_scratch=cpu_kernel_scratch and t.partition not in on_gpu))
                  for t in tasks}
-    start, end = simulation.start, simulation.end
-    # With tensor parallelism, the same intervals per device of a stage:
-    # (partition, shard) -> intervals, each task's transient peak per shard.
-    per_shard: Dict[Tuple[int, int], List[_Interval]] = {}
+    # With tensor parallelism, each task's transient peak per device of its stage.
     shard_workspace = (_shard_workspaces(graph, tasks, storage, shard_of_op, cpu_kernel_scratch, on_gpu)
                        if shard_of_op is not None else {})
+    per_device, per_shard, process = _schedule_intervals(
+        graph, tasks, simulation, storage, workspace, num_partitions, shard_of_op, shard_workspace)
+    for p in range(num_partitions):
+        peak, parts = _peak(per_device[p])
+        r = rows[p]
+        r.activations, r.buffers, r.transient = parts["activations"], parts["buffers"], parts["transient"]
+        r.total = r.variables + r.optimizer + r.gradients + peak
+    static = sum(r.variables + r.optimizer + r.gradients for r in rows)
+    process_peak = static + _peak(process)[0]
+    device_rows = _device_rows(rows, per_shard, stage_devices) if shard_of_op is not None and stage_devices else []
+    return MemoryReport(rows, devices=device_rows, process_peak=process_peak, budget=budget)
+
+
+def _schedule_intervals(
+    graph: OpGraph,
+    tasks: Sequence[Task],
+    simulation: Simulation,
+    storage: Sequence[int],
+    workspace: Mapping[Tuple[int, int], int],
+    num_partitions: int,
+    shard_of_op: Optional[Sequence[int]],
+    shard_workspace: Mapping[Tuple[int, int], Mapping[int, int]],
+) -> Tuple[Dict[int, List[_Interval]], Dict[Tuple[int, int], List[_Interval]], List[_Interval]]:
+    """When each tensor is alive under the simulated schedule: per
+    partition, per device of a stage (with tensor parallelism, keyed by
+    ``(partition, shard)``), and for the whole process.
+
+    Each action allocates its task's transient peak while it runs; each
+    task output lives on its partition from the end of the action to the
+    end of its last reader, and as a received copy on every other
+    partition that reads it while those readers run."""
+    start, end = simulation.start, simulation.end
+    by_key = {t.key: t for t in tasks}
+    readers: Dict[int, List[Task]] = {}
+    for t in tasks:
+        for x in t.inputs:
+            readers.setdefault(x, []).append(t)
+    per_device: Dict[int, List[_Interval]] = {p: [] for p in range(num_partitions)}
+    per_shard: Dict[Tuple[int, int], List[_Interval]] = {}
+    process: List[_Interval] = []
 
     def shard_of(x: int) -> int:
         return shard_of_op[graph.tensors[x].producer] if shard_of_op is not None else 0
@@ -658,8 +688,7 @@ def predict_memory(
                 iv = _Interval(end[action], max(ends), nbytes, "activations" if kept else "buffers")
                 per_device[p].append(iv)
                 process.append(iv)
-                if shard_of_op is not None:
-                    per_shard.setdefault((p, shard_of(x)), []).append(iv)
+                per_shard.setdefault((p, shard_of(x)), []).append(iv)
             # The received copy on every other partition that reads it; a
             # variable's value (a tied weight used on another stage) takes no
             # memory where it is read, but its copy does.
@@ -670,29 +699,26 @@ def predict_memory(
                 kind = "activations" if len(mine) > 1 else "buffers"
                 iv = _Interval(min(start[a] for a in acts), max(end[a] for a in acts), copy_bytes, kind)
                 per_device[q].append(iv)
-                if shard_of_op is not None:
-                    per_shard.setdefault((q, shard_of(x)), []).append(iv)
-    for p in range(num_partitions):
-        peak, parts = _peak(per_device[p])
-        r = rows[p]
-        r.activations, r.buffers, r.transient = parts["activations"], parts["buffers"], parts["transient"]
-        r.total = r.variables + r.optimizer + r.gradients + peak
-    static = sum(r.variables + r.optimizer + r.gradients for r in rows)
-    process_peak = static + _peak(process)[0]
-    device_rows: List[PartitionMemory] = []
-    if shard_of_op is not None and stage_devices:
-        for p, r in enumerate(rows):
-            for k, device in enumerate(stage_devices[p]):
-                # The variables, their optimizer state and the gradients
-                # live on device 0 of the stage (variables are not split).
-                d = PartitionMemory(p, device=device, recompute=r.recompute, shard=k)
-                if k == 0:
-                    d.variables, d.optimizer, d.gradients = r.variables, r.optimizer, r.gradients
-                peak, parts = _peak(per_shard.get((p, k), []))
-                d.activations, d.buffers, d.transient = parts["activations"], parts["buffers"], parts["transient"]
-                d.total = d.variables + d.optimizer + d.gradients + peak
-                device_rows.append(d)
-    return MemoryReport(rows, devices=device_rows, process_peak=process_peak, budget=budget)
+                per_shard.setdefault((q, shard_of(x)), []).append(iv)
+    return per_device, per_shard, process
+
+
+def _device_rows(rows: Sequence[PartitionMemory], per_shard: Mapping[Tuple[int, int], List[_Interval]],
+                 stage_devices: Sequence[Sequence[str]]) -> List[PartitionMemory]:
+    """One row per device of every stage: the variables, their optimizer
+    state and the gradients on device 0 of the stage (variables are not
+    split), each device's own intervals at its peak."""
+    out: List[PartitionMemory] = []
+    for p, r in enumerate(rows):
+        for k, device in enumerate(stage_devices[p]):
+            d = PartitionMemory(p, device=device, recompute=r.recompute, shard=k)
+            if k == 0:
+                d.variables, d.optimizer, d.gradients = r.variables, r.optimizer, r.gradients
+            peak, parts = _peak(per_shard.get((p, k), []))
+            d.activations, d.buffers, d.transient = parts["activations"], parts["buffers"], parts["transient"]
+            d.total = d.variables + d.optimizer + d.gradients + peak
+            out.append(d)
+    return out
 
 
 def _shard_workspaces(graph: OpGraph, tasks: Sequence[Task], storage: Sequence[int], shard_of_op: Sequence[int],
@@ -703,21 +729,20 @@ def _shard_workspaces(graph: OpGraph, tasks: Sequence[Task], storage: Sequence[i
     out: Dict[Tuple[int, int], Dict[int, int]] = {}
     for task in tasks:
         ops = set(task.members) | set(task.copies) | set(task.recomputed)
-        by_shard: Dict[int, Dict[str, List[int]]] = {}
-        for name in ("members", "copies", "recomputed"):
-            for i in getattr(task, name):
-                by_shard.setdefault(shard_of_op[i], {"members": [], "copies": [], "recomputed": []})[name].append(i)
         peaks: Dict[int, int] = {}
-        for k, parts in by_shard.items():
-            mine = set(parts["members"]) | set(parts["copies"]) | set(parts["recomputed"])
+        for k in sorted({shard_of_op[i] for i in ops}):
+            mine = {i for i in ops if shard_of_op[i] == k}
+            # Its outputs: what the task returns, and what the task's ops
+            # on the stage's other devices read.
             outputs = [x for op in mine for x in graph.ops[op].outputs
                        if x in task.outputs or any(c in ops and c not in mine for c in graph.tensors[x].consumers)]
-            sub = replace(task, members=parts["members"], copies=parts["copies"], recomputed=parts["recomputed"],
-                          outputs=outputs)
+            sub = replace(task, members=[i for i in task.members if i in mine],
+                          copies=[i for i in task.copies if i in mine],
+                          recomputed=[i for i in task.recomputed if i in mine], outputs=outputs)
             received = sum(storage[x] for op in mine for x in graph.ops[op].inputs
                            if graph.tensors[x].producer in ops and graph.tensors[x].producer not in mine)
-            peaks[k] = task_workspace(graph, sub, storage, cpu_scratch=cpu_scratch and task.partition not in on_gpu) \
-                + received
+            scratch = cpu_scratch and task.partition not in on_gpu
+            peaks[k] = task_workspace(graph, sub, storage, cpu_scratch=scratch) + received
         out[task.key] = peaks
     return out
 

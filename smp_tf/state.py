@@ -153,7 +153,7 @@ def _setup_devices(
         except (RuntimeError, ValueError) as e:
             raise type(e)(
                 f"partitions={num_partitions} x tensor_parallel_degree={tensor_degree} needs "
-                f"{num_partitions * tensor_degree} devices in this process. {e}"
+                f"{num_partitions * tensor_degree} devices in this process (lower either to need fewer): {e}"
             ) from e
         groups = tuple(flat.devices[p * tensor_degree:(p + 1) * tensor_degree] for p in range(num_partitions))
         return Topology(tuple(g[0] for g in groups), flat.kind, flat.logical_cpu, groups)
@@ -166,8 +166,8 @@ def _setup_devices(
     if gpus:
         if len(gpus) < num_partitions:
             raise ValueError(
-                f"partitions x tensor_parallel_degree = {num_partitions} needs {num_partitions} GPUs but "
-                f"{len(gpus)} are visible. Lower `partitions` or `tensor_parallel_degree`, or make more GPUs "
+                f"partitions={num_partitions} needs {num_partitions} GPUs but "
+                f"{len(gpus)} are visible. Lower `partitions` or make more GPUs "
                 "visible (CUDA_VISIBLE_DEVICES)."
             )
         indices = gpu_indices(len(gpus), num_partitions, local_rank, local_size, strategy)

@@ -13,7 +13,7 @@ from smp_tf.sharding.layout_map import resolve_layout
 from smp_tf.sharding.lower import shard_traced
 from smp_tf.sharding.read import CONSTRAINT_ATTR, constraint_text, shard_graph_of
 from smp_tf.trace import CapturedVariable
-from smp_tf.sharding.spec import ShardSpec, check_divisible, parse_spec
+from smp_tf.sharding.spec import ShardSpec, parse_spec
 
 __all__ = ["shard_tensor", "variable_layouts", "shard_step"]
 
@@ -64,11 +64,10 @@ def variable_layouts(
     # also look like an MLP pair, but the head split by classes lets the
     # loss run without gathering the logits.
     out = pair_layouts(graph, t, decided=output_layer_layouts(graph, t))
+    # Each built-in rule splits only dimensions that t divides.
     for path, spec in attention_layouts(layers, t).items():
         if path in shapes:
             out[path] = spec
-    for path, spec in out.items():
-        check_divisible(spec, tuple(shapes.get(path, ())), t, f"Variable {path!r}")
     return out
 
 

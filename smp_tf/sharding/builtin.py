@@ -46,14 +46,7 @@ _THROUGH = (UNARY | BINARY | _RESHAPES | frozenset(["BiasAdd"])) - frozenset(["A
 # A variable read reaches its product through casts under mixed precision
 # (Keras reads a float32 kernel and casts it to the compute dtype).
 _CASTS = frozenset(["Cast", "Identity"])
-
-
-def _read_of(x: str, producer: Mapping[str, ShardOp]) -> Optional[ShardOp]:
-    """The variable read that tensor `x` is, through casts; None if it is not one."""
-    p = producer.get(x)
-    while p is not None and p.type in _CASTS and p.inputs:
-        p = producer.get(p.inputs[0])
-    return p if p is not None and p.type in READ_OPS and p.variable is not None else None
+_GRADIENT_SCOPES = ("gradient_tape", "gradients")
 
 
 def _kernel_dims(op: ShardOp, position: int) -> Optional[Tuple[List[int], List[int]]]:
@@ -75,7 +68,78 @@ def _kernel_dims(op: ShardOp, position: int) -> Optional[Tuple[List[int], List[i
     return outs, contracted
 
 
-def product_pairs(graph: ShardGraph) -> List[Tuple[str, str]]:
+class _Index:
+    """What the built-in layouts look up on a graph, built once: each
+    tensor's producer and readers, the tensors computed from the batch, and
+    which products read a kernel."""
+
+    def __init__(self, graph: ShardGraph) -> None:
+        self.by_name = {op.name: op for op in graph.ops}
+        self.producer = {x: op for op in graph.ops for x in op.outputs}
+        self.readers: Dict[str, List[Tuple[ShardOp, int]]] = {}
+        for op in graph.ops:
+            for k, x in enumerate(op.inputs):
+                self.readers.setdefault(x, []).append((op, k))
+        # Tensors computed from the step's arguments: another activation (a
+        # residual) stops a walk; a constant, a variable or a dropout mask
+        # does not.
+        self.from_batch: Set[str] = set()
+        for op in graph.ops:
+            if op.argument or any(x in self.from_batch for x in op.inputs):
+                self.from_batch.update(op.outputs)
+
+    def read_of(self, x: str) -> Optional[ShardOp]:
+        """The variable read that tensor `x` is, through casts; None if it is not one."""
+        p = self.producer.get(x)
+        while p is not None and p.type in _CASTS and p.inputs:
+            p = self.producer.get(p.inputs[0])
+        return p if p is not None and p.type in READ_OPS and p.variable is not None else None
+
+    def kernel_position(self, op: ShardOp) -> Optional[int]:
+        """The input of a forward product that is a kernel, or None."""
+        if op.type not in _PRODUCTS or len(op.inputs) != 2 or op.name.startswith(_GRADIENT_SCOPES):
+            return None
+        for k, x in enumerate(op.inputs):
+            if self.read_of(x) is not None and _kernel_dims(op, k):
+                return k
+        return None
+
+
+def _second_products(index: _Index, op: ShardOp, k: int) -> List[ShardOp]:
+    """The products that read kernels and that the result of `op` (a
+    product reading its kernel at input `k`) reaches through element-wise
+    ops (see `product_pairs`)."""
+    activation = op.inputs[1 - k]
+    siblings = [r for r, pos in index.readers.get(activation, ()) if index.kernel_position(r) == 1 - pos]
+    path: Set[str] = {x for s in siblings for x in s.outputs}
+    stack = list(path)
+    found: List[ShardOp] = []
+    seen: Set[str] = set()
+    while stack:
+        x = stack.pop()
+        for r, pos in index.readers.get(x, ()):
+            if r.name in seen:
+                continue
+            kr = index.kernel_position(r)
+            if kr is not None:
+                if pos != kr and r not in siblings:
+                    seen.add(r.name)
+                    found.append(r)
+                continue
+            if r.type not in _THROUGH or r.name.startswith(_GRADIENT_SCOPES):
+                continue
+            data = r.inputs[:1] if r.type in _RESHAPES else r.inputs
+            if not all(y in path or y not in index.from_batch for y in data):
+                continue  # waits until its other inputs join the path, or never does
+            seen.add(r.name)
+            for y in r.outputs:
+                if y not in path:
+                    path.add(y)
+                    stack.append(y)
+    return found
+
+
+def product_pairs(graph: ShardGraph, index: Optional[_Index] = None) -> List[Tuple[str, str]]:
     """(column-parallel product, row-parallel product) pairs, by op name
     (see the module doc), forward ops only, in graph order.
 
@@ -86,64 +150,31 @@ def product_pairs(graph: ShardGraph) -> List[Tuple[str, str]]:
     addition reads another activation and stops it, so a pair never spans
     two blocks.
     """
-    producer = {x: op for op in graph.ops for x in op.outputs}
-    readers: Dict[str, List[Tuple[ShardOp, int]]] = {}
-    for op in graph.ops:
-        for k, x in enumerate(op.inputs):
-            readers.setdefault(x, []).append((op, k))
-
-    def kernel_position(op: ShardOp) -> Optional[int]:
-        if op.type not in _PRODUCTS or len(op.inputs) != 2 or op.name.startswith(("gradient_tape", "gradients")):
-            return None
-        for k, x in enumerate(op.inputs):
-            if _read_of(x, producer) is not None and _kernel_dims(op, k):
-                return k
-        return None
-
-    # Tensors computed from the step's arguments: another activation (a
-    # residual) stops a walk; a constant, a variable or a dropout mask does not.
-    from_batch: Set[str] = set()
-    for op in graph.ops:
-        if op.argument or any(x in from_batch for x in op.inputs):
-            from_batch.update(op.outputs)
-
-    def fixed(x: str) -> bool:
-        return x not in from_batch
-
+    index = index or _Index(graph)
     pairs: List[Tuple[str, str]] = []
     for op in graph.ops:
-        k = kernel_position(op)
-        if k is None:
-            continue
-        activation = op.inputs[1 - k]
-        siblings = [r for r, pos in readers.get(activation, ()) if kernel_position(r) == 1 - pos]
-        path: Set[str] = {x for s in siblings for x in s.outputs}
-        stack = list(path)
-        found: List[ShardOp] = []
-        seen: Set[str] = set()
-        while stack:
-            x = stack.pop()
-            for r, pos in readers.get(x, ()):
-                if r.name in seen:
-                    continue
-                kr = kernel_position(r)
-                if kr is not None:
-                    if pos != kr and r not in siblings:
-                        seen.add(r.name)
-                        found.append(r)
-                    continue
-                if r.type not in _THROUGH or r.name.startswith(("gradient_tape", "gradients")):
-                    continue
-                data = r.inputs[:1] if r.type in _RESHAPES else r.inputs
-                if not all(y in path or fixed(y) for y in data):
-                    continue  # waits until its other inputs join the path, or never does
-                seen.add(r.name)
-                for y in r.outputs:
-                    if y not in path:
-                        path.add(y)
-                        stack.append(y)
-        pairs.extend((op.name, second.name) for second in found)
+        k = index.kernel_position(op)
+        if k is not None:
+            pairs.extend((op.name, second.name) for second in _second_products(index, op, k))
     return pairs
+
+
+def _bias_of(index: _Index, product: ShardOp, kernel: ShardOp, size: int) -> Optional[ShardOp]:
+    """The read of the bias added to `product`'s output (past the reshape
+    back to 3-D of a dense layer on a sequence), of `size` elements."""
+    outs = list(product.outputs)
+    for x in list(outs):
+        outs.extend(y for r, _ in index.readers.get(x, ()) if r.type in _RESHAPES for y in r.outputs)
+    for x in outs:
+        for r, _ in index.readers.get(x, ()):
+            if r.type not in ("BiasAdd", "AddV2", "Add"):
+                continue
+            for y in r.inputs:
+                p = index.read_of(y)
+                shape = p.info.output_shapes[0] if p is not None else None
+                if p is not None and p is not kernel and shape is not None and tuple(shape) == (size,):
+                    return p
+    return None
 
 
 def pair_layouts(graph: ShardGraph, t: int, decided: Optional[Mapping[str, ShardSpec]] = None) -> Dict[str, ShardSpec]:
@@ -152,30 +183,15 @@ def pair_layouts(graph: ShardGraph, t: int, decided: Optional[Mapping[str, Shard
     that would split one of their variables otherwise stays whole.
 
     A pair whose split dimension `t` does not divide stays whole."""
-    by_name = {op.name: op for op in graph.ops}
-    producer = {x: op for op in graph.ops for x in op.outputs}
-    readers: Dict[str, List[ShardOp]] = {}
-    for op in graph.ops:
-        for x in op.inputs:
-            readers.setdefault(x, []).append(op)
+    index = _Index(graph)
     out: Dict[str, ShardSpec] = dict(decided or {})
-
-    def kernel_of(op: ShardOp) -> Optional[Tuple[ShardOp, int]]:
-        for k, x in enumerate(op.inputs):
-            p = _read_of(x, producer)
-            if p is not None:
-                return p, k
-        return None
-
-    for first, second in product_pairs(graph):
-        a, b = by_name[first], by_name[second]
-        ka, kb = kernel_of(a), kernel_of(b)
-        if ka is None or kb is None:
-            continue
-        (read_a, pa), (read_b, pb) = ka, kb
+    for first, second in product_pairs(graph, index):
+        a, b = index.by_name[first], index.by_name[second]
+        pa, pb = index.kernel_position(a), index.kernel_position(b)
+        read_a, read_b = index.read_of(a.inputs[pa]), index.read_of(b.inputs[pb])
         dims_a, dims_b = _kernel_dims(a, pa), _kernel_dims(b, pb)
         shape_a, shape_b = read_a.info.output_shapes[0], read_b.info.output_shapes[0]
-        if not dims_a or not dims_b or not dims_a[0] or not dims_b[1] or shape_a is None or shape_b is None:
+        if not dims_a[0] or not dims_b[1] or shape_a is None or shape_b is None:
             continue
         col, row = dims_a[0][0], dims_b[1][0]
         if shape_a[col] is None or shape_a[col] % t or shape_b[row] is None or shape_b[row] % t:
@@ -185,20 +201,10 @@ def pair_layouts(graph: ShardGraph, t: int, decided: Optional[Mapping[str, Shard
             continue  # a kernel two pairs would split differently stays as first decided
         out[read_a.variable] = spec_a
         out[read_b.variable] = spec_b
-        # The bias of the column-parallel product follows its output (past
-        # the reshape back to 3-D of a dense layer on a sequence).
-        outs = list(a.outputs)
-        for x in list(outs):
-            outs.extend(y for r in readers.get(x, ()) if r.type in _RESHAPES for y in r.outputs)
-        for x in outs:
-            for r in readers.get(x, ()):
-                if r.type in ("BiasAdd", "AddV2", "Add"):
-                    for y in r.inputs:
-                        p = _read_of(y, producer)
-                        if p is not None and p is not read_a:
-                            shape = p.info.output_shapes[0]
-                            if shape is not None and len(shape) == 1 and shape[0] == shape_a[col]:
-                                out[p.variable] = ShardSpec.split(1, 0)
+        # The bias of the column-parallel product follows its output.
+        bias = _bias_of(index, a, read_a, shape_a[col])
+        if bias is not None:
+            out[bias.variable] = ShardSpec.split(1, 0)
     return out
 
 
@@ -214,26 +220,26 @@ def output_layer_layouts(graph: ShardGraph, t: int) -> Dict[str, ShardSpec]:
     softmax cross-entropy is column-parallel (split by classes; a tied
     embedding read transposed is split by vocabulary rows), its bias with
     it, so that the logits are never gathered (the loss is
-    vocabulary-parallel, `rules._sparse_softmax_cross_entropy`)."""
-    producer = {x: op for op in graph.ops for x in op.outputs}
+    vocabulary-parallel, `rules.loss`)."""
+    index = _Index(graph)
     out: Dict[str, ShardSpec] = {}
     for loss in graph.ops:
-        if loss.type not in _LOSSES or not loss.inputs or loss.name.startswith(("gradient_tape", "gradients")):
+        if loss.type not in _LOSSES or not loss.inputs or loss.name.startswith(_GRADIENT_SCOPES):
             continue
-        x, biases = loss.inputs[0], []
-        op = producer.get(x)
+        biases = []
+        op = index.producer.get(loss.inputs[0])
         while op is not None and op.type in _TO_LOGITS and op.inputs:
             if op.type in ("BiasAdd", "AddV2", "Add") and len(op.inputs) == 2:
-                biases.append(_read_of(op.inputs[1], producer))
-            op = producer.get(op.inputs[0])
+                biases.append(index.read_of(op.inputs[1]))
+            op = index.producer.get(op.inputs[0])
         if op is None or op.type not in _PRODUCTS or len(op.inputs) != 2:
             continue
         for k, y in enumerate(op.inputs):
-            read, perm = _read_of(y, producer), None
-            moved = producer.get(y)
+            read, perm = index.read_of(y), None
+            moved = index.producer.get(y)
             if read is None and moved is not None and moved.type == "Transpose":
                 perm = moved.info.const_inputs.get(1)
-                read = _read_of(moved.inputs[0], producer)
+                read = index.read_of(moved.inputs[0])
             if read is None:
                 continue
             dims = _kernel_dims(op, k)
@@ -245,10 +251,8 @@ def output_layer_layouts(graph: ShardGraph, t: int) -> Dict[str, ShardSpec]:
                 continue
             out[read.variable] = ShardSpec.split(len(shape), col)
             for b in biases:
-                if b is not None:
-                    bshape = b.info.output_shapes[0]
-                    if bshape is not None and len(bshape) == 1 and bshape[0] == shape[col]:
-                        out[b.variable] = ShardSpec.split(1, 0)
+                if b is not None and tuple(b.info.output_shapes[0] or ()) == (shape[col],):
+                    out[b.variable] = ShardSpec.split(1, 0)
             break
     return out
 

@@ -157,14 +157,6 @@ class ShardPlan:
     whole_ops: List[Tuple[str, str]]
     whole_variables: List[str] = field(default_factory=list)
 
-    def spec(self, tensor: str) -> Optional[ShardSpec]:
-        return self.specs.get(tensor)
-
-    def need(self, op: str, position: int) -> Optional[ShardSpec]:
-        """The spec op `op` needs of its input `position` (None: as it comes)."""
-        d = self.decisions.get(op)
-        return None if d is None else d.inputs[position]
-
     def reshard_bytes(self) -> float:
         """Bytes each device receives per micro-batch for the reshards."""
         return float(sum(reshard_bytes(r.src, r.dst, r.nbytes, self.t) for r in self.reshards))
@@ -179,8 +171,7 @@ class ShardPlan:
         if self.whole_variables:
             shown = ", ".join(self.whole_variables[:6]) + (", ..." if len(self.whole_variables) > 6 else "")
             lines.append(f"  variables left whole ({len(self.whole_variables)}): {shown}")
-        sharded_ops = sum(1 for d in self.decisions.values() if any(not s.is_replicated for s in d.outputs + d.inputs))
-        lines.append(f"  ops run sharded: {sharded_ops}")
+        lines.append(f"  ops run sharded: {len(self.decisions)}")
         kinds: Dict[str, int] = {}
         for r in self.reshards:
             for s in r.steps:
@@ -238,51 +229,50 @@ def _forward(graph: ShardGraph, variables: Mapping[str, ShardSpec], preferred: M
     return specs, decisions, whole
 
 
-def _readers(graph: ShardGraph, specs, decisions) -> Dict[str, List[Tuple[str, int, ShardSpec]]]:
-    """tensor -> (reader, position, spec needed), for every read."""
-    readers: Dict[str, List[Tuple[str, int, ShardSpec]]] = {}
+def _readers(graph: ShardGraph, specs, decisions) -> Dict[str, Tuple[ShardSpec, List[Tuple[str, int, ShardSpec]]]]:
+    """tensor -> (the spec it is produced in, [(reader, position, spec
+    needed)]), for every tensor some op reads."""
+    readers: Dict[str, Tuple[ShardSpec, List[Tuple[str, int, ShardSpec]]]] = {}
     for op in graph.ops:
         d = decisions.get(op.name)
         for k, x in enumerate(op.inputs):
             have = specs.get(x) or _replicated_like(op.info.input_shapes[k])
-            readers.setdefault(x, []).append((op.name, k, d.inputs[k] if d is not None else have))
+            readers.setdefault(x, (have, []))[1].append((op.name, k, d.inputs[k] if d is not None else have))
     return readers
 
 
-def complete(graph: ShardGraph, variables: Mapping[str, ShardSpec], t: int, max_rounds: int = 16) -> ShardPlan:
-    """Completes the specs of `graph` from the `variables`' layouts and the
-    ops' constraints (see the module doc)."""
+def _moves_back(graph: ShardGraph, readers, decisions, preferred: Dict[str, Decision]) -> bool:
+    """The backward pass (module doc, 2): adds to `preferred` the producers
+    of whole tensors that every reader needs split the same way and that
+    can make that split from split inputs; whether any was added."""
     producer = {x: op for op in graph.ops for x in op.outputs}
     outputs = set(graph.outputs)
-    preferred: Dict[str, Decision] = {}
-    for _ in range(max_rounds):
-        specs, decisions, whole = _forward(graph, variables, preferred)
-        readers = _readers(graph, specs, decisions)
-        moved = False
-        for x, reads in readers.items():
-            op = producer.get(x)
-            if (op is None or x in outputs or op.name in preferred or op.name in decisions
-                    or op.stateful or op.variable is not None or op.constraint is not None or len(op.outputs) != 1):
-                continue
-            needs = {s for _, _, s in reads}
-            if len(needs) != 1:
-                continue
-            need = needs.pop()
-            back = back_rule_for(op.type)
-            if need.split_dim is None or back is None:
-                continue
-            ins = back(op.info, need)
-            if ins is None:
-                continue
-            preferred[op.name] = Decision(tuple(ins), (need,))
-            moved = True
-        if not moved:
-            break
-    readers = _readers(graph, specs, decisions)
-    shape_of = {x: s for op in graph.ops for x, s in zip(op.inputs, op.info.input_shapes)}
+    moved = False
+    for x, (_, reads) in readers.items():
+        op = producer.get(x)
+        if (op is None or x in outputs or op.name in preferred or op.name in decisions
+                or op.stateful or op.variable is not None or op.constraint is not None or len(op.outputs) != 1):
+            continue
+        needs = {s for _, _, s in reads}
+        if len(needs) != 1:
+            continue
+        need = needs.pop()
+        back = back_rule_for(op.type)
+        if need.split_dim is None or back is None:
+            continue
+        ins = back(op.info, need)
+        if ins is None:
+            continue
+        preferred[op.name] = Decision(tuple(ins), (need,))
+        moved = True
+    return moved
+
+
+def _reshards(graph: ShardGraph, specs, readers) -> List[Reshard]:
+    """One reshard per tensor and target layout its readers need (module
+    doc, 3); the step's outputs are read whole."""
     reshards: List[Reshard] = []
-    for x, reads in readers.items():
-        have = specs.get(x) or _replicated_like(shape_of.get(x))
+    for x, (have, reads) in readers.items():
         groups: Dict[ShardSpec, List[Tuple[str, int]]] = {}
         for name, k, need in reads:
             if need != have:
@@ -294,6 +284,18 @@ def complete(graph: ShardGraph, variables: Mapping[str, ShardSpec], t: int, max_
         if have is not None and not have.is_replicated:
             reshards.append(Reshard(x, have, ShardSpec.replicated(have.rank), (("<output>", k),),
                                     graph.bytes_of.get(x, 0)))
+    return reshards
+
+
+def complete(graph: ShardGraph, variables: Mapping[str, ShardSpec], t: int, max_rounds: int = 16) -> ShardPlan:
+    """Completes the specs of `graph` from the `variables`' layouts and the
+    ops' constraints (see the module doc)."""
+    preferred: Dict[str, Decision] = {}
+    for _ in range(max_rounds):
+        specs, decisions, whole = _forward(graph, variables, preferred)
+        readers = _readers(graph, specs, decisions)
+        if not _moves_back(graph, readers, decisions, preferred):
+            break
     # Decisions that change nothing (whole in, whole out) are not kept.
     kept = {n: d for n, d in decisions.items() if any(not s.is_replicated for s in d.inputs + d.outputs)}
-    return ShardPlan(t, dict(variables), specs, kept, reshards, whole)
+    return ShardPlan(t, dict(variables), specs, kept, _reshards(graph, specs, readers), whole)

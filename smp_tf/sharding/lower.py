@@ -73,8 +73,7 @@ class _Writer:
         self.shapes: Dict[str, Any] = {}
         self.physical: Dict[str, ShardSpec] = {}  # tensor -> layout it is produced in
         self.pieces: Dict[Tuple[str, ShardSpec], List[str]] = {}
-        self.shape_of = {g_name: op_graph.tensors[x].shape for x in range(len(op_graph.tensors))
-                         for g_name in [op_graph.tensor_name(x)]}
+        self.shape_of = {op_graph.tensor_name(x): info.shape for x, info in enumerate(op_graph.tensors)}
 
     # -- helpers -------------------------------------------------------------
     def _node(self, name: str, op: str, inputs: Sequence[str], dtype: Any = None, shard: Optional[int] = None):
@@ -94,7 +93,8 @@ class _Writer:
         node.attr["value"].tensor.CopyFrom(tf.make_tensor_proto(np.asarray(value, dtype=np.int32)))
         return name
 
-    def _dtype_of(self, tensor: str) -> int:
+    def dtype_of(self, tensor: str) -> int:
+        """The dtype (enum) of a tensor of the traced graph."""
         return tf.as_dtype(self.g.tensors[self._tid(tensor)].dtype).as_datatype_enum
 
     def _tid(self, tensor: str) -> int:
@@ -134,7 +134,7 @@ class _Writer:
 
     def _gather(self, tensor: str, have: ShardSpec) -> str:
         """All-gather (split) or all-reduce (partial) into a whole tensor on device 0."""
-        dtype = self._dtype_of(tensor)
+        dtype = self.dtype_of(tensor)
         base = tensor.replace(":", "_")
         parts = self._copies(tensor)
         shape = self.shape_of.get(tensor)
@@ -156,14 +156,14 @@ class _Writer:
         if have == need:
             return self._copies(tensor)
         whole = self._whole(tensor, have)
-        dtype = self._dtype_of(tensor)
+        dtype = self.dtype_of(tensor)
         base = tensor.replace(":", "_")
         d = need.split_dim
         axis = self._const(f"{base}{MARK}_split{d}_axis", d)
         node = self._node(f"{base}{MARK}_split{d}", "Split", [axis, whole], dtype)
         node.attr["num_split"].i = self.t
         for k in range(self.t):
-            self.shapes[f"{node.name}:{k}"] = self._local(self.shape_of.get(tensor), need)
+            self.shapes[f"{node.name}:{k}"] = self.local_shape(self.shape_of.get(tensor), need)
         return [f"{node.name}:{k}" if k else node.name for k in range(self.t)]
 
     # -- ops -------------------------------------------------------------------
@@ -198,9 +198,12 @@ class _Writer:
                 del node.attr["_class"].list.s[:]
                 node.attr["_class"].list.s.extend(fixed)
 
-    def _control(self, inputs: Sequence[str]) -> List[str]:
+    def _controls(self, src: Any) -> List[str]:
+        """`src`'s control inputs, each split op's as all of its copies."""
         out = []
-        for x in inputs:
+        for x in src.input:
+            if not x.startswith("^"):
+                continue
             name = x[1:]
             if self.sharded.get(name):
                 out.extend(f"^{name}{MARK}_s{k}" for k in range(self.t))
@@ -213,7 +216,7 @@ class _Writer:
         node = self.out.node.add()
         node.CopyFrom(src)
         del node.input[:]
-        node.input.extend(self._control([x for x in src.input if x.startswith("^")]))
+        node.input.extend(self._controls(src))
         if op.type in ("Shape", "Size", "Rank"):
             dtype = src.attr["out_type"].type if "out_type" in src.attr else tf.int32.as_datatype_enum
             node.op = "Const"
@@ -225,12 +228,13 @@ class _Writer:
             )
         else:  # ShapeN and the like keep their (whole) inputs
             del node.input[:]
-            node.input.extend([self.piece(x, ShardSpec.replicated(0), None) for x in src.input if not x.startswith("^")])
-            node.input.extend(self._control([x for x in src.input if x.startswith("^")]))
+            node.input.extend([self.piece(x, ShardSpec.replicated(0), None) for x in self.data_inputs(src)])
+            node.input.extend(self._controls(src))
         for x in op.outputs:
             self.physical[self.g.tensor_name(x)] = ShardSpec.replicated(0)
 
-    def _data_inputs(self, src: Any) -> List[str]:
+    def data_inputs(self, src: Any) -> List[str]:
+        """The data inputs of NodeDef `src` (not its control inputs)."""
         return [x for x in src.input if not x.startswith("^")]
 
     def _as_is(self, op: Any, src: Any, dec: Any) -> None:
@@ -238,37 +242,39 @@ class _Writer:
         node = self.out.node.add()
         node.CopyFrom(src)
         del node.input[:]
-        for x in self._data_inputs(src):
-            t = self._canonical(x)
+        for x in self.data_inputs(src):
+            t = self.canonical(x)
             shape = self.shape_of.get(t)
             node.input.append(self.piece(t, ShardSpec.replicated(len(shape) if shape else 0), None)
                               if t in self.physical else x)
-        node.input.extend(self._control([x for x in src.input if x.startswith("^")]))
+        node.input.extend(self._controls(src))
         for x in op.outputs:
             name = self.g.tensor_name(x)
             shape = self.g.tensors[x].shape
             self.physical[name] = ShardSpec.replicated(len(shape) if shape else 0)
 
-    def _canonical(self, x: str) -> str:
+    @staticmethod
+    def canonical(x: str) -> str:
+        """A tensor name with its output index (``"op"`` -> ``"op:0"``)."""
         return x if ":" in x else f"{x}:0"
 
     def _copy(self, op: Any, src: Any, dec: Any) -> None:
         self.sharded[op.name] = True
-        data = self._data_inputs(src)
-        controls = self._control([x for x in src.input if x.startswith("^")])
+        data = self.data_inputs(src)
+        controls = self._controls(src)
+        # The target shape of a copy's reshape (or convolution gradient):
+        # its own piece's, where the output is split and its shape known.
         out_shape = self.g.tensors[op.outputs[0]].shape if op.outputs else None
-        out_spec = dec.outputs[0] if dec.outputs else None
         local = None
-        if out_shape is not None and out_spec is not None and out_spec.split_dim is not None and None not in out_shape:
-            local = list(out_shape)
-            local[out_spec.split_dim] //= self.t
+        if out_shape is not None and None not in out_shape and dec.outputs and dec.outputs[0].split_dim is not None:
+            local = list(self.local_shape(out_shape, dec.outputs[0]))
         for k in range(self.t):
             node = self.out.node.add()
             node.CopyFrom(src)
             node.name = f"{op.name}{MARK}_s{k}"
             del node.input[:]
             for position, x in enumerate(data):
-                t = self._canonical(x)
+                t = self.canonical(x)
                 if local is not None and self._is_shape_input(op.type, position):
                     node.input.append(self._const(f"{op.name}{MARK}_shape_s{k}", local, shard=k))
                     continue
@@ -282,9 +288,9 @@ class _Writer:
             self.physical[name] = spec
             port = name.rsplit(":", 1)[1]
             for k in range(self.t):
-                self.shapes[f"{op.name}{MARK}_s{k}:{port}"] = self._local(self.g.tensors[x].shape, spec)
+                self.shapes[f"{op.name}{MARK}_s{k}:{port}"] = self.local_shape(self.g.tensors[x].shape, spec)
 
-    def _local(self, shape: Any, spec: ShardSpec) -> Any:
+    def local_shape(self, shape: Any, spec: ShardSpec) -> Any:
         """The shape of one device's piece of a tensor of `shape` in `spec`."""
         d = spec.split_dim
         if shape is None or d is None or shape[d] is None:
@@ -361,9 +367,8 @@ def shard_traced(
         return traced, plan
     graph_def, outputs, shapes = expand_graph_def(traced.graph_def, g, plan, t, traced.output_names,
                                                   {op.name: op.info for op in sgraph.ops})
-    graph = tf.Graph()
-    with graph.as_default():
-        tf.graph_util.import_graph_def(graph_def, name="")
+    sharded = Traced(graph_def, g, traced.arg_names, outputs, traced.output_structure, traced.captures,
+                     traced.layers)
     by_name = {op.name: op for op in g.ops}
     captured_vars = {}
     for name, cap in traced.captures.items():
@@ -374,6 +379,7 @@ def shard_traced(
     def lookup(attr: str):
         return lambda op: getattr(by_name.get(origin_of(op.name)), attr, None)
 
+    graph = sharded.graph  # imported from the GraphDef
     t0 = time.perf_counter()
     view = from_tf_graph(
         graph,
@@ -387,9 +393,8 @@ def shard_traced(
         graph_def=graph_def,
     )
     _restore_shapes(view, shapes)
-    sharded = Traced(graph_def, view, traced.arg_names, outputs, traced.output_structure, traced.captures,
-                     traced.layers, traced.view_seconds + time.perf_counter() - t0)
-    sharded._graph = graph
+    sharded.op_graph = view
+    sharded.view_seconds = traced.view_seconds + time.perf_counter() - t0
     return sharded, plan
 
 

@@ -81,19 +81,19 @@ def _vocab_cross_entropy(writer: Any, op: Any, src: Any, dec: Any) -> None:
     logits stay split by classes; the maxima, the sums of exponentials and
     the label's logit are reduced over the devices in device order."""
     t = writer.t
-    feats, labels = [writer._canonical(x) for x in writer._data_inputs(src)[:2]]
+    feats, labels = [writer.canonical(x) for x in writer.data_inputs(src)[:2]]
     n, v = writer.shape_of[feats]
     local = v // t
     # SparseSoftmaxCrossEntropyWithLogits takes class ids (N,), whole;
     # SoftmaxCrossEntropyWithLogits label weights (N, V), split like the logits.
     dense = op.type == "SoftmaxCrossEntropyWithLogits"
-    inputs = {f"f{k}": (writer.piece(feats, dec.inputs[0], k), writer._dtype_of(feats), (n, local))
+    inputs = {f"f{k}": (writer.piece(feats, dec.inputs[0], k), writer.dtype_of(feats), (n, local))
               for k in range(t)}
     if dense:
-        inputs.update({f"l{k}": (writer.piece(labels, dec.inputs[1], k), writer._dtype_of(labels), (n, local))
+        inputs.update({f"l{k}": (writer.piece(labels, dec.inputs[1], k), writer.dtype_of(labels), (n, local))
                        for k in range(t)})
     else:
-        inputs["labels"] = (writer.piece(labels, dec.inputs[1], None), writer._dtype_of(labels), (n,))
+        inputs["labels"] = (writer.piece(labels, dec.inputs[1], None), writer.dtype_of(labels), (n,))
 
     def build(ph, shard):
         f = [ph[f"f{k}"] for k in range(t)]
@@ -192,10 +192,10 @@ def _split_log_softmax(writer: Any, op: Any, src: Any, dec: Any) -> None:
     """Log-softmax over a split last axis: (x - max) - log(sum(exp(x - max))),
     the maximum and the sum reduced over the devices in device order."""
     t = writer.t
-    x = writer._canonical(writer._data_inputs(src)[0])
+    x = writer.canonical(writer.data_inputs(src)[0])
     shape = writer.shape_of[x]
-    local = writer._local(shape, dec.inputs[0])
-    inputs = {f"x{k}": (writer.piece(x, dec.inputs[0], k), writer._dtype_of(x), local) for k in range(t)}
+    local = writer.local_shape(shape, dec.inputs[0])
+    inputs = {f"x{k}": (writer.piece(x, dec.inputs[0], k), writer.dtype_of(x), local) for k in range(t)}
 
     def build(ph, shard):
         xs = [ph[f"x{k}"] for k in range(t)]
@@ -216,15 +216,15 @@ def _masked_gather(writer: Any, op: Any, src: Any, dec: Any) -> None:
     gathered axis and zeroes the rest: a partial sum with one addend not
     zero per element (its all-reduce is exact)."""
     t = writer.t
-    data = [writer._canonical(x) for x in writer._data_inputs(src)]
+    data = [writer.canonical(x) for x in writer.data_inputs(src)]
     params, indices = data[0], data[1]
     pshape, ishape = writer.shape_of[params], writer.shape_of[indices]
     axis = int(writer.plan_info[op.name].const_inputs[2]) % len(pshape)
     batch_dims = int(src.attr["batch_dims"].i) if "batch_dims" in src.attr else 0
-    local = writer._local(pshape, dec.inputs[0])
+    local = writer.local_shape(pshape, dec.inputs[0])
     size = local[axis]
-    inputs = {f"p{k}": (writer.piece(params, dec.inputs[0], k), writer._dtype_of(params), local) for k in range(t)}
-    inputs["i"] = (writer.piece(indices, dec.inputs[1], None), writer._dtype_of(indices), ishape)
+    inputs = {f"p{k}": (writer.piece(params, dec.inputs[0], k), writer.dtype_of(params), local) for k in range(t)}
+    inputs["i"] = (writer.piece(indices, dec.inputs[1], None), writer.dtype_of(indices), ishape)
     trailing = len(pshape) - axis - 1
     out_shape = writer.shape_of[f"{op.name}:0"]
 
