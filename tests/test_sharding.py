@@ -324,3 +324,9 @@ def test_log_softmax_over_split_classes_and_masked_gather():
     assert d.kind == "masked_gather"
     # Split along another axis than the gathered one: no rule (run whole).
     assert _decide("GatherV2", [(64, 16), (8,), ()], (8, 16), [S1, r1, ShardSpec(())], const={2: 0}) is None
+
+
+def test_identity_n_passes_every_layout_through():
+    # tf.custom_gradient wraps its results in an IdentityN (Keras's silu).
+    d = _decide("IdentityN", [(8, 64), (8, 64)], (8, 64), [S1, P2])
+    assert d.inputs == (S1, P2) and d.outputs == (S1, P2)

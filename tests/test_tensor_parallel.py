@@ -411,3 +411,56 @@ def test_mixed_precision_pairs_are_found_through_the_casts():
         for g, r in zip(gs, rs):
             g, r = np.asarray(g, np.float32), np.asarray(r, np.float32)
             assert np.max(np.abs(g - r)) <= 4 * eps * max(float(np.max(np.abs(r))), 1e-3)
+
+
+def test_a_keras_hub_llama_gated_mlp_is_found_and_matches_the_loop():
+    # keras_hub's Llama: each dense layer reshapes its input anew
+    # (Tensordot) and silu is a custom gradient (an IdentityN); the gated
+    # MLP's gate and up projections are still found as siblings.
+    import keras_hub
+
+    smp.init({"partitions": 2, "microbatches": M, "tensor_parallel_degree": 2})
+    keras.utils.set_random_seed(11)
+    backbone = keras_hub.models.LlamaBackbone(
+        vocabulary_size=64, num_layers=2, num_query_heads=4, num_key_value_heads=2,
+        hidden_dim=32, intermediate_dim=64, dropout=0.1)
+    inputs = {"token_ids": keras.Input((8,), dtype="int32", name="token_ids"),
+              "padding_mask": keras.Input((8,), dtype="int32", name="padding_mask")}
+    model = smp.DistributedModel(inputs, keras.layers.Dense(64, name="lm_head")(backbone(inputs)))
+    rng = np.random.default_rng(0)
+    tokens = rng.integers(0, 64, size=(4, 9)).astype("int32")
+    x = {"token_ids": tokens[:, :-1], "padding_mask": np.ones((4, 8), "int32")}
+    y = tokens[:, 1:]
+
+    def body(x, y):
+        with tf.GradientTape() as tape:
+            logits = model(x, training=True)
+            loss = tf.reduce_mean(keras.losses.sparse_categorical_crossentropy(y, logits, from_logits=True))
+        return loss, tape.gradient(loss, model.trainable_variables)
+
+    init = [v.numpy() for v in model.variables]
+    fn = tf.function(body)
+    mb = lambda v, k: tf.nest.map_structure(lambda a: tf.constant(a[k::M]), v)  # noqa: E731
+    refs = [fn(mb(x, k), mb(y, k)) for k in range(M)]
+    state = [v.numpy() for v in model.variables]
+    for v, a in zip(model.variables, init):
+        v.assign(a)
+    step = smp.step(body)
+    loss, grads = step(tf.nest.map_structure(tf.constant, x), tf.constant(y))
+    specs = {k: s.dims for k, s in step.last_plan.shard_plan.variables.items()}
+    for i in range(2):
+        block = f"transformer_layer_{i}/"
+        assert specs[block + "feedforward_gate_dense/kernel"] == (None, "tensor")
+        assert specs[block + "feedforward_intermediate_dense/kernel"] == (None, "tensor")
+        assert specs[block + "feedforward_output_dense/kernel"] == ("tensor", None)
+    np.testing.assert_allclose([float(v) for v in loss.outputs], [float(r[0]) for r in refs], rtol=1e-6)
+    floor = 1e-3 * max(float(np.max(np.abs(tf.convert_to_tensor(g)))) for r in refs for g in r[1] if g is not None)
+    for k in range(M):
+        for g, r in zip(grads, refs[k][1]):
+            if r is None:
+                continue
+            got, ref = tf.convert_to_tensor(g.outputs[k]).numpy(), tf.convert_to_tensor(r).numpy()
+            assert np.max(np.abs(got - ref)) <= 1e-5 * max(float(np.max(np.abs(ref))), floor)
+    # Dropout's seeds and every other state as after the loop.
+    for v, s in zip(model.variables, state):
+        np.testing.assert_array_equal(v.numpy(), s, err_msg=v.path)

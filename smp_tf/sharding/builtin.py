@@ -40,7 +40,9 @@ _PRODUCTS = frozenset(["MatMul", "Einsum"])
 # Reshapes keep a product's output dimension last (a dense layer on a 3-D
 # input is reshape, product, reshape); only their data input joins the path.
 _RESHAPES = frozenset(["Reshape", "ExpandDims", "Squeeze"])
-_THROUGH = (UNARY | BINARY | _RESHAPES | frozenset(["BiasAdd"])) - frozenset(["AddN"])
+# IdentityN: what `tf.custom_gradient` returns (Keras's silu, a gated MLP's
+# activation), output i being input i.
+_THROUGH = (UNARY | BINARY | _RESHAPES | frozenset(["BiasAdd", "IdentityN"])) - frozenset(["AddN"])
 
 
 # A variable read reaches its product through casts under mixed precision
@@ -95,6 +97,15 @@ class _Index:
             p = self.producer.get(p.inputs[0])
         return p if p is not None and p.type in READ_OPS and p.variable is not None else None
 
+    def root(self, x: str) -> str:
+        """The tensor `x` is a reshape of (itself if none): each dense layer
+        on a sequence reshapes its input anew (``Tensordot``)."""
+        p = self.producer.get(x)
+        while p is not None and p.type in _RESHAPES and p.inputs:
+            x = p.inputs[0]
+            p = self.producer.get(x)
+        return x
+
     def kernel_position(self, op: ShardOp) -> Optional[int]:
         """The input of a forward product that is a kernel, or None."""
         if op.type not in _PRODUCTS or len(op.inputs) != 2 or op.name.startswith(_GRADIENT_SCOPES):
@@ -109,8 +120,12 @@ def _second_products(index: _Index, op: ShardOp, k: int) -> List[ShardOp]:
     """The products that read kernels and that the result of `op` (a
     product reading its kernel at input `k`) reaches through element-wise
     ops (see `product_pairs`)."""
-    activation = op.inputs[1 - k]
-    siblings = [r for r, pos in index.readers.get(activation, ()) if index.kernel_position(r) == 1 - pos]
+    # Siblings read the same activation, maybe through reshapes of their own.
+    activation = index.root(op.inputs[1 - k])
+    views = [activation]
+    for x in views:
+        views.extend(y for r, _ in index.readers.get(x, ()) if r.type in _RESHAPES for y in r.outputs)
+    siblings = [r for x in views for r, pos in index.readers.get(x, ()) if index.kernel_position(r) == 1 - pos]
     path: Set[str] = {x for s in siblings for x in s.outputs}
     stack = list(path)
     found: List[ShardOp] = []

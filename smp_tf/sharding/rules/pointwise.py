@@ -93,6 +93,14 @@ for _t in UNARY | BINARY:
     register_rule(_t, back=_elementwise_back)(_elementwise)
 
 
+@register_rule("IdentityN")
+def _identity_n(info: OpInfo, ins: Sequence[ShardSpec]) -> Optional[Decision]:
+    """Output i is input i (``tf.custom_gradient`` wraps its results in
+    one, as Keras's silu does): every layout passes through, partial sums
+    too."""
+    return Decision(tuple(ins), tuple(ins))
+
+
 # ------------------------------------------------------------------- bias add
 
 
