@@ -46,7 +46,7 @@ from smp_tf.rewrite import (
 from smp_tf.schedules import Action, Schedule, make_schedule, schedule_builder
 from smp_tf.sharding.lower import place_shards
 from smp_tf.step_output import FusedOp
-from smp_tf.trace import CapturedVariable, Traced, gc_paused
+from smp_tf.trace import CapturedShard, CapturedVariable, Traced, gc_paused
 
 logger = logging.getLogger("smp_tf")
 
@@ -80,6 +80,11 @@ def _task_body(sub, input_names, captured, outputs, captures, pins=()):
                 # Variables are captured from where they live now (after placement).
                 internal = fg.capture(cap.variable.handle)
                 _annotate_resource(internal, cap.variable)
+            elif isinstance(cap, CapturedShard):
+                # A piece of a variable whose storage is split (tensor parallelism).
+                piece = cap.piece()
+                internal = fg.capture(piece.handle)
+                _annotate_resource(internal, piece)
             else:
                 # A captured tensor stays an argument of the function, as in
                 # a single-device run, named as there: the graph optimiser

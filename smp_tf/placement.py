@@ -28,6 +28,12 @@ What captured the old handle before the move is re-pointed at the new one:
 * optimizer slots (Adam's moments, momentum, ...) of a moved variable move
   with it, and slots created later are created on its device.
 
+With tensor parallelism a variable may be split instead of moved: its
+storage becomes pieces on its stage's devices (`smp_tf.sharding.storage`),
+its own handle an empty one on device 0 of the stage; its slots are split
+the same way. A split variable placed again by a later `smp.init` is first
+gathered whole.
+
 The old resource is freed once nothing refers to it. What holds a raw handle
 of its own (a TF1 ``Session`` graph, a handle tensor kept by the user) keeps
 the old value: see ``docs/partitioning.md``, "Variables and functions
@@ -43,6 +49,7 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 import tensorflow as tf
 
 from smp_tf import live_objects, state
+from smp_tf.sharding import storage
 from smp_tf.trace import CapturedVariable
 
 logger = logging.getLogger("smp_tf")
@@ -57,6 +64,7 @@ __all__ = [
     "register_model",
     "same_device",
     "partition_of_device",
+    "placed_in",
 ]
 
 #: Attribute set on a moved `tf.Variable`: the `state.generation()` it was placed in.
@@ -104,6 +112,12 @@ def partition_of_device(device: str, devices: Sequence[str]) -> int:
             if same_device(device, d):
                 return p
     return 0
+
+
+def placed_in(variable: Any) -> Any:
+    """The `state.generation()` a variable was last placed in (None if never)."""
+    v = _resource_variable(variable)
+    return getattr(v, _PLACED, None) if v is not None else None
 
 
 def _resource_variable(variable: Any) -> Optional[Any]:
@@ -190,6 +204,13 @@ def install_slot_placement() -> None:
             setattr(slot, _REFERENCE, weakref.ref(reference_variable))
         except (AttributeError, TypeError):  # pragma: no cover - exotic variables
             pass
+        # The slot of a split variable is split the same way (Adam's moments
+        # have its shape; a slot of another shape stays whole).
+        rv, sv = _resource_variable(reference_variable), _resource_variable(slot)
+        pieces = storage.shards_of(rv) if rv is not None else None
+        if pieces and sv is not None and tuple(sv.shape) == tuple(rv.shape):
+            storage.shard_variable(sv, storage.split_dim_of(rv), [p.device for p in pieces])
+            setattr(sv, _PLACED, getattr(rv, _PLACED, None))
         _OPTIMIZERS.add(self)
         return slot
 
@@ -329,7 +350,8 @@ def _current_graphs() -> List[Any]:
 
 
 def place_variables(
-    captures: Mapping[str, Any], partition_of_variable: Mapping[str, int], devices: Sequence[str]
+    captures: Mapping[str, Any], partition_of_variable: Mapping[str, int], devices: Sequence[str],
+    split: Optional[Mapping[str, int]] = None, stage_devices: Optional[Sequence[Sequence[str]]] = None,
 ) -> Dict[str, str]:
     """Moves every captured variable to the device of its partition.
 
@@ -343,14 +365,20 @@ def place_variables(
             ignored).
         partition_of_variable: variable key -> partition.
         devices: device of each partition.
+        split: variable key -> the dimension its storage is split along
+            over its stage's devices (tensor parallelism).
+        stage_devices: the devices of each partition's stage (with `split`).
 
     Returns:
-        Variable key -> the device it lives on now.
+        Variable key -> the device it lives on now (device 0 of its stage
+        for a split one).
     """
+    split = split or {}
     generation = state.generation()
     where: Dict[str, str] = {}
     moved: Dict[int, Any] = {}  # id(old handle) -> new handle
-    moved_variables: Dict[int, str] = {}  # id(tf.Variable) -> device
+    # id(tf.Variable) -> its device, or (dimension, devices) when split
+    moved_variables: Dict[int, Any] = {}
     placed_now: List[Tuple[Any, int]] = []  # (variable, partition), first placed by this call
     unmovable = []
     for cap in captures.values():
@@ -364,11 +392,20 @@ def place_variables(
         if getattr(v, _PLACED, None) == generation or cap.key not in partition_of_variable:
             where[cap.key] = v.device
             continue
+        if storage.is_sharded(v):
+            # Split for an earlier smp.init: whole again before it is placed.
+            moved[id(storage.unshard_variable(v))] = v.handle
         device = devices[partition_of_variable[cap.key]]
-        old = relocate_variable(v, device)
-        if old is not None:
+        if cap.key in split and stage_devices is not None:
+            pieces_on = list(stage_devices[partition_of_variable[cap.key]])
+            old = storage.shard_variable(v, split[cap.key], pieces_on)
             moved[id(old)] = v.handle
-            moved_variables[id(v)] = device
+            moved_variables[id(v)] = (split[cap.key], pieces_on)
+        else:
+            old = relocate_variable(v, device)
+            if old is not None:
+                moved[id(old)] = v.handle
+                moved_variables[id(v)] = device
         setattr(v, _PLACED, generation)
         setattr(v, _PARTITION, partition_of_variable[cap.key])
         placed_now.append((v, partition_of_variable[cap.key]))
@@ -394,10 +431,20 @@ def place_variables(
             rv, sv = _resource_variable(reference), _resource_variable(slot)
             if rv is None or sv is None or id(rv) not in moved_variables:
                 continue
-            old = relocate_variable(sv, moved_variables[id(rv)])
+            if storage.is_sharded(sv):
+                moved[id(storage.unshard_variable(sv))] = sv.handle
+            target = moved_variables[id(rv)]
+            if isinstance(target, tuple):
+                if tuple(sv.shape) == tuple(rv.shape):
+                    moved[id(storage.shard_variable(sv, target[0], target[1]))] = sv.handle
+                    moved_variables[id(sv)] = target
+                    setattr(sv, _PLACED, generation)
+                    continue
+                target = target[1][0]
+            old = relocate_variable(sv, target)
             if old is not None:
                 moved[id(old)] = sv.handle
-                moved_variables[id(sv)] = moved_variables[id(rv)]
+                moved_variables[id(sv)] = target
             setattr(sv, _PLACED, generation)
     functions = sum(_retarget_function(f, moved) for f in live["functions"])
     graphs = set(map(id, live["graphs"]))

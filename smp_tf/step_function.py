@@ -101,6 +101,15 @@ def _memory_budget(cfg: Any) -> Optional[int]:
     return min(limits) if limits else None
 
 
+def _split_storage(plan: PartitionPlan) -> Tuple[Dict[str, int], Optional[List[List[str]]]]:
+    """What `placement.place_variables` splits: variable key -> dimension,
+    and each partition's stage devices (tensor parallelism)."""
+    shard_plan = getattr(plan, "shard_plan", None)
+    if shard_plan is None or not shard_plan.stored_split:
+        return {}, None
+    return dict(shard_plan.stored_split), [list(d) for d in plan.tensor_devices]
+
+
 def _run_post_partition_hooks() -> None:
     """Runs the registered hooks once per `smp.init`, eagerly."""
     st = state._STATE
@@ -296,7 +305,7 @@ class StepFunction:
         if cfg.tensor_parallel_degree > 1:
             from smp_tf.sharding.api import shard_step
 
-            traced, shard_plan = shard_step(traced, cfg)
+            traced, shard_plan = shard_step(traced, cfg, state.generation())
         t1 = time.perf_counter()
         devices = stage_devices(cfg, topo.devices)
         pinned = placement.pinned_partitions(traced.captures, devices)
@@ -393,13 +402,14 @@ class StepFunction:
             if any(planned.get(k, p) != p for k, p in pins.items()):
                 entry = None
             else:
-                entry.variable_devices = placement.place_variables(entry.traced.captures, planned, entry.plan.devices)
+                entry.variable_devices = placement.place_variables(
+                    entry.traced.captures, planned, entry.plan.devices, *_split_storage(entry.plan))
                 _run_post_partition_hooks()
                 entry.generation = state.generation()
         if entry is None:
             traced, plan = self._trace_and_partition(mbs)
             variable_devices = placement.place_variables(
-                traced.captures, plan.partition_of_variable(), plan.devices
+                traced.captures, plan.partition_of_variable(), plan.devices, *_split_storage(plan)
             )
             _run_post_partition_hooks()
             entry = CompiledStep(traced, plan, cfg, optimizer=self.optimizer, budget=_memory_budget(cfg))

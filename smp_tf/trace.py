@@ -28,8 +28,11 @@ import numpy as np
 import tensorflow as tf
 
 from smp_tf.graph_view import OpGraph, from_tf_graph
+from smp_tf.sharding import storage
 
-__all__ = ["partition", "TraceRecord", "recording", "CapturedVariable", "Traced", "trace_microbatch"]
+__all__ = [
+    "partition", "TraceRecord", "recording", "CapturedVariable", "CapturedShard", "Traced", "trace_microbatch",
+]
 
 _local = threading.local()
 
@@ -273,6 +276,33 @@ class CapturedVariable:
 
 
 @dataclass
+class CapturedShard:
+    """One device's piece of a variable whose storage tensor parallelism
+    splits (`smp_tf.sharding.storage`): the step reads it instead of the
+    variable's own handle.
+
+    Attributes:
+        key: the variable's key (as its `CapturedVariable`'s).
+        variable: the split `tf.Variable`.
+        shard: the piece, which is device ``shard`` of the stage.
+    """
+
+    key: str
+    variable: Any
+    shard: int
+
+    def piece(self) -> Any:
+        """The `tf.Variable` holding this piece now."""
+        shards = getattr(self.variable, "_smp_shards", None)
+        if shards is None or self.shard >= len(shards):
+            raise RuntimeError(
+                f"Variable {self.key!r} is not split into {self.shard + 1} or more pieces any more; "
+                "call the step again after smp.init so that it is placed anew."
+            )
+        return shards[self.shard]
+
+
+@dataclass
 class Traced:
     """One traced micro-batch step.
 
@@ -429,7 +459,10 @@ def _trace_microbatch(fn, mb_args, mb_kwargs, shapes, extra_variables, tf_functi
     kwargs = dict(tf_function_kwargs or {})
     kwargs.pop("input_signature", None)
     kwargs.pop("jit_compile", None)
-    with recording() as records:
+    # Variables whose storage tensor parallelism split are read through
+    # their own handle: the trace is that of the whole variable, and the
+    # sharding rewrite reads the pieces instead.
+    with recording() as records, storage.reading_own_handle():
         concrete = tf.function(flat_fn, **kwargs).get_concrete_function(*specs)
     fg = concrete.graph
     record = next((r for r in records if r.graph is fg), None)

@@ -11,7 +11,8 @@
 * `special` — split ops that need more than a copy per device (vocabulary-parallel
   cross-entropy and log-softmax, masked lookups).
 * `api` — `smp.shard_tensor` and the layout of a traced step's variables.
+* `storage` — a variable whose value lives in pieces on the stage's devices.
 
-Everything but `read`, `lower`, `special`, `api` and `builtin.attention_layouts` is plain
+Everything but `read`, `lower`, `special`, `api`, `storage` and `builtin.attention_layouts` is plain
 Python, tested without TensorFlow.
 """

@@ -147,6 +147,9 @@ class ShardPlan:
         whole_ops: ``(name, type)`` of the ops that have sharded inputs but
             no rule (or a rule that declined): they run whole.
         whole_variables: the step's variables no layout splits.
+        stored_split: variable -> the dimension its storage is split along
+            (`smp_tf.sharding.storage`); a split variable not in it is
+            stored whole and split when read.
     """
 
     t: int
@@ -156,6 +159,7 @@ class ShardPlan:
     reshards: List[Reshard]
     whole_ops: List[Tuple[str, str]]
     whole_variables: List[str] = field(default_factory=list)
+    stored_split: Dict[str, int] = field(default_factory=dict)
 
     def reshard_bytes(self) -> float:
         """Bytes each device receives per micro-batch for the reshards."""
@@ -167,7 +171,8 @@ class ShardPlan:
         lines.append(f"  sharded variables ({sum(not s.is_replicated for s in self.variables.values())}):")
         for v, s in self.variables.items():
             if not s.is_replicated:
-                lines.append(f"    {v:<48} {s}  {s.dims}")
+                stored = "stored split" if v in self.stored_split else "stored whole, split when read"
+                lines.append(f"    {v:<48} {s}  {s.dims}  {stored}")
         if self.whole_variables:
             shown = ", ".join(self.whole_variables[:6]) + (", ..." if len(self.whole_variables) > 6 else "")
             lines.append(f"  variables left whole ({len(self.whole_variables)}): {shown}")

@@ -19,15 +19,18 @@ on device ``k`` of its partition's stage (`place_shards`), and every op
 without it on device 0. In one process TensorFlow's runtime moves the
 tensors between the stage's devices: no transport of smp_tf's own.
 
-Variables stay whole on device 0 of their stage: a sharded variable is read
-whole and split for its readers, and its gradient is gathered whole for the
-step's outputs. The optimizer, checkpoints and the model are then unchanged;
-the products, the activations and their gradients are split over the
-devices.
+A split variable whose storage is split too (`ShardPlan.stored_split`: the
+step only reads it, through ``ReadVariableOp``) is read piece by piece: its
+captured handle becomes ``t`` captured handles (``<name>__smp_s<k>``, one
+per piece, see `smp_tf.sharding.storage` and `CapturedShard`), and each read
+``t`` reads of the pieces. Any other split variable is stored whole on
+device 0 of its stage, read whole and split for its readers. Gradients are
+gathered whole for the step's outputs either way.
 
-The new graph has the same arguments, captures and outputs as the traced
-one, so the partitioner and everything after it work on it unchanged; the
-copies of an op belong to its layer, so a stage keeps all of them.
+The new graph has the same arguments and outputs as the traced one, and
+the captures of the pieces besides the traced ones, so the partitioner and
+everything after it work on it unchanged; the copies of an op belong to its
+layer, so a stage keeps all of them.
 """
 
 from __future__ import annotations
@@ -45,7 +48,7 @@ from smp_tf.sharding.read import MARK, SHARD_ATTR, origin_of, shard_graph_of
 from smp_tf.sharding.rules import OpInfo
 from smp_tf.sharding.special import SPECIAL
 from smp_tf.sharding.spec import ShardSpec
-from smp_tf.trace import CapturedVariable, Traced
+from smp_tf.trace import CapturedShard, CapturedVariable, Traced
 
 __all__ = ["shard_traced", "expand_graph_def", "place_shards", "shard_of_ops"]
 
@@ -54,7 +57,8 @@ class _Writer:
     """Writes the sharded GraphDef (see the module doc)."""
 
     def __init__(self, graph_def: Any, plan: ShardPlan, op_graph: OpGraph, t: int,
-                 infos: Optional[Mapping[str, OpInfo]] = None) -> None:
+                 infos: Optional[Mapping[str, OpInfo]] = None,
+                 stored_split: Optional[Mapping[str, str]] = None) -> None:
         self.src = {n.name: n for n in graph_def.node}
         # What completion read of each op (its constant inputs), for the
         # special lowerings.
@@ -74,6 +78,8 @@ class _Writer:
         self.physical: Dict[str, ShardSpec] = {}  # tensor -> layout it is produced in
         self.pieces: Dict[Tuple[str, ShardSpec], List[str]] = {}
         self.shape_of = {op_graph.tensor_name(x): info.shape for x, info in enumerate(op_graph.tensors)}
+        # Captured handles of the variables stored in pieces (name -> key).
+        self.stored_split: Mapping[str, str] = stored_split or {}
 
     # -- helpers -------------------------------------------------------------
     def _node(self, name: str, op: str, inputs: Sequence[str], dtype: Any = None, shard: Optional[int] = None):
@@ -175,7 +181,13 @@ class _Writer:
             if op.static_value is not None:
                 self._static(op, src)
                 continue
+            if op.name in self.stored_split:
+                self._pieces_of_handle(src)
+                continue
             dec = self.plan.decisions.get(op.name)
+            if op.type in READ_OPS and self._handle_of(src) in self.stored_split:
+                self._read_pieces(op, src, dec)
+                continue
             if dec is not None and dec.kind in SPECIAL:
                 SPECIAL[dec.kind](self, op, src, dec)
             elif dec is None or op.type in READ_OPS or dec.kind != "local" or op.writes or op.stateful:
@@ -211,13 +223,49 @@ class _Writer:
                 out.append(x)
         return out
 
+    def _handle_of(self, src: Any) -> str:
+        return self.data_inputs(src)[0].split(":")[0]
+
+    def _pieces_of_handle(self, src: Any) -> None:
+        """A captured handle of a variable stored in pieces: one captured
+        handle per piece, on its device."""
+        self.sharded[src.name] = True
+        for k in range(self.t):
+            node = self.out.node.add()
+            node.CopyFrom(src)
+            node.name = f"{src.name}{MARK}_s{k}"
+            node.attr[SHARD_ATTR].i = k
+            if "_class" in node.attr:
+                del node.attr["_class"]
+
+    def _read_pieces(self, op: Any, src: Any, dec: Any) -> None:
+        """A read of a variable stored in pieces: each device reads its own."""
+        self.sharded[op.name] = True
+        handle = self._handle_of(src)
+        controls = self._controls(src)
+        for k in range(self.t):
+            node = self.out.node.add()
+            node.CopyFrom(src)
+            node.name = f"{op.name}{MARK}_s{k}"
+            del node.input[:]
+            node.input.append(f"{handle}{MARK}_s{k}")
+            node.input.extend(controls)
+            node.attr[SHARD_ATTR].i = k
+            if "_class" in node.attr:
+                del node.attr["_class"]
+        name = self.g.tensor_name(op.outputs[0])
+        spec = dec.outputs[0]
+        self.physical[name] = spec
+        for k in range(self.t):
+            self.shapes[f"{op.name}{MARK}_s{k}:0"] = self.local_shape(self.g.tensors[op.outputs[0]].shape, spec)
+
     def _static(self, op: Any, src: Any) -> None:
         """A shape known when tracing: a constant (its input may now be pieces)."""
         node = self.out.node.add()
         node.CopyFrom(src)
         del node.input[:]
         node.input.extend(self._controls(src))
-        if op.type in ("Shape", "Size", "Rank"):
+        if op.type in ("Shape", "Size", "Rank", "VariableShape"):
             dtype = src.attr["out_type"].type if "out_type" in src.attr else tf.int32.as_datatype_enum
             node.op = "Const"
             for key in list(node.attr):
@@ -304,11 +352,12 @@ class _Writer:
 
 
 def expand_graph_def(graph_def: Any, op_graph: OpGraph, plan: ShardPlan, t: int, outputs: Sequence[Optional[str]],
-                     infos: Optional[Mapping[str, OpInfo]] = None):
+                     infos: Optional[Mapping[str, OpInfo]] = None, stored_split: Optional[Mapping[str, str]] = None):
     """The sharded `GraphDef`, the names of `outputs` in it (whole), and the
     static shapes of its tensors. `infos`: op name -> `OpInfo` (from the
-    `ShardGraph`), which the special lowerings read."""
-    w = _Writer(graph_def, plan, op_graph, t, infos)
+    `ShardGraph`), which the special lowerings read; `stored_split`: the
+    captured handles of the variables stored in pieces (name -> key)."""
+    w = _Writer(graph_def, plan, op_graph, t, infos, stored_split)
     w.write()
     w.finish()
     renamed = []
@@ -352,28 +401,43 @@ def _restore_shapes(view: OpGraph, shapes: Mapping[str, Any]) -> None:
 
 
 def shard_traced(
-    traced: Traced, variable_specs: Mapping[str, ShardSpec], t: int, graph: Optional[ShardGraph] = None
+    traced: Traced, variable_specs: Mapping[str, ShardSpec], t: int, graph: Optional[ShardGraph] = None,
+    stored_split: Optional[Mapping[str, str]] = None,
 ) -> Tuple[Traced, ShardPlan]:
     """Completes and applies the sharding of a traced step (module doc).
 
+    Args:
+        stored_split: captured handle -> variable key, for the variables
+            whose storage is split (`smp_tf.sharding.storage`): the step
+            reads their pieces.
+
     Returns:
-        The sharded `Traced` (same arguments, captures and outputs) and the
-        `ShardPlan`.
+        The sharded `Traced` (same arguments and outputs; the captures of
+        the pieces added) and the `ShardPlan`.
     """
     g = traced.op_graph
+    stored_split = dict(stored_split or {})
     sgraph = graph or shard_graph_of(traced.graph_def, g, [n for n in traced.output_names if n], t)
     plan = complete(sgraph, variable_specs, t)
     if not plan.decisions:
         return traced, plan
+    plan.stored_split = {key: variable_specs[key].split_dim for key in stored_split.values()}
     graph_def, outputs, shapes = expand_graph_def(traced.graph_def, g, plan, t, traced.output_names,
-                                                  {op.name: op.info for op in sgraph.ops})
-    sharded = Traced(graph_def, g, traced.arg_names, outputs, traced.output_structure, traced.captures,
-                     traced.layers)
+                                                  {op.name: op.info for op in sgraph.ops}, stored_split)
+    captures = dict(traced.captures)
+    for name in stored_split:
+        cap = traced.captures[name]
+        for k in range(t):
+            captures[f"{name}{MARK}_s{k}"] = CapturedShard(cap.key, cap.variable, k)
+    sharded = Traced(graph_def, g, traced.arg_names, outputs, traced.output_structure, captures, traced.layers)
     by_name = {op.name: op for op in g.ops}
     captured_vars = {}
-    for name, cap in traced.captures.items():
-        if isinstance(cap, CapturedVariable):
-            key = by_name[name].variables[0] if name in by_name and by_name[name].variables else cap.key
+    for name, cap in captures.items():
+        if isinstance(cap, (CapturedVariable, CapturedShard)):
+            source = origin_of(name)
+            key = by_name[source].variables[0] if source in by_name and by_name[source].variables else cap.key
+            # Each piece's handle counts the whole variable: the stage holds
+            # all of it (the devices' shares are the memory model's).
             captured_vars[name] = (key, g.variable_bytes.get(key, 0), g.trainable.get(key, True))
 
     def lookup(attr: str):
@@ -385,7 +449,7 @@ def shard_traced(
         graph,
         arg_ops=traced.arg_names,
         captured_variables=captured_vars,
-        captured_ops=list(traced.captures),
+        captured_ops=list(captures),
         layer_of=lookup("layer"),
         layer_call_of=lookup("call"),
         glue_of=lambda op: bool(getattr(by_name.get(origin_of(op.name)), "glue", False)),
