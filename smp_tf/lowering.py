@@ -675,6 +675,7 @@ class CompiledStep:
             cpu_kernel_scratch=cpu_kernels_allocate_scratch(),
             shard_of_op=self.plan.shard_of_op,
             stage_devices=self.plan.tensor_devices,
+            split_variables=sorted(self.plan.shard_plan.stored_split) if self.plan.shard_plan is not None else (),
         )
         report.schedule = f"{self.schedule.kind}, {self.num_microbatches} micro-batches"
         return report

@@ -557,6 +557,7 @@ def predict_memory(
     cpu_kernel_scratch: bool = True,
     shard_of_op: Optional[Sequence[int]] = None,
     stage_devices: Optional[Sequence[Sequence[str]]] = None,
+    split_variables: Sequence[str] = (),
 ) -> MemoryReport:
     """Predicts every partition's peak under a simulated schedule.
 
@@ -587,6 +588,9 @@ def predict_memory(
             its partition's stage (0 for what is not split); the report
             then also has a row per device (`MemoryReport.devices`).
         stage_devices: the devices of each partition's stage.
+        split_variables: keys of the variables whose storage is split over
+            their stage's devices (`smp_tf.sharding.storage`): each device
+            holds its share of them and of their optimizer state.
 
     Returns:
         The `MemoryReport` (``measured`` unset).
@@ -633,7 +637,10 @@ def predict_memory(
         r.total = r.variables + r.optimizer + r.gradients + peak
     static = sum(r.variables + r.optimizer + r.gradients for r in rows)
     process_peak = static + _peak(process)[0]
-    device_rows = _device_rows(rows, per_shard, stage_devices) if shard_of_op is not None and stage_devices else []
+    device_rows = []
+    if shard_of_op is not None and stage_devices:
+        shares = _split_shares(graph, rows, partition_of_variable, split_variables)
+        device_rows = _device_rows(rows, per_shard, stage_devices, shares)
     return MemoryReport(rows, devices=device_rows, process_peak=process_peak, budget=budget)
 
 
@@ -703,17 +710,43 @@ def _schedule_intervals(
     return per_device, per_shard, process
 
 
+def _split_shares(graph: OpGraph, rows: Sequence[PartitionMemory], partition_of_variable: Mapping[str, int],
+                  split_variables: Sequence[str]) -> Dict[int, Tuple[int, int]]:
+    """Partition -> (variable bytes, optimizer bytes) stored split over its
+    stage. The optimizer's share is its state in proportion to the split
+    trainable bytes (slots have their variable's shape)."""
+    split = set(split_variables)
+    out: Dict[int, Tuple[int, int]] = {}
+    for p, r in enumerate(rows):
+        keys = [v for v, q in partition_of_variable.items() if q == p]
+        trainable = sum(graph.variable_bytes.get(v, 0) for v in keys if graph.trainable.get(v, True))
+        mine = [v for v in keys if v in split]
+        nbytes = sum(graph.variable_bytes.get(v, 0) for v in mine)
+        trained = sum(graph.variable_bytes.get(v, 0) for v in mine if graph.trainable.get(v, True))
+        optimizer = int(round(r.optimizer * trained / trainable)) if trainable else 0
+        if nbytes:
+            out[p] = (nbytes, optimizer)
+    return out
+
+
 def _device_rows(rows: Sequence[PartitionMemory], per_shard: Mapping[Tuple[int, int], List[_Interval]],
-                 stage_devices: Sequence[Sequence[str]]) -> List[PartitionMemory]:
-    """One row per device of every stage: the variables, their optimizer
-    state and the gradients on device 0 of the stage (variables are not
-    split), each device's own intervals at its peak."""
+                 stage_devices: Sequence[Sequence[str]],
+                 shares: Mapping[int, Tuple[int, int]]) -> List[PartitionMemory]:
+    """One row per device of every stage: each device's share of the
+    variables stored split and of their optimizer state; the other
+    variables, their state and the gradients (gathered whole) on device 0
+    of the stage; each device's own intervals at its peak."""
     out: List[PartitionMemory] = []
     for p, r in enumerate(rows):
+        t = len(stage_devices[p])
+        split_vars, split_opt = shares.get(p, (0, 0))
         for k, device in enumerate(stage_devices[p]):
             d = PartitionMemory(p, device=device, recompute=r.recompute, shard=k)
+            d.variables, d.optimizer = split_vars // t, split_opt // t
             if k == 0:
-                d.variables, d.optimizer, d.gradients = r.variables, r.optimizer, r.gradients
+                d.variables += r.variables - split_vars
+                d.optimizer += r.optimizer - split_opt
+                d.gradients = r.gradients
             peak, parts = _peak(per_shard.get((p, k), []))
             d.activations, d.buffers, d.transient = parts["activations"], parts["buffers"], parts["transient"]
             d.total = d.variables + d.optimizer + d.gradients + peak

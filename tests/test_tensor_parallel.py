@@ -203,6 +203,9 @@ def test_fit_matches_plain_keras_and_weights_load_in_plain_keras(tmp_path):
     model = build(smp.DistributedModel)
     got = fit(model)
     np.testing.assert_allclose(got, expected, rtol=1e-5)
+    from smp_tf.sharding import storage
+
+    assert storage.is_sharded(model.get_layer("up").kernel)
     for w, r in zip(model.get_weights(), plain.get_weights()):
         np.testing.assert_allclose(w, r, rtol=1e-4, atol=1e-6)
     # evaluate and predict through the sharded pipeline.
@@ -226,7 +229,9 @@ def test_fit_matches_plain_keras_and_weights_load_in_plain_keras(tmp_path):
     tf.train.Checkpoint(model=again).read(ckpt).assert_existing_objects_matched().expect_partial()
     for w, r in zip(again.get_weights(), saved):
         np.testing.assert_array_equal(w, r)
-    # The exported SavedModel serves on one device, without the pipeline.
+    # The exported SavedModel serves on one device, without the pipeline,
+    # from the variables split over the devices.
+    assert storage.is_sharded(model.get_layer("up").kernel)
     model.save_model(str(tmp_path / "served"))
     served = tf.saved_model.load(str(tmp_path / "served"))
     np.testing.assert_allclose(served.serve(tf.constant(x[:4])).numpy(), plain.predict(x[:4], verbose=0),
@@ -351,32 +356,82 @@ def test_vocabulary_parallel_cross_entropy_of_a_classifier_head():
     _assert_within_rounding(got, [[g.numpy() for g in r[1]] for r in refs], contracted=64)
 
 
-def test_memory_report_has_a_row_per_device_and_the_budget_holds_per_device():
+def _bytes_per_device(variables):
+    """Bytes of the live storage of `variables` on each device (a split
+    variable's pieces on theirs)."""
+    from smp_tf.sharding import storage
+
+    out = {}
+    for v in variables:
+        for piece in storage.shards_of(v) or [v.value]:
+            device = "/device:" + piece.device.rsplit("device:", 1)[1]
+            out[device] = out.get(device, 0) + int(np.prod(piece.shape)) * piece.dtype.size
+    return out
+
+
+def test_split_variables_and_their_slots_live_in_pieces_and_the_memory_report_counts_them_per_device():
     import smp_tf.memory as memory
+    from smp_tf.sharding import storage
 
     smp.init({"partitions": 2, "microbatches": 4, "tensor_parallel_degree": 2})
     model = _mlp(width=256)
     x, y = _data()
     step = smp.step(_body(model))
-    step(tf.constant(x), tf.constant(y))
-    report = step.memory_report(keras.optimizers.Adam())
+    opt = keras.optimizers.Adam(0.01)
+    ref = keras.models.clone_model(model)
+    ref.set_weights(model.get_weights())
+    ref_opt = keras.optimizers.Adam(0.01)
+
+    @tf.function
+    def train(x, y):
+        loss, grads = step(x, y)
+        opt.apply_gradients(zip([g.accumulate() for g in grads], model.trainable_variables))
+
+    @tf.function
+    def train_ref(x, y):
+        grads = [tf.add_n([g for g in gs]) / 4 for gs in zip(*[_body(ref)(x[k::4], y[k::4])[1] for k in range(4)])]
+        ref_opt.apply_gradients(zip(grads, ref.trainable_variables))
+
+    for _ in range(2):
+        train(tf.constant(x), tf.constant(y))
+        train_ref(tf.constant(x), tf.constant(y))
+    # The split variables and their Adam moments are pieces on the stage's
+    # devices; the model reads and trains as the single-device one does.
+    split = step.last_plan.shard_plan.stored_split
+    assert set(split) == {"up/kernel", "up/bias", "down/kernel", "up2/kernel", "up2/bias", "down2/kernel"}
+    kernel = model.get_layer("up").kernel
+    assert [p.device.rsplit("device:", 1)[1] for p in storage.shards_of(kernel)] == ["CPU:0", "CPU:1"]
+    assert [tuple(p.shape) for p in storage.shards_of(kernel)] == [(16, 128), (16, 128)]
+    moments = [v for v in opt.variables if v.path.startswith("adam/up_kernel")]
+    assert len(moments) == 2 and all(storage.shards_of(m) for m in moments)
+    # (Row-parallel partial sums differ in the last bits; Adam's update
+    # divides by the root of the second moment, which shows them at ~1e-6.)
+    for got, want in zip(model.get_weights(), ref.get_weights()):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+    # The memory report has a row per device, with each device's share of
+    # the split variables and of their optimizer state: exactly the bytes
+    # that live there.
+    report = step.memory_report(opt)
     rows = report.devices
     assert [(r.partition, r.shard, r.device) for r in rows] == [
         (0, 0, "/device:CPU:0"), (0, 1, "/device:CPU:1"), (1, 0, "/device:CPU:2"), (1, 1, "/device:CPU:3")]
-    # The variables, their slots and gradients are on device 0 of each stage;
-    # the other device holds its split activations and transient buffers.
-    for r in rows:
-        assert (r.variables > 0) == (r.shard == 0) and (r.optimizer > 0) == (r.shard == 0)
+    live = _bytes_per_device(model.weights)
+    assert {r.device: r.variables for r in rows} == live
+    slots = _bytes_per_device([v for v in opt.variables if np.prod(v.shape) > 1])
+    assert {r.device: r.optimizer for r in rows} == slots
+    # The gradients (gathered whole) are on device 0 of each stage.
+    assert [r.gradients > 0 for r in rows] == [True, False, True, False]
     assert rows[1].total > 0 and rows[1].total < rows[0].total
     assert set(report.device_totals()) == {r.device for r in rows}
     assert "per device of each stage" in report.table()
-    # The partition report too: a row per device, the variables on device 0.
+    # The partition report too: a row per device, each with its share.
     summary = step.last_plan.summary()
     assert [(r["partition"], r["shard"], r["device"]) for r in summary] == [
         (r.partition, r.shard, r.device) for r in rows]
-    assert [r["variables"] > 0 for r in summary] == [True, False, True, False]
+    assert [r["variable_bytes"] for r in summary] == [r.variables for r in rows]
     assert all(r["ops"] > 0 and r["flops"] > 0 for r in summary)
-    # A budget below device 0's predicted peak fails before the step runs.
+    # A budget below the largest device's predicted peak fails before the
+    # step runs.
     budget = max(r.total for r in rows) - 1
     smp.init({"partitions": 2, "microbatches": 4, "tensor_parallel_degree": 2, "memory_budget": budget})
     with pytest.raises(memory.MemoryBudgetError):

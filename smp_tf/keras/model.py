@@ -260,8 +260,14 @@ class DistributedModel(keras.Model):
             input_signature: optional `tf.TensorSpec`s of the inputs, as for
                 `keras.Model.export` (default: taken from the model's inputs).
         """
+        from smp_tf.sharding import storage
+
         kwargs = {} if input_signature is None else {"input_signature": input_signature}
-        self.export(path, format="tf_saved_model", verbose=False, **kwargs)
+        # Variables split by tensor parallelism are read through their own
+        # handle, which the SavedModel maps to a whole variable holding the
+        # value their checkpoint gathers.
+        with storage.reading_own_handle():
+            self.export(path, format="tf_saved_model", verbose=False, **kwargs)
 
 
 def _batch_size(x: Any) -> tf.Tensor:

@@ -765,8 +765,9 @@ class PartitionPlan:
         """One dict per partition: ``partition``, ``device``, ``ops``,
         ``variables``, ``variable_bytes``, ``flops``. With tensor
         parallelism, one per device of every partition's stage, with
-        ``shard`` (the device's index in its stage) besides: the variables
-        are on device 0 of their stage."""
+        ``shard`` (the device's index in its stage) besides: a variable
+        whose storage is split counts on every device of its stage with
+        its share of the bytes, any other on device 0."""
         t = len(self.tensor_devices[0]) if self.tensor_devices and self.shard_of_op is not None else 1
         rows = [
             {"partition": p, "device": (self.tensor_devices[p][k] if t > 1 else
@@ -778,9 +779,12 @@ class PartitionPlan:
             r = rows[p * t + (self.shard_of_op[i] if t > 1 else 0)]
             r["ops"] += 1
             r["flops"] += op.flops
+        split = self.shard_plan.stored_split if self.shard_plan is not None and t > 1 else {}
         for v, p in self.partition_of_variable().items():
-            rows[p * t]["variables"] += 1
-            rows[p * t]["variable_bytes"] += self.op_graph.variable_bytes.get(v, 0)
+            nbytes = self.op_graph.variable_bytes.get(v, 0)
+            for k in range(t) if v in split else (0,):
+                rows[p * t + k]["variables"] += 1
+                rows[p * t + k]["variable_bytes"] += nbytes // t if v in split else nbytes
         return rows
 
     def report(self) -> str:
