@@ -205,7 +205,7 @@ def test_fit_matches_plain_keras_and_weights_load_in_plain_keras(tmp_path):
     np.testing.assert_allclose(got, expected, rtol=1e-5)
     from smp_tf.sharding import storage
 
-    assert storage.is_sharded(model.get_layer("up").kernel)
+    assert storage.is_sharded(model.get_layer("down").kernel)
     for w, r in zip(model.get_weights(), plain.get_weights()):
         np.testing.assert_allclose(w, r, rtol=1e-4, atol=1e-6)
     # evaluate and predict through the sharded pipeline.
@@ -231,7 +231,7 @@ def test_fit_matches_plain_keras_and_weights_load_in_plain_keras(tmp_path):
         np.testing.assert_array_equal(w, r)
     # The exported SavedModel serves on one device, without the pipeline,
     # from the variables split over the devices.
-    assert storage.is_sharded(model.get_layer("up").kernel)
+    assert storage.is_sharded(model.get_layer("down").kernel)
     model.save_model(str(tmp_path / "served"))
     served = tf.saved_model.load(str(tmp_path / "served"))
     np.testing.assert_allclose(served.serve(tf.constant(x[:4])).numpy(), plain.predict(x[:4], verbose=0),
