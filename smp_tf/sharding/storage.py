@@ -6,8 +6,8 @@ and the Keras variable around it, so optimizers, checkpoints and the model
 find it as before), but its value lives in ``t`` plain resource variables,
 piece ``k`` (the ``k``-th of ``t`` equal slices along dimension ``d``) on
 device ``k`` of its stage. Its own handle becomes an empty resource on
-device 0 of the stage: it holds no value, so reading it directly fails
-loudly instead of returning something stale.
+device 0 of the stage: it holds no value (a read of that handle itself,
+which nothing of smp_tf or Keras makes, returns an empty tensor).
 
 Outside a traced step the variable behaves as a whole one:
 
@@ -214,8 +214,21 @@ class _ShardedStorage:
 
 
 def _sharded_class(cls: type) -> type:
+    """The class of a split variable of class `cls`.
+
+    TensorFlow's eager fast path reads an instance of ``ResourceVariable``
+    (and of its subclasses) through its handle in C++, past any Python
+    override; the split class therefore derives from
+    ``BaseResourceVariable`` instead, for which the fast path converts
+    through `_dense_var_to_tensor` (the gathered value). What
+    ``ResourceVariable`` adds is its constructors and its composite-tensor
+    type, which a placed variable does not use.
+    """
     if cls not in _CLASSES:
-        _CLASSES[cls] = type(f"Sharded{cls.__name__}", (_ShardedStorage, cls), {"_smp_base": cls})
+        from tensorflow.python.ops import resource_variable_ops as rvo
+
+        base = rvo.BaseResourceVariable if issubclass(cls, rvo.ResourceVariable) else cls
+        _CLASSES[cls] = type(f"Sharded{cls.__name__}", (_ShardedStorage, base), {"_smp_base": cls})
     return _CLASSES[cls]
 
 
