@@ -239,6 +239,8 @@ def _install_update_placement(TFOptimizer: Any) -> None:
             return original(self, distribution, grads_and_vars, learning_rate)
 
         def apply_grad_to_update_var(var, grad, learning_rate):
+            if storage.is_sharded(var) and _updates_in_pieces(self, grad):
+                return _update_in_pieces(self, var, grad, learning_rate)
             with tf.device(getattr(var, "device", "") or None):
                 return self.update_step(grad, var, learning_rate)
 
@@ -266,6 +268,49 @@ def _install_update_placement(TFOptimizer: Any) -> None:
     _all_reduce_sum_gradients.__wrapped__ = reduce
     _all_reduce_sum_gradients._smp_tf = True
     TFOptimizer._all_reduce_sum_gradients = _all_reduce_sum_gradients
+
+
+#: Keras optimizers whose update of a variable is element-wise in it, its
+#: gradient and its slots (scalars aside): updating each piece of a split
+#: variable on its own computes each element as the whole update does.
+_ELEMENT_WISE = frozenset(["SGD", "Adam", "AdamW", "Adamax", "Nadam", "RMSprop", "Adagrad", "Adadelta", "Lion"])
+
+
+def _updates_in_pieces(optimizer: Any, grad: Any) -> bool:
+    cls = type(optimizer)
+    return (cls.__name__ in _ELEMENT_WISE and cls.__module__.startswith("keras.")
+            and isinstance(grad, tf.Tensor))
+
+
+def _update_in_pieces(optimizer: Any, var: Any, grad: tf.Tensor, learning_rate: Any) -> None:
+    """A split variable's optimizer update, one piece at a time on the
+    piece's device: the update's temporaries are a piece's size, not the
+    whole variable's (see `_ELEMENT_WISE`).
+
+    For piece ``k`` the optimizer is handed piece ``k`` of the variable,
+    of the gradient and of each of the variable's slots (the Keras slot
+    variables read piece ``k`` while it runs); the piece names the whole
+    variable as its container, so the optimizer finds the slots it keeps
+    for the variable.
+    """
+    pieces = storage.shards_of(var)
+    dim = storage.split_dim_of(var)
+    slots = [slot for slot, reference in _slots_by_reference(optimizer)
+             if _resource_variable(reference) is var and storage.is_sharded(_resource_variable(slot))]
+    with tf.device(var.device):
+        grads = tf.split(grad, len(pieces), axis=dim)
+    for k, (piece, g) in enumerate(zip(pieces, grads)):
+        held = [(slot, slot._value) for slot in slots]
+        try:
+            for slot, whole in held:
+                slot._value = storage.shards_of(whole)[k]
+            piece._distributed_container = weakref.ref(var)
+            with tf.device(piece.device):
+                optimizer.update_step(g, piece, learning_rate)
+        finally:
+            for slot, whole in held:
+                slot._value = whole
+            del piece._distributed_container
 
 
 def known_optimizers() -> List[Any]:

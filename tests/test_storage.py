@@ -85,8 +85,15 @@ def test_a_keras_optimizer_trains_it_as_a_whole_variable():
     for _ in range(3):
         apply_a()
         apply_b()
+    # Bit for bit: the update is element-wise, and runs piece by piece.
     for x, y in zip(a.get_weights(), b.get_weights()):
         np.testing.assert_array_equal(x, y)
+    graph = apply_a.get_concrete_function().graph
+    sqrt_devices = sorted(op.device.rsplit("device:", 1)[-1] for op in graph.get_operations() if op.type == "Sqrt")
+    # Adam's two square roots (of the second moment and of the bias
+    # correction) for each piece of the kernel on its device, and for the
+    # whole bias on its own.
+    assert sqrt_devices == ["CPU:0", "CPU:0", "CPU:1", "CPU:1", "CPU:2", "CPU:2"], sqrt_devices
     # Slots created for a split variable are split the same way
     # (smp_tf.placement's slot hook).
     moments = [v for v in opt_a.variables if tuple(v.shape) == (6, 4)]

@@ -402,7 +402,7 @@ def test_split_variables_and_their_slots_live_in_pieces_and_the_memory_report_co
     kernel = model.get_layer("up").kernel
     assert [p.device.rsplit("device:", 1)[1] for p in storage.shards_of(kernel)] == ["CPU:0", "CPU:1"]
     assert [tuple(p.shape) for p in storage.shards_of(kernel)] == [(16, 128), (16, 128)]
-    moments = [v for v in opt.variables if v.path.startswith("adam/up_kernel")]
+    moments = [v for v in opt.variables if v.path.split("/")[-1].startswith("up_kernel")]
     assert len(moments) == 2 and all(storage.shards_of(m) for m in moments)
     # (Row-parallel partial sums differ in the last bits; Adam's update
     # divides by the root of the second moment, which shows them at ~1e-6.)
