@@ -801,6 +801,9 @@ def predict_assignment(
     slots: float = 0.0,
     device_of_partition: Optional[Sequence[int]] = None,
     cpu_kernel_scratch: bool = True,
+    shard_of_op: Optional[Sequence[int]] = None,
+    tensor_degree: int = 1,
+    split_variables: Sequence[str] = (),
 ) -> MemoryReport:
     """`predict_memory` for an assignment, before any lowering.
 
@@ -810,6 +813,9 @@ def predict_assignment(
     of gradient ops among `output_tensors`. `device_of_partition` maps each
     partition to its device number (``virtual_stages``); None: one
     partition per device. `cpu_kernel_scratch` as for `predict_memory`.
+    With tensor parallelism (`tensor_degree` devices per stage,
+    `shard_of_op` and `split_variables` as for `predict_memory`) the report
+    also has its rows per device.
     """
     from smp_tf.rewrite import build_tasks, task_specs
     from smp_tf.schedules import make_schedule, schedule_builder
@@ -834,6 +840,9 @@ def predict_assignment(
         gradient_bytes=gradient_bytes,
         slots=slots,
         cpu_kernel_scratch=cpu_kernel_scratch,
+        shard_of_op=shard_of_op if tensor_degree > 1 else None,
+        stage_devices=[[f"{p}.{k}" for k in range(tensor_degree)] for p in range(num_partitions)],
+        split_variables=split_variables,
     )
 
 
@@ -867,7 +876,9 @@ def refine_memory_split(
     A device's figure is its partition's peak, or with
     `device_of_partition` (``virtual_stages``: several partitions per
     device) the sum of its partitions' peaks, the upper bound that
-    ``memory_budget`` checks.
+    ``memory_budget`` checks. With tensor parallelism (reports with rows
+    per device, `MemoryReport.devices`) each device of a stage counts on
+    its own.
 
     Returns the assignment with the lowest worst device seen (the first on
     ties).
@@ -882,16 +893,19 @@ def refine_memory_split(
             one partition per device.
     """
 
-    def loads(report: MemoryReport) -> List[int]:
-        if device_of_partition is None:
-            return [r.total for r in report.partitions]
-        out = [0] * (max(device_of_partition) + 1)
-        for r in report.partitions:
-            out[device_of_partition[r.partition]] += r.total
+    def device(p: int) -> int:
+        return p if device_of_partition is None else device_of_partition[p]
+
+    def loads(report: MemoryReport) -> Dict[Tuple[int, int], int]:
+        """(device, device within the stage) -> its figure."""
+        out: Dict[Tuple[int, int], int] = {}
+        for r in report.devices or report.partitions:
+            key = (device(r.partition), r.shard or 0)
+            out[key] = out.get(key, 0) + r.total
         return out
 
     def worst(report: MemoryReport) -> int:
-        return max(loads(report), default=0)
+        return max(loads(report).values(), default=0)
 
     current = assign(None)
     report = predict(current)
@@ -909,8 +923,8 @@ def refine_memory_split(
     shifts = [0] * max(0, count - 1)
     for _ in range(moves):
         device_loads = loads(best_report)
-        d = device_loads.index(max(device_loads))
-        mine = [p for p in range(count) if (p if device_of_partition is None else device_of_partition[p]) == d]
+        d = max(device_loads, key=device_loads.get)[0]
+        mine = [p for p in range(count) if device(p) == d]
         tried = []
         for p in mine:
             if p > 0:

@@ -343,12 +343,20 @@ class StepFunction:
             # balances the devices' sums of their chunks' peaks.
             device_of = [c % cfg.partitions for c in range(cfg.num_stages)] if cfg.virtual_stages > 1 else None
             scratch = cpu_kernels_allocate_scratch()
+            # With tensor parallelism each device of a stage counts on its own.
+            sharding = {}
+            if shard_plan is not None:
+                from smp_tf.sharding.lower import shard_of_ops
+
+                sharding = dict(shard_of_op=shard_of_ops(traced.graph_def, traced.op_graph),
+                                tensor_degree=cfg.tensor_parallel_degree,
+                                split_variables=sorted(shard_plan.stored_split))
             assignment = refine_memory_split(
                 assign,
                 lambda parts: predict_assignment(
                     traced.op_graph, parts, outputs, num_partitions=cfg.num_stages, num_microbatches=cfg.microbatches,
                     kind=cfg.pipeline, recompute=recompute, slots=slots, device_of_partition=device_of,
-                    cpu_kernel_scratch=scratch,
+                    cpu_kernel_scratch=scratch, **sharding,
                 ),
                 moves=MEMORY_SPLIT_MOVES,
                 device_of_partition=device_of,

@@ -156,6 +156,29 @@ def test_refine_memory_split_balances_the_devices_sums_with_virtual_stages():
     assert refine_memory_split(assign, predict, rounds=1, moves=1) == [0, 1, 0]
 
 
+def test_refine_memory_split_balances_each_device_of_a_stage_with_tensor_parallelism():
+    # Two stages of two devices each. By partition totals the first split
+    # (140 / 150) looks better than the second (160 / 150); by device it
+    # is not: its stage 0 leaves one device at 110, the second split's
+    # worst device holds 85.
+    def report(partitions, devices):
+        rows = [PartitionMemory(p, total=t) for p, t in enumerate(partitions)]
+        per_device = [PartitionMemory(p, total=t, shard=k) for (p, k), t in devices.items()]
+        return MemoryReport(rows, devices=per_device)
+
+    predictions = {
+        (0,): report([140, 150], {(0, 0): 110, (0, 1): 30, (1, 0): 75, (1, 1): 75}),
+        (1,): report([160, 150], {(0, 0): 80, (0, 1): 80, (1, 0): 85, (1, 1): 65}),
+    }
+    calls = []
+
+    def assign(overheads):
+        calls.append(overheads)
+        return [len(calls) - 1] if len(calls) <= 2 else [1]
+
+    assert refine_memory_split(assign, lambda a: predictions[tuple(a)], rounds=3) == [1]
+
+
 def test_shifted_bounds_keep_every_partition_non_empty():
     from smp_tf.partitioner.plan import _shift_bounds
 

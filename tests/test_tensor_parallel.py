@@ -268,7 +268,7 @@ def test_errors_before_anything_runs():
 
 @pytest.mark.parametrize("extra", [
     {"pipeline": "simple"}, {"pipeline": "zero_bubble"}, {"virtual_stages": 2},
-    {"recompute": "full"}, {"recompute": "selective"}, {"fuse_weight_gradients": True},
+    {"recompute": "full"}, {"recompute": "selective"}, {"fuse_weight_gradients": True}, {"optimize": "memory"},
 ], ids=lambda e: "-".join(f"{k}={v}" for k, v in e.items()))
 def test_schedules_recompute_and_dropout_at_two_partitions_of_two_devices(extra):
     # Three Megatron MLP blocks with dropout, 4 micro-batches: every
