@@ -267,13 +267,6 @@ class Config:
                     f"Received: {key}={getattr(self, key)!r}"
                 )
 
-        if self.tensor_parallel_degree > 1 and self.pipeline_processes > 1:
-            raise ValueError(
-                f"tensor_parallel_degree={self.tensor_parallel_degree} with pipeline_processes="
-                f"{self.pipeline_processes} is not supported: a stage's devices must belong to the process "
-                "that drives the pipeline. Use pipeline_processes=1 (data parallelism across processes "
-                "works with tensor parallelism)."
-            )
         if self.partitions % self.pipeline_processes:
             raise ValueError(
                 f"partitions={self.partitions} cannot be shared evenly by pipeline_processes="

@@ -286,10 +286,12 @@ def init(config: Optional[Mapping[str, Any]] = None) -> Config:
     if cfg.pipeline_processes > 1:
         from smp_tf.distributed import remote
 
-        local = _setup_devices(layout.partitions_per_process, info.local_rank, info.local_size, cfg.placement_strategy)
+        local = _setup_devices(layout.partitions_per_process, info.local_rank, info.local_size, cfg.placement_strategy,
+                               cfg.tensor_parallel_degree)
         # Returns on the driver of a pipeline only; the other processes serve.
-        process = remote.start(info, layout, local.kind, local.logical_cpu, cfg.dp_timeout)
-        topo = Topology(process.devices, local.kind, local.logical_cpu)
+        process = remote.start(info, layout, local.kind, local.logical_cpu, cfg.dp_timeout,
+                               cfg.tensor_parallel_degree)
+        topo = Topology(process.devices, local.kind, local.logical_cpu, process.tensor_devices)
         if layout.replicas > 1:
             import json
 

@@ -89,7 +89,6 @@ def test_all_keys_set():
         "memory_budget": 2**30,
         "pipeline_processes": 2,
         "virtual_stages": 1,
-        # (tensor_parallel_degree > 1 is checked with pipeline_processes=1 below.)
         "tensor_parallel_degree": 1,
         "layout_map": {"dense/kernel": (None, "tensor")},
     }
@@ -360,7 +359,7 @@ def test_tensor_parallel_keys():
     hash(cfg)  # the layout map is kept hashable
     with pytest.raises(ValueError, match="tensor_parallel_degree"):
         parse({"tensor_parallel_degree": 0})
-    with pytest.raises(ValueError, match=r"tensor_parallel_degree=2 with pipeline_processes=2 is not supported"):
-        parse({"partitions": 2, "tensor_parallel_degree": 2, "pipeline_processes": 2})
+    # Stages across processes, each split over devices of its own process.
+    assert parse({"partitions": 2, "tensor_parallel_degree": 2, "pipeline_processes": 2}).pipeline_processes == 2
     with pytest.raises(ValueError, match="axis 'pipeline'"):
         parse({"tensor_parallel_degree": 2, "layout_map": {"up/kernel": ("pipeline", None)}})

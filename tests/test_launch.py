@@ -153,6 +153,12 @@ def test_tensor_parallel_degree_sets_the_config_and_the_devices(tmp_path):
         params = json.loads(_lines(result.stdout, r)[1])
         assert params["tensor_parallel_degree"] == 2 and params["partitions"] == 2
     assert "4 logical CPU device(s) each (2 per partition)" in result.stderr + result.stdout
+    # A pipeline over both processes: each holds one stage of 2 devices.
+    result = _launch(tmp_path, ["-n", "2", "--partitions", "2", "--pipeline-processes", "2",
+                                "--tensor-parallel-degree", "2", script])
+    assert result.returncode == 0, result.stderr
+    for out in _envs(result, 2):
+        assert out["env"]["SMP_TF_CPU_DEVICES"] == "2"
 
 
 @pytest.mark.parametrize(
@@ -379,8 +385,6 @@ def test_exit_code_75_every_time_gives_up_after_three_retries(tmp_path):
         (["-n", "2", "--tensor-parallel-degree", "2", "{script}"], "--tensor-parallel-degree needs --partitions"),
         (["-n", "2", "--partitions", "2", "--tensor-parallel-degree", "0", "{script}"],
          "--tensor-parallel-degree must be at least 1"),
-        (["-n", "2", "--partitions", "2", "--pipeline-processes", "2", "--tensor-parallel-degree", "2", "{script}"],
-         "--tensor-parallel-degree > 1 with --pipeline-processes > 1 is not supported"),
     ],
 )
 def test_bad_arguments(tmp_path, capsys, args, message):

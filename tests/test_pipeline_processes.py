@@ -180,6 +180,25 @@ def test_custom_loop_across_processes_equals_one_process(tmp_path_factory, parti
         assert layer_tasks == ["0", "1", "0", "1"]
 
 
+def test_tensor_parallel_stages_across_processes_equal_one_process(tmp_path):
+    # P=2 x t=2 over 2 processes: each process's stage split over two of its
+    # devices, the variables' pieces on them; the same as in one process.
+    got = _driver_result(["tensor_parallel", "2", "interleaved"], tmp_path)
+    smp.init({"partitions": 2, "microbatches": 4, "tensor_parallel_degree": 2})
+    model = common.build(seed=100)
+    train = common.train_function(model, keras.optimizers.SGD(common.LR))
+    x, y = common.batches(3)
+    assert got["losses"] == [float(train(x[s], y[s])) for s in range(3)]
+    for a, b in zip(got["weights"], [v.numpy() for v in model.trainable_variables]):
+        np.testing.assert_array_equal(np.array(a, dtype=np.float32), b)
+    assert [[_task_of(d) for d in devices] for devices in got["stage_devices"]] == [["0", "0"], ["1", "1"]]
+    assert [tf.DeviceSpec.from_string(d).device_index for g in got["stage_devices"] for d in g] == [0, 1, 0, 1]
+    split = {path: pieces for path, pieces in got["pieces"].items() if pieces}
+    assert split, got["pieces"]
+    for path, pieces in split.items():
+        assert len({_task_of(d) for d in pieces}) == 1 and len(set(pieces)) == 2, (path, pieces)
+
+
 def test_profile_across_processes_records_every_action_of_both_processes(tmp_path):
     """smp.profile on a driver times the actions of the stages in both
     processes, and the numbers equal the same loop without probes."""

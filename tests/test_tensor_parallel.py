@@ -241,8 +241,6 @@ def test_fit_matches_plain_keras_and_weights_load_in_plain_keras(tmp_path):
 def test_errors_before_anything_runs():
     with pytest.raises(ValueError, match="tensor_parallel_degree"):
         smp.init({"tensor_parallel_degree": 0})
-    with pytest.raises(ValueError, match="pipeline_processes"):
-        smp.init({"partitions": 2, "tensor_parallel_degree": 2, "pipeline_processes": 2})
     with pytest.raises(ValueError, match="'data'"):
         smp.init({"tensor_parallel_degree": 2, "layout_map": {"up/kernel": ("data", None)}})
     with pytest.raises(ValueError, match="layout_map"):

@@ -558,9 +558,6 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             if args.partitions is None:
                 parser.error("--tensor-parallel-degree needs --partitions (the devices of a process are "
                              "partitions x tensor-parallel degree)")
-            if args.tensor_parallel_degree > 1 and (args.pipeline_processes or 1) > 1:
-                parser.error("--tensor-parallel-degree > 1 with --pipeline-processes > 1 is not supported: "
-                             "a stage's devices must belong to one process")
         try:
             layout = _layout(args)
         except ValueError as e:

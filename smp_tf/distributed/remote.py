@@ -75,12 +75,20 @@ class PipelineProcess:
         devices: the full device name of each partition of the pipeline
             this process drives.
         timeout: `Config.dp_timeout`.
+        tensor_devices: with tensor parallelism, the ``t`` devices of each
+            partition (all of one process; the first is ``devices[p]``).
     """
 
     info: ClusterInfo
     layout: PipelineLayout
     devices: Tuple[str, ...]
     timeout: float
+    tensor_devices: Tuple[Tuple[str, ...], ...] = ()
+
+    @property
+    def tensor_degree(self) -> int:
+        """Devices per partition (1 without tensor parallelism)."""
+        return len(self.tensor_devices[0]) if self.tensor_devices else 1
 
 
 def io_device() -> Optional[str]:
@@ -470,7 +478,8 @@ def _watch_round(rank: int, layout: PipelineLayout, addresses: Tuple[str, ...], 
             _stage_lost(rank, layout, addresses, r, why)
 
 
-def start(info: ClusterInfo, layout: PipelineLayout, kind: str, logical_cpu: bool, timeout: float) -> PipelineProcess:
+def start(info: ClusterInfo, layout: PipelineLayout, kind: str, logical_cpu: bool, timeout: float,
+          tensor_degree: int = 1) -> PipelineProcess:
     """Starts this process's server; on a driver, connects to the cluster.
 
     Called by `smp.init` after the local devices are configured and before
@@ -483,6 +492,9 @@ def start(info: ClusterInfo, layout: PipelineLayout, kind: str, logical_cpu: boo
         kind: ``"CPU"`` or ``"GPU"``, the kind of every stage's device.
         logical_cpu: whether the devices are logical CPU devices.
         timeout: `Config.dp_timeout`.
+        tensor_degree: devices per partition (``tensor_parallel_degree``):
+            each process serves ``partitions_per_process * tensor_degree``
+            devices, a stage's all in one process.
 
     Returns:
         On a driver, its `PipelineProcess`.
@@ -490,6 +502,12 @@ def start(info: ClusterInfo, layout: PipelineLayout, kind: str, logical_cpu: boo
     global _CURRENT, _SERVER
     if _CURRENT is not None:
         if _CURRENT.info == info and _CURRENT.layout == layout:
+            if _CURRENT.tensor_degree != tensor_degree:
+                raise RuntimeError(
+                    f"smp.init was called again with tensor_parallel_degree={tensor_degree}, but this job's "
+                    f"processes serve {_CURRENT.tensor_degree} device(s) per partition, fixed when they started. "
+                    "Start new processes for another tensor-parallel degree."
+                )
             return _CURRENT
         raise RuntimeError(
             f"smp.init was called again with another cluster or layout ({info}, {layout}) than the running "
@@ -502,7 +520,7 @@ def start(info: ClusterInfo, layout: PipelineLayout, kind: str, logical_cpu: boo
     addresses = server_addresses(info, timeout)
     require_runtime_not_started("start this process's server")
     cluster_spec = tf.train.ClusterSpec({JOB: list(addresses)})
-    config = _session_config(kind, layout.partitions_per_process, logical_cpu, info.local_size)
+    config = _session_config(kind, layout.partitions_per_process * tensor_degree, logical_cpu, info.local_size)
     # The same pool sizes for this process's own context (a driver's client
     # runs its share of each step there).
     tf.config.threading.set_inter_op_parallelism_threads(config.inter_op_parallelism_threads)
@@ -543,8 +561,10 @@ def start(info: ClusterInfo, layout: PipelineLayout, kind: str, logical_cpu: boo
     tf.config.experimental_connect_to_cluster(
         client_spec, job_name=CLIENT, task_index=replica, protocol="grpc", make_master_device_default=True
     )
-    devices = tuple(worker_device(r, kind, i) for r, i in layout.placement(replica))
-    _CURRENT = PipelineProcess(info, layout, devices, float(timeout))
+    groups = tuple(tuple(worker_device(r, kind, i * tensor_degree + k) for k in range(tensor_degree))
+                   for r, i in layout.placement(replica))
+    devices = tuple(g[0] for g in groups)
+    _CURRENT = PipelineProcess(info, layout, devices, float(timeout), groups if tensor_degree > 1 else ())
     # With several replicas a lost process of another pipeline stalls this
     # one's gradient all-reduce: watch every process of the job.
     others = [r for r in range(info.size) if r != info.rank]

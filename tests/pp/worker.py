@@ -1,6 +1,7 @@
 """One process of the pipeline-across-processes tests (run in 2 processes by the tests).
 
-Usage: worker.py SCENARIO OUT_DIR PARTITIONS SCHEDULES. SCHEDULES is
+Usage: worker.py SCENARIO OUT_DIR PARTITIONS SCHEDULES (SCENARIO ``tensor_parallel``: the
+custom loop with each stage split over two devices of its process). SCHEDULES is
 ``PIPELINE[/VIRTUAL_STAGES]`` or, for ``custom_loop`` and ``fit``, several
 of them separated by commas: the driver runs the scenario once per schedule
 (a new `smp.init` and a new model each time; the servers serve them all),
@@ -31,7 +32,8 @@ def init(schedule: str) -> None:
     pipeline, _, virtual_stages = schedule.partition("/")
     smp.init({"partitions": PARTITIONS, "microbatches": 4, "pipeline": pipeline, "pipeline_processes": 2,
               "virtual_stages": int(virtual_stages or 1),
-              "dp_timeout": 8.0 if SCENARIO == "loop" else 20.0, "horovod": SCENARIO == "dp"})
+              "dp_timeout": 8.0 if SCENARIO == "loop" else 20.0, "horovod": SCENARIO == "dp",
+              "tensor_parallel_degree": 2 if SCENARIO == "tensor_parallel" else 1})
 
 
 init(SCHEDULES[0])
@@ -86,6 +88,14 @@ elif SCENARIO == "profile":
                            [r for r in tl.step_records(s) if r.device == d]))),
         "files": [os.path.basename(f) for f in prof.files],
     }
+elif SCENARIO == "tensor_parallel":
+    # Each process's stage split over its two devices.
+    from smp_tf.sharding import storage
+
+    train = common.train_function(model, keras.optimizers.SGD(common.LR))
+    result["losses"] = [float(train(x[s], y[s])) for s in range(3)]
+    result["pieces"] = {v.path: [p.device for p in storage.shards_of(v) or []] for v in model.trainable_variables}
+    result["stage_devices"] = [list(smp.topology().stage_devices(p)) for p in range(PARTITIONS)]
 elif SCENARIO == "loop":
     # Trains until the test kills or stops the other process.
     train = common.train_function(model, keras.optimizers.SGD(common.LR))
