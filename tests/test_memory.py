@@ -30,6 +30,7 @@ from smp_tf.memory import (
     stage_multipliers,
     _granules,
     is_view,
+    compiled_scratch,
     kernel_scratch,
     storage_bytes,
     task_workspace,
@@ -501,6 +502,63 @@ def test_task_workspace_adds_the_scratch_of_both_convolution_gradients():
     assert task_workspace(g, task) == 2304 + 2048 + scratch  # the sizes are a constant
     # On a GPU the CPU kernels' buffers are not counted.
     assert task_workspace(g, task, cpu_scratch=False) == 2304 + 2048
+
+
+def _grouped_conv_call():
+    """Keras's grouped Conv2D(8, 3, groups=8), XLA-compiled, on x [2, 4, 4, 8]:
+    the forward call returns the filter [3, 3, 1, 8] besides its output, and
+    its gradient call returns the filter gradient."""
+    spec = [
+        {"name": "x", "type": "Placeholder", "kind": "arg", "shape": (2, 4, 4, 8), "bytes": 1024},
+        {"name": "w", "type": "ReadVariableOp", "variables": ["k"], "shape": (3, 3, 1, 8), "bytes": 288},
+        {"name": "fwd", "type": "StatefulPartitionedCall", "inputs": ["x", "w"], "shape": (3, 3, 1, 8),
+         "bytes": 288, "compiled": True},
+        {"name": "dy", "type": "Placeholder", "kind": "arg", "shape": (2, 4, 4, 8), "bytes": 1024},
+        {"name": "dw", "type": "PartitionedCall", "inputs": ["dy", "x", "fwd"], "shape": (3, 3, 1, 8),
+         "bytes": 288, "forward": "fwd", "compiled": True},
+        {"name": "dw_tf", "type": "PartitionedCall", "inputs": ["dy", "x", "fwd"], "shape": (3, 3, 1, 8),
+         "bytes": 288, "forward": "fwd"},
+    ]
+    return OpGraph.from_spec(spec, variable_bytes={"k": 288})
+
+
+def test_compiled_scratch_of_a_depthwise_filter_gradient():
+    g = _grouped_conv_call()
+    op = lambda n: g.ops[g.op_index[n]]  # noqa: E731
+    # XLA on a CPU computes the dense 3 x 3 x 8 x 8 filter gradient and a mask
+    # of that shape: twice 576 floats, in whole granules.
+    assert compiled_scratch(g, op("dw")) == _granules(2 * 3 * 3 * 8 * 8 * 4)
+    # The forward call also returns a (3, 3, 1, 8) tensor (the filter for
+    # its gradient): no scratch; nor for a call XLA does not compile.
+    assert compiled_scratch(g, op("fwd")) == 0
+    assert compiled_scratch(g, op("dw_tf")) == 0
+    from smp_tf.rewrite import Task
+
+    task = Task(0, 1, members=[g.op_index["dw"]], outputs=[op("dw").outputs[0]])
+    assert task_workspace(g, task) == _granules(288) + compiled_scratch(g, op("dw"))
+    assert task_workspace(g, task, on_cpu=False) == _granules(288)  # a GPU's XLA has grouped convolutions
+
+
+def test_gradient_ops_that_need_nothing_the_task_computes_run_first():
+    from smp_tf.rewrite import Task
+
+    # A backward task: the incoming gradient dy and the kept forward x are
+    # its inputs. `sq` (a factor of a GELU's derivative) reads x only, so the
+    # executor runs it at once, while `big` (made from dy) is still to come:
+    # sq lives across big's life, and the peak is sq + big + out.
+    spec = [
+        {"name": "x", "type": "Placeholder", "kind": "arg", "bytes": 1024},
+        {"name": "dy", "type": "Placeholder", "kind": "arg", "bytes": 1024},
+        {"name": "big", "type": "Mul", "inputs": ["dy", "dy"], "bytes": 4096, "is_gradient": True},
+        {"name": "small", "type": "Sum", "inputs": ["big"], "bytes": 1024, "is_gradient": True},
+        {"name": "sq", "type": "Square", "inputs": ["x"], "bytes": 1024, "is_gradient": True},
+        {"name": "out", "type": "Mul", "inputs": ["small", "sq"], "bytes": 1024, "is_gradient": True},
+    ]
+    g = OpGraph.from_spec(spec)
+    ids = [g.op_index[n] for n in ("big", "small", "sq", "out")]
+    task = Task(0, 1, members=ids, outputs=[g.ops[ids[-1]].outputs[0]])
+    # In graph order it would be big + small = 5120 at most.
+    assert task_workspace(g, task) == 1024 + 4096 + 1024
 
 
 def test_choose_recompute_escalates_only_where_needed():
