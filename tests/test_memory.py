@@ -548,7 +548,7 @@ def test_gradient_ops_that_need_nothing_the_task_computes_run_first():
     # sq lives across big's life, and the peak is sq + big + out.
     spec = [
         {"name": "x", "type": "Placeholder", "kind": "arg", "bytes": 1024},
-        {"name": "dy", "type": "Placeholder", "kind": "arg", "bytes": 1024},
+        {"name": "dy", "type": "Placeholder", "kind": "arg", "bytes": 1024, "is_gradient": True},
         {"name": "big", "type": "Mul", "inputs": ["dy", "dy"], "bytes": 4096, "is_gradient": True},
         {"name": "small", "type": "Sum", "inputs": ["big"], "bytes": 1024, "is_gradient": True},
         {"name": "sq", "type": "Square", "inputs": ["x"], "bytes": 1024, "is_gradient": True},
