@@ -35,8 +35,11 @@ tensors a partition keeps, so it shows in ``activations`` (smaller) and in
 devices (logical CPU devices): every tensor counted once, on the sending
 side, summed over partitions at each moment of the simulated step.
 
-What the model does not see: kernel scratch space (e.g. a convolution's
-workspace), the runtime's own allocations, allocator fragmentation, and
+Kernel scratch is predicted where its size is known: the im2col buffers of
+TensorFlow's CPU convolution gradients (`kernel_scratch`) and the buffer of
+XLA's CPU filter gradient of a depthwise convolution written as a grouped
+one (`compiled_scratch`). What the model does not see: other kernel
+scratch (cuDNN's, oneDNN's), the runtime's own allocations, allocator fragmentation, and
 timing that differs from the simulation (a real device may start a
 micro-batch's forward earlier than the simulated costs say).
 """

@@ -1042,3 +1042,80 @@ def test_onednn_cpu_kernels_leave_the_im2col_scratch_out(onednn):
         # 1.03 and 1.24 on an AVX-512 machine: oneDNN's reordered copies of
         # some tensors go through TensorFlow's allocator (docs/memory.md).
         assert 0.6 * int(measured) <= int(total) <= 1.15 * int(measured), (p, total, measured)
+
+
+_GROUPED = r"""
+import os, sys
+os.environ["TF_CPU_ALLOCATOR_USE_BFC"] = "true"
+sys.path.insert(0, sys.argv[1])
+import smp_tf as smp
+smp.init({"partitions": 2, "microbatches": 4})
+import numpy as np
+import tensorflow as tf
+import keras
+
+keras.utils.set_random_seed(0)
+inp = keras.Input((4, 4, 256))
+h = inp
+for k in range(4):  # ConvNeXt's block, small: a depthwise convolution written as a grouped one
+    t = keras.layers.Conv2D(256, 7, padding="same", groups=256, name=f"dw{k}")(h)
+    t = keras.layers.LayerNormalization(epsilon=1e-6)(t)
+    t = keras.layers.Dense(512, activation="gelu")(t)
+    h = h + keras.layers.Dense(256)(t)
+model = smp.DistributedModel(inp, keras.layers.Dense(10)(keras.layers.GlobalAveragePooling2D()(h)))
+loss_fn = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+
+@smp.step
+def step(x, y):
+    with tf.GradientTape() as tape:
+        loss = loss_fn(y, model(x, training=True))
+    return loss, tape.gradient(loss, model.trainable_variables)
+
+x = tf.constant(np.random.default_rng(0).uniform(size=(16, 4, 4, 256)).astype("float32"))
+y = tf.constant(np.arange(16) % 10)
+for row in step.measure_memory(x, y):
+    print("ROW", row.partition, row.total, row.measured, row.transient, flush=True)
+"""
+
+
+@pytest.mark.xdist_group("memory_measure")
+def test_prediction_of_a_grouped_depthwise_convolutions_xla_scratch():
+    """Keras runs Conv2D(C, groups=C) as an XLA-compiled function; the
+    gradient XLA compiles for it on a CPU holds a dense K x K x C x C filter
+    gradient and its mask (`compiled_scratch`), 12.25 MiB per block here
+    against 49 KiB of filter. Predicted within [0.85, 1.05] of measured on
+    both partitions (without the scratch, partition 1 measured 3 times its
+    prediction)."""
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2")
+    out = subprocess.run([sys.executable, "-c", _GROUPED, str(ROOT)], env=env, capture_output=True, text=True,
+                         timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    rows = [line.split()[1:] for line in out.stdout.splitlines() if line.startswith("ROW")]
+    assert len(rows) == 2
+    for p, total, measured, transient in rows:
+        assert int(transient) >= 2 * 7 * 7 * 256 * 256 * 4, (p, transient)  # a block's scratch at least
+        assert 0.85 * int(total) <= int(measured) <= 1.05 * int(total), (p, total, measured)
+
+
+# `pytest -m memory_all`: the models of the issue "a memory model that never
+# under-predicts", each predicted within [0.85, 1.05] of its measurement, per
+# partition and for the process (benchmarks/memory/ratios.py).
+_ALL_CASES = [("convnext_tiny", "2"), ("convnext_tiny", "1"), ("efficientnet_v2_b0", "2"), ("llama", "2"),
+              ("resnet50", "2")]
+
+
+@pytest.mark.memory_all
+@pytest.mark.xdist_group("memory_measure")
+@pytest.mark.parametrize("case,partitions", _ALL_CASES)
+def test_prediction_within_target_on_large_models(case, partitions):
+    if case == "llama":
+        pytest.importorskip("keras_hub")
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2")
+    out = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "memory" / "ratios.py"), case, partitions],
+                         env=env, capture_output=True, text=True, timeout=900)
+    assert out.returncode == 0, out.stderr[-3000:]
+    rows = [line.split() for line in out.stdout.splitlines() if line.startswith(("ROW", "PROCESS"))]
+    assert len(rows) == int(partitions) + 1
+    for row in rows:
+        predicted, measured = int(row[-3]), int(row[-2])
+        assert 0.85 * predicted <= measured <= 1.05 * predicted, row
