@@ -467,37 +467,6 @@ def storage_bytes(graph: OpGraph) -> List[int]:
     return out
 
 
-def _run_order(graph: OpGraph, ops: Sequence[int]) -> List[int]:
-    """The order in which a task's ops (`ops`, in graph order) are predicted
-    to run: first the gradient ops that read forward values only, then the
-    rest in graph order.
-
-    The graph lists a backward pass's ops in the order the gradient tape
-    made them, from the loss back; TensorFlow's executors run an op as soon
-    as its inputs exist. A gradient op that reads no gradient, only forward
-    tensors (kept for the task, or weights) and constants, can run when the
-    task starts, and does: the factors of a GELU's derivative that depend
-    on its input alone (``Square`` and ``Mul`` under ``gelu/Gelu``'s
-    gradient) are made at the start of a backward task and live until the
-    incoming gradient reaches them, 13.5 MiB on ConvNeXtTiny's first
-    partition (interleaved, 4 micro-batches of 4 images at 64x64).
-    """
-    members = set(ops)
-    early: set = set()
-
-    def ready(t: int) -> bool:
-        producer = graph.ops[graph.tensors[t].producer]
-        if producer.index in members:
-            return producer.index in early or producer.type == "Const"
-        return not producer.is_gradient
-
-    for i in ops:  # graph order is topological
-        op = graph.ops[i]
-        if (op.is_gradient or is_view(graph, op)) and all(ready(t) for t in op.inputs):
-            early.add(i)
-    return [i for i in ops if i in early] + [i for i in ops if i not in early]
-
-
 def task_workspace(
     graph: OpGraph, task: Task, storage: Optional[Sequence[int]] = None, cpu_scratch: bool = True,
     on_cpu: bool = True,
@@ -516,7 +485,7 @@ def task_workspace(
     by their producer).
     """
     storage = storage_bytes(graph) if storage is None else storage
-    ops = _run_order(graph, sorted(set(task.members) | set(task.copies) | set(task.recomputed)))
+    ops = sorted(set(task.members) | set(task.copies) | set(task.recomputed))
     in_task = set(ops)
     outputs = set(task.outputs)
     # Buffer of each tensor: views share their source's buffer.

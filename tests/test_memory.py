@@ -539,28 +539,6 @@ def test_compiled_scratch_of_a_depthwise_filter_gradient():
     assert task_workspace(g, task, on_cpu=False) == _granules(288)  # a GPU's XLA has grouped convolutions
 
 
-def test_gradient_ops_that_need_nothing_the_task_computes_run_first():
-    from smp_tf.rewrite import Task
-
-    # A backward task: the incoming gradient dy and the kept forward x are
-    # its inputs. `sq` (a factor of a GELU's derivative) reads x only, so the
-    # executor runs it at once, while `big` (made from dy) is still to come:
-    # sq lives across big's life, and the peak is sq + big + out.
-    spec = [
-        {"name": "x", "type": "Placeholder", "kind": "arg", "bytes": 1024},
-        {"name": "dy", "type": "Placeholder", "kind": "arg", "bytes": 1024, "is_gradient": True},
-        {"name": "big", "type": "Mul", "inputs": ["dy", "dy"], "bytes": 4096, "is_gradient": True},
-        {"name": "small", "type": "Sum", "inputs": ["big"], "bytes": 1024, "is_gradient": True},
-        {"name": "sq", "type": "Square", "inputs": ["x"], "bytes": 1024, "is_gradient": True},
-        {"name": "out", "type": "Mul", "inputs": ["small", "sq"], "bytes": 1024, "is_gradient": True},
-    ]
-    g = OpGraph.from_spec(spec)
-    ids = [g.op_index[n] for n in ("big", "small", "sq", "out")]
-    task = Task(0, 1, members=ids, outputs=[g.ops[ids[-1]].outputs[0]])
-    # In graph order it would be big + small = 5120 at most.
-    assert task_workspace(g, task) == 1024 + 4096 + 1024
-
-
 def test_choose_recompute_escalates_only_where_needed():
     # A fake predictor: partition 0 needs 300 bytes with never, 150 with
     # selective, 100 with full; partition 1 always 100.
