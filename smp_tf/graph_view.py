@@ -173,6 +173,10 @@ class OpNode:
             (captured tensor or variable handle).
         tied: op indices that must share this op's partition (a loop and
             the accumulators its gradient added, see the module doc).
+        compiled: a function call that XLA compiles (``_XlaMustCompile``;
+            Keras runs grouped convolutions so on TensorFlow, and their
+            gradient with them): its memory is XLA's, not that of the ops
+            of its function.
         static_value: for a ``Shape``, ``ShapeN``, ``Size`` or ``Rank`` of
             tensors whose shapes are fully known, the value of each output
             (a tuple of ints, or an int). Such an op is a constant: it has
@@ -200,6 +204,7 @@ class OpNode:
     kind: str = "op"
     tied: Tuple[int, ...] = ()
     static_value: Optional[Tuple[Any, ...]] = None
+    compiled: bool = False
 
 
 class OpGraph:
@@ -267,7 +272,8 @@ class OpGraph:
         ``forward`` (name of the forward op, marks
         a gradient op), ``colocate_with``, ``manual_partition``, ``kind``,
         ``stateful`` (default: true when it writes), ``control_inputs``,
-        ``tied`` (names of earlier ops it is tied to).
+        ``tied`` (names of earlier ops it is tied to), ``compiled`` (an XLA
+        compiled call).
         """
         ops: List[OpNode] = []
         tensors: List[TensorInfo] = []
@@ -301,6 +307,7 @@ class OpGraph:
                 manual_partition=s.get("manual_partition"),
                 kind=s.get("kind", "op"),
                 tied=tuple(index[n] for n in s.get("tied", ())),
+                compiled=bool(s.get("compiled", False)),
             )
             ops.append(op)
             shape = tuple(s["shape"]) if s.get("shape") is not None else None
@@ -314,6 +321,12 @@ class OpGraph:
             for v in op.variables:
                 vb.setdefault(v, 4)
         return cls(ops, tensors, vb)
+
+
+def _xla_compiled(op: Any) -> bool:
+    """Whether `op` is a function call that XLA compiles (``jit_compile=True``)."""
+    attr = op.node_def.attr
+    return "_XlaMustCompile" in attr and bool(attr["_XlaMustCompile"].b)
 
 
 def forward_name_of_gradient(name: str) -> Optional[str]:
@@ -924,6 +937,7 @@ def from_tf_graph(
                 manual_partition=manual_partition_of(op) if manual_partition_of else None,
                 kind=kind,
                 static_value=static,
+                compiled=_xla_compiled(op),
             )
         )
     for a, b in ties:

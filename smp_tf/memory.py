@@ -35,8 +35,11 @@ tensors a partition keeps, so it shows in ``activations`` (smaller) and in
 devices (logical CPU devices): every tensor counted once, on the sending
 side, summed over partitions at each moment of the simulated step.
 
-What the model does not see: kernel scratch space (e.g. a convolution's
-workspace), the runtime's own allocations, allocator fragmentation, and
+Kernel scratch is predicted where its size is known: the im2col buffers of
+TensorFlow's CPU convolution gradients (`kernel_scratch`) and the buffer of
+XLA's CPU filter gradient of a depthwise convolution written as a grouped
+one (`compiled_scratch`). What the model does not see: other kernel
+scratch (cuDNN's, oneDNN's), the runtime's own allocations, allocator fragmentation, and
 timing that differs from the simulation (a real device may start a
 micro-batch's forward earlier than the simulated costs say).
 """
@@ -62,6 +65,7 @@ __all__ = [
     "storage_bytes",
     "task_workspace",
     "kernel_scratch",
+    "compiled_scratch",
     "ALLOCATION_GRANULE",
     "is_view",
     "optimizer_slots",
@@ -125,6 +129,44 @@ def kernel_scratch(graph: OpGraph, op: OpNode) -> int:
     work_unit = col_image + out_image * filt[3] + filter_total * filt[3]
     shard = -(-(CONV_WORKING_SET // itemsize) // work_unit)
     return _granules(shard * col_image * itemsize)
+
+
+def compiled_scratch(graph: OpGraph, op: OpNode) -> int:
+    """Bytes an XLA-compiled call (`OpNode.compiled`) allocates for itself
+    on a CPU, beyond its outputs: the filter gradient of a depthwise
+    convolution written as a grouped one; 0 for every other op.
+
+    Keras runs a grouped ``Conv2D`` (``groups > 1``: ConvNeXt's depthwise
+    convolutions are ``Conv2D(C, groups=C)``) on TensorFlow as a function
+    XLA compiles, and its gradient with it. XLA's CPU compiler has no
+    grouped filter gradient: where there is one group per input and per
+    output channel, it computes the dense ``K x K x C x C`` filter gradient
+    and a mask of the same shape that picks its diagonal
+    (``ConvolutionGroupConverter``), one temporary buffer of twice those
+    bytes for the call. On ConvNeXtTiny's last stage (K=7, C=768) that is
+    220.5 MiB, against 147 KiB of filter gradient.
+
+    Recognised from the call's shapes: an output of shape ``(K, K, 1, C)``
+    (the filter gradient) and an input ``(N, H, W, C)`` (the image), with
+    ``C > 1``. Other group counts (several channels per group, or a channel
+    multiplier) take other paths through XLA, whose temporaries this does
+    not predict (they measure below one filter's bytes).
+    """
+    if not (op.compiled and op.is_gradient):
+        return 0  # the forward call returns the filter too: not a gradient
+    inputs = [tuple(graph.tensors[t].shape) for t in op.inputs
+              if _known(graph.tensors[t].shape) and len(graph.tensors[t].shape) == 4]
+    total = 0
+    for t in op.outputs:
+        info = graph.tensors[t]
+        shape = info.shape
+        if not (_known(shape) and len(shape) == 4 and shape[2] == 1 and shape[3] > 1):
+            continue
+        # The image: a 4-D input with C channels that is not the filter.
+        if any(s[-1] == shape[3] and s != tuple(shape) for s in inputs):
+            itemsize = info.bytes // max(1, info.elements)
+            total += _granules(2 * shape[0] * shape[1] * shape[3] * shape[3] * itemsize)
+    return total
 
 
 _FIELDS = ("variables", "optimizer", "gradients", "activations", "buffers", "transient")
@@ -426,7 +468,8 @@ def storage_bytes(graph: OpGraph) -> List[int]:
 
 
 def task_workspace(
-    graph: OpGraph, task: Task, storage: Optional[Sequence[int]] = None, cpu_scratch: bool = True
+    graph: OpGraph, task: Task, storage: Optional[Sequence[int]] = None, cpu_scratch: bool = True,
+    on_cpu: bool = True,
 ) -> int:
     """Peak bytes a task allocates while it runs (its outputs included).
 
@@ -436,8 +479,10 @@ def task_workspace(
     element-wise op writes into an input of the same size that it reads
     last (`IN_PLACE`); an op's own scratch (`kernel_scratch`, the figures
     of TensorFlow's CPU kernels; ``cpu_scratch=False`` leaves it out, as for
-    a GPU) adds to the peak while it runs. Inputs from other tasks are not
-    counted (they are held by their producer).
+    a GPU) adds to the peak while it runs, and so does the temporary buffer
+    of an XLA-compiled call on a CPU (`compiled_scratch`; ``on_cpu=False``
+    leaves it out). Inputs from other tasks are not counted (they are held
+    by their producer).
     """
     storage = storage_bytes(graph) if storage is None else storage
     ops = sorted(set(task.members) | set(task.copies) | set(task.recomputed))
@@ -467,6 +512,10 @@ def task_workspace(
         if own[i]:
             by_gradient.setdefault(graph.ops[i].inputs[2], []).append(i)
     scratch = {i: sum(own[j] for j in group) for group in by_gradient.values() for i in group}
+    for i in ops if on_cpu else ():
+        extra = compiled_scratch(graph, graph.ops[i])
+        if extra:
+            scratch[i] = scratch.get(i, 0) + extra
     live = 0
     peak = 0
     size: Dict[int, int] = {}
@@ -623,7 +672,8 @@ def predict_memory(
     on_gpu = {p for p, d in enumerate(devices) if str(d).rsplit("device:", 1)[-1].upper().startswith("GPU")}
     workspace = {t.key: (workspace[t.key] if workspace and t.key in workspace
                          else task_workspace(graph, t, storage,
-                                             cpu_scratch=cpu_kernel_scratch and t.partition not in on_gpu))
+                                             cpu_scratch=cpu_kernel_scratch and t.partition not in on_gpu,
+                                             on_cpu=t.partition not in on_gpu))
                  for t in tasks}
     # With tensor parallelism, each task's transient peak per device of its stage.
     shard_workspace = (_shard_workspaces(graph, tasks, storage, shard_of_op, cpu_kernel_scratch, on_gpu)
@@ -775,7 +825,8 @@ def _shard_workspaces(graph: OpGraph, tasks: Sequence[Task], storage: Sequence[i
             received = sum(storage[x] for op in mine for x in graph.ops[op].inputs
                            if graph.tensors[x].producer in ops and graph.tensors[x].producer not in mine)
             scratch = cpu_scratch and task.partition not in on_gpu
-            peaks[k] = task_workspace(graph, sub, storage, cpu_scratch=scratch) + received
+            peaks[k] = task_workspace(graph, sub, storage, cpu_scratch=scratch,
+                                      on_cpu=task.partition not in on_gpu) + received
         out[task.key] = peaks
     return out
 

@@ -30,6 +30,7 @@ from smp_tf.memory import (
     stage_multipliers,
     _granules,
     is_view,
+    compiled_scratch,
     kernel_scratch,
     storage_bytes,
     task_workspace,
@@ -526,6 +527,41 @@ def test_task_workspace_adds_the_scratch_of_both_convolution_gradients():
     assert task_workspace(g, task, cpu_scratch=False) == 2304 + 2048
 
 
+def _grouped_conv_call():
+    """Keras's grouped Conv2D(8, 3, groups=8), XLA-compiled, on x [2, 4, 4, 8]:
+    the forward call returns the filter [3, 3, 1, 8] besides its output, and
+    its gradient call returns the filter gradient."""
+    spec = [
+        {"name": "x", "type": "Placeholder", "kind": "arg", "shape": (2, 4, 4, 8), "bytes": 1024},
+        {"name": "w", "type": "ReadVariableOp", "variables": ["k"], "shape": (3, 3, 1, 8), "bytes": 288},
+        {"name": "fwd", "type": "StatefulPartitionedCall", "inputs": ["x", "w"], "shape": (3, 3, 1, 8),
+         "bytes": 288, "compiled": True},
+        {"name": "dy", "type": "Placeholder", "kind": "arg", "shape": (2, 4, 4, 8), "bytes": 1024},
+        {"name": "dw", "type": "PartitionedCall", "inputs": ["dy", "x", "fwd"], "shape": (3, 3, 1, 8),
+         "bytes": 288, "forward": "fwd", "compiled": True},
+        {"name": "dw_tf", "type": "PartitionedCall", "inputs": ["dy", "x", "fwd"], "shape": (3, 3, 1, 8),
+         "bytes": 288, "forward": "fwd"},
+    ]
+    return OpGraph.from_spec(spec, variable_bytes={"k": 288})
+
+
+def test_compiled_scratch_of_a_depthwise_filter_gradient():
+    g = _grouped_conv_call()
+    op = lambda n: g.ops[g.op_index[n]]  # noqa: E731
+    # XLA on a CPU computes the dense 3 x 3 x 8 x 8 filter gradient and a mask
+    # of that shape: twice 576 floats, in whole granules.
+    assert compiled_scratch(g, op("dw")) == _granules(2 * 3 * 3 * 8 * 8 * 4)
+    # The forward call also returns a (3, 3, 1, 8) tensor (the filter for
+    # its gradient): no scratch; nor for a call XLA does not compile.
+    assert compiled_scratch(g, op("fwd")) == 0
+    assert compiled_scratch(g, op("dw_tf")) == 0
+    from smp_tf.rewrite import Task
+
+    task = Task(0, 1, members=[g.op_index["dw"]], outputs=[op("dw").outputs[0]])
+    assert task_workspace(g, task) == _granules(288) + compiled_scratch(g, op("dw"))
+    assert task_workspace(g, task, on_cpu=False) == _granules(288)  # a GPU's XLA has grouped convolutions
+
+
 def test_choose_recompute_escalates_only_where_needed():
     # A fake predictor: partition 0 needs 300 bytes with never, 150 with
     # selective, 100 with full; partition 1 always 100.
@@ -1007,3 +1043,88 @@ def test_onednn_cpu_kernels_leave_the_im2col_scratch_out(onednn):
         # 1.03 and 1.24 on an AVX-512 machine: oneDNN's reordered copies of
         # some tensors go through TensorFlow's allocator (docs/memory.md).
         assert 0.6 * int(measured) <= int(total) <= 1.15 * int(measured), (p, total, measured)
+
+
+_GROUPED = r"""
+import os, sys
+os.environ["TF_CPU_ALLOCATOR_USE_BFC"] = "true"
+sys.path.insert(0, sys.argv[1])
+import smp_tf as smp
+smp.init({"partitions": 2, "microbatches": 4})
+import numpy as np
+import tensorflow as tf
+import keras
+
+keras.utils.set_random_seed(0)
+inp = keras.Input((4, 4, 256))
+h = inp
+for k in range(4):  # ConvNeXt's block, small: a depthwise convolution written as a grouped one
+    t = keras.layers.Conv2D(256, 7, padding="same", groups=256, name=f"dw{k}")(h)
+    t = keras.layers.LayerNormalization(epsilon=1e-6)(t)
+    t = keras.layers.Dense(512, activation="gelu")(t)
+    h = h + keras.layers.Dense(256)(t)
+model = smp.DistributedModel(inp, keras.layers.Dense(10)(keras.layers.GlobalAveragePooling2D()(h)))
+loss_fn = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+
+@smp.step
+def step(x, y):
+    with tf.GradientTape() as tape:
+        loss = loss_fn(y, model(x, training=True))
+    return loss, tape.gradient(loss, model.trainable_variables)
+
+x = tf.constant(np.random.default_rng(0).uniform(size=(16, 4, 4, 256)).astype("float32"))
+y = tf.constant(np.arange(16) % 10)
+for row in step.measure_memory(x, y):
+    print("ROW", row.partition, row.total, row.measured, row.transient, flush=True)
+"""
+
+
+@pytest.mark.xdist_group("memory_measure")
+def test_prediction_of_a_grouped_depthwise_convolutions_xla_scratch():
+    """Keras runs Conv2D(C, groups=C) as an XLA-compiled function; the
+    gradient XLA compiles for it on a CPU holds a dense K x K x C x C filter
+    gradient and its mask (`compiled_scratch`), 12.25 MiB per block here
+    against 49 KiB of filter. Predicted within [0.85, 1.05] of measured on
+    both partitions (without the scratch, partition 1 measured 3 times its
+    prediction)."""
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2")
+    out = subprocess.run([sys.executable, "-c", _GROUPED, str(ROOT)], env=env, capture_output=True, text=True,
+                         timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    rows = [line.split()[1:] for line in out.stdout.splitlines() if line.startswith("ROW")]
+    assert len(rows) == 2
+    for p, total, measured, transient in rows:
+        assert int(transient) >= 2 * 7 * 7 * 256 * 256 * 4, (p, transient)  # a block's scratch at least
+        assert 0.85 * int(total) <= int(measured) <= 1.05 * int(total), (p, total, measured)
+
+
+# `pytest -m memory_all`: the models of the issue "a memory model that never
+# under-predicts", each partition predicted within [0.85, 1.05] of its
+# measurement (benchmarks/memory/ratios.py); the process within [0.85, 1.20].
+_ALL_CASES = [("convnext_tiny", "2"), ("convnext_tiny", "1"), ("efficientnet_v2_b0", "2"), ("llama", "2"),
+              ("resnet50", "2")]
+
+
+@pytest.mark.memory_all
+@pytest.mark.xdist_group("memory_measure")
+@pytest.mark.parametrize("case,partitions", _ALL_CASES)
+def test_prediction_within_target_on_large_models(case, partitions):
+    if case == "llama":
+        pytest.importorskip("keras_hub")
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2")
+    out = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "memory" / "ratios.py"), case, partitions],
+                         env=env, capture_output=True, text=True, timeout=900)
+    assert out.returncode == 0, out.stderr[-3000:]
+    rows = [line.split() for line in out.stdout.splitlines() if line.startswith(("ROW", "PROCESS"))]
+    assert len(rows) == int(partitions) + 1
+    for row in rows:
+        predicted, measured = int(row[-3]), int(row[-2])
+        # The process-wide peak is the allocator's counter during a real step,
+        # whose executor runs independent ops (and both partitions' tasks)
+        # side by side in an order that moves with the load, and whose chunks
+        # may be up to twice a request: 1.02 to 1.15 times the prediction
+        # over runs of these models on a loaded 2-core machine. Each
+        # partition's figure runs its tasks' ops one at a time and is held to
+        # the target.
+        high = 1.05 if row[0] == "ROW" else 1.20
+        assert 0.85 * predicted <= measured <= high * predicted, row
