@@ -330,3 +330,42 @@ def test_identity_n_passes_every_layout_through():
     # tf.custom_gradient wraps its results in an IdentityN (Keras's silu).
     d = _decide("IdentityN", [(8, 64), (8, 64)], (8, 64), [S1, P2])
     assert d.inputs == (S1, P2) and d.outputs == (S1, P2)
+
+
+def _decide_many(op_type, shapes, outs, ins, attrs=None, const=None, t=2):
+    info = OpInfo("op", op_type, attrs or {}, tuple(shapes), tuple(outs), const or {}, t)
+    return rule_for(op_type)(info, ins)
+
+
+def test_splits_and_concatenations_along_a_whole_dimension_keep_the_split():
+    # A rotary embedding on split heads [batch, seq, heads, size]: the head
+    # size is split in halves, negated, stacked and concatenated.
+    heads = ShardSpec.split(4, 2)
+    whole = ShardSpec.replicated(4)
+    d = _decide_many("Split", [(), (2, 8, 4, 8)], [(2, 8, 4, 4)] * 2, [ShardSpec.replicated(0), heads],
+                     const={0: -1})
+    assert d.outputs == (heads, heads)
+    # Along the split dimension itself: no rule (gathered, runs whole).
+    assert _decide_many("Split", [(), (2, 8, 4, 8)], [(2, 8, 2, 8)] * 2, [ShardSpec.replicated(0), heads],
+                        const={0: 2}) is None
+    d = _decide_many("SplitV", [(2, 8, 4, 8), (2,), ()], [(2, 8, 4, 4)] * 2,
+                     [heads, ShardSpec.replicated(1), ShardSpec.replicated(0)], const={2: 3})
+    assert d.outputs == (heads, heads)
+    # A concatenation splits a whole value the way the others are split.
+    d = _decide("ConcatV2", [(2, 8, 4, 4), (2, 8, 4, 4), ()], (2, 8, 4, 8), [heads, whole, ShardSpec.replicated(0)],
+                const={2: -1})
+    assert d.inputs[:2] == (heads, heads) and d.outputs == (heads,)
+    assert _decide("ConcatV2", [(2, 8, 4, 4), (2, 8, 4, 4), ()], (2, 8, 8, 4), [heads, heads, ShardSpec.replicated(0)],
+                   const={2: 2}) is None
+    # Pack and Unpack shift the split past the new (or removed) axis; a
+    # negative axis counts from the end of the packed shape.
+    d = _decide("Pack", [(2, 8, 4, 4)] * 2, (2, 8, 4, 2, 4), [heads, heads], attrs={"axis": -2})
+    assert d.outputs == (ShardSpec.split(5, 2),)
+    d = _decide("Pack", [(2, 8, 4, 4)] * 2, (2, 2, 8, 4, 4), [heads, heads], attrs={"axis": 1})
+    assert d.outputs == (ShardSpec.split(5, 3),)
+    d = _decide_many("Unpack", [(2, 8, 4, 2, 4)], [(2, 8, 4, 4)] * 2, [ShardSpec.split(5, 2)], attrs={"axis": 3})
+    assert d.outputs == (heads, heads)
+    d = _decide_many("Unpack", [(2, 2, 8, 4, 4)], [(2, 8, 4, 4)] * 2, [ShardSpec.split(5, 3)], attrs={"axis": 1})
+    assert d.outputs == (heads, heads)
+    # Without its axis the rule declines rather than guess.
+    assert _decide("Pack", [(2, 8, 4, 4)] * 2, (2, 8, 4, 2, 4), [heads, heads]) is None

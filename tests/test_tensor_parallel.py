@@ -466,10 +466,12 @@ def test_mixed_precision_pairs_are_found_through_the_casts():
             assert np.max(np.abs(g - r)) <= 4 * eps * max(float(np.max(np.abs(r))), 1e-3)
 
 
-def test_a_keras_hub_llama_gated_mlp_is_found_and_matches_the_loop():
+def test_a_keras_hub_llama_gated_mlp_and_attention_are_found_and_match_the_loop():
     # keras_hub's Llama: each dense layer reshapes its input anew
     # (Tensordot) and silu is a custom gradient (an IdentityN); the gated
-    # MLP's gate and up projections are still found as siblings.
+    # MLP's gate and up projections are still found as siblings. Its
+    # attention (not a keras.layers.MultiHeadAttention, grouped query heads,
+    # rotary embeddings) is split by head.
     import keras_hub
 
     smp.init({"partitions": 2, "microbatches": M, "tensor_parallel_degree": 2})
@@ -506,6 +508,11 @@ def test_a_keras_hub_llama_gated_mlp_is_found_and_matches_the_loop():
         assert specs[block + "feedforward_gate_dense/kernel"] == (None, "tensor")
         assert specs[block + "feedforward_intermediate_dense/kernel"] == (None, "tensor")
         assert specs[block + "feedforward_output_dense/kernel"] == ("tensor", None)
+        # Attention by head: 4 query heads, 2 key and value heads (grouped),
+        # each device with one key/value head and its two query heads.
+        for name in ("query", "key", "value"):
+            assert specs[f"{block}self_attention/{name}/kernel"] == (None, "tensor", None)
+        assert specs[f"{block}self_attention/attention_output/kernel"] == ("tensor", None, None)
     np.testing.assert_allclose([float(v) for v in loss.outputs], [float(r[0]) for r in refs], rtol=1e-6)
     floor = 1e-3 * max(float(np.max(np.abs(tf.convert_to_tensor(g)))) for r in refs for g in r[1] if g is not None)
     for k in range(M):

@@ -46,6 +46,13 @@ CONFIGS = (
     ("P=4 M={m} simple never", {"partitions": 4, "pipeline": "simple", "recompute": "never"}),
     ("P=4 M={m} interleaved never", {"partitions": 4, "pipeline": "interleaved", "recompute": "never"}),
     ("P=4 M={m} interleaved full", {"partitions": 4, "pipeline": "interleaved", "recompute": "full"}),
+    ("P=2 M={m} interleaved never", {"partitions": 2, "pipeline": "interleaved", "recompute": "never"}),
+    # Tensor parallelism: its pieces share this one allocator with the rest,
+    # so the limit shows that the split step fits, not how it spreads over
+    # devices (the memory report's rows per device and the pieces' own
+    # devices do; see docs/tensor_parallelism.md).
+    ("P=2 x t=2 M={m} interleaved never",
+     {"partitions": 2, "tensor_parallel_degree": 2, "pipeline": "interleaved", "recompute": "never"}),
 )
 
 

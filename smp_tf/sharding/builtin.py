@@ -273,28 +273,38 @@ def output_layer_layouts(graph: ShardGraph, t: int) -> Dict[str, ShardSpec]:
 
 
 def attention_layouts(layers: Sequence[Any], t: int) -> Dict[str, ShardSpec]:
-    """Variable path -> layout for the `keras.layers.MultiHeadAttention`
-    layers (and subclasses) among `layers`: heads split over the devices."""
-    import keras
+    """Variable path -> layout for the attention layers among `layers`:
+    heads split over the devices.
 
+    An attention layer is a `keras.layers.MultiHeadAttention` (and
+    subclasses: keras_hub's GPT-2, BERT, ...) or a layer with the same four
+    projections (``_query_dense``, ``_key_dense``, ``_value_dense``,
+    ``_output_dense``: keras_hub's Llama, Gemma, Mistral, Qwen attention),
+    its heads in ``num_heads`` or ``num_query_heads`` and, with grouped-query
+    attention, its key and value heads in ``num_key_value_heads``. Both head
+    counts must be divisible by ``t`` (each device then holds whole groups:
+    query head ``q`` reads key head ``q // groups``, on the same device).
+    """
     out: Dict[str, ShardSpec] = {}
     for layer in layers:
-        if not isinstance(layer, keras.layers.MultiHeadAttention):
+        projections = [getattr(layer, name, None) for name in
+                       ("_query_dense", "_key_dense", "_value_dense", "_output_dense")]
+        if any(p is None for p in projections):
             continue
-        heads = getattr(layer, "num_heads", None) or getattr(layer, "_num_heads", None)
-        if not heads or heads % t:
+        heads = (getattr(layer, "num_heads", None) or getattr(layer, "_num_heads", None)
+                 or getattr(layer, "num_query_heads", None))
+        kv_heads = getattr(layer, "num_key_value_heads", None) or heads
+        if not isinstance(heads, int) or not isinstance(kv_heads, int) or heads % t or kv_heads % t:
             continue
-        for name in ("_query_dense", "_key_dense", "_value_dense"):
-            sub = getattr(layer, name, None)
+        for sub, n in zip(projections[:3], (heads, kv_heads, kv_heads)):
             for v in getattr(sub, "weights", ()):
                 shape = tuple(v.shape)
                 # Kernel (model, heads, head size); bias (heads, head size).
-                if len(shape) == 3 and shape[1] == heads:
+                if len(shape) == 3 and shape[1] == n:
                     out[v.path] = ShardSpec((None, TENSOR, None))
-                elif len(shape) == 2 and shape[0] == heads:
+                elif len(shape) == 2 and shape[0] == n:
                     out[v.path] = ShardSpec((TENSOR, None))
-        sub = getattr(layer, "_output_dense", None)
-        for v in getattr(sub, "weights", ()):
+        for v in getattr(projections[3], "weights", ()):
             shape = tuple(v.shape)
             if len(shape) == 3 and shape[0] == heads:  # kernel (heads, head size, model)
                 out[v.path] = ShardSpec((TENSOR, None, None))

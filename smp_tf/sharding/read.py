@@ -33,7 +33,7 @@ MARK = "__smp"
 
 
 # Attributes a rule reads, as plain values.
-_ATTRS = ("transpose_a", "transpose_b", "adj_x", "adj_y", "keep_dims", "equation", "data_format", "batch_dims")
+_ATTRS = ("transpose_a", "transpose_b", "adj_x", "adj_y", "keep_dims", "equation", "data_format", "batch_dims", "axis")
 
 
 def origin_of(name: str) -> str:

@@ -1,11 +1,11 @@
-"""Rules of reductions, reshapes, transposes, tiles and shape reads."""
+"""Rules of reductions, reshapes, transposes, tiles, splits, concatenations and shape reads."""
 
 from __future__ import annotations
 
 from typing import Optional, Sequence, Tuple
 
 from smp_tf.sharding.rules.base import (
-    Decision, OpInfo, ShardSpec, _R, _S, _outs_like, _rank, register_rule,
+    Decision, OpInfo, ShardSpec, _R, _S, _outs_like, _rank, _splittable, register_rule,
 )
 
 __all__ = ['reshape_dim', 'SHAPE_OPS']
@@ -180,6 +180,79 @@ def _tile(info: OpInfo, ins: Sequence[ShardSpec]) -> Optional[Decision]:
     if s.partial or d is None or int(multiples[d]) != 1:
         return None
     return Decision((s,) + rest, (_S(out, d),))
+
+
+# ------------------------------------------------------- splits and concatenations
+
+
+def _axis(value, rank: int) -> Optional[int]:
+    if value is None or isinstance(value, (list, tuple)) or rank <= 0:
+        return None
+    return int(value) % rank
+
+
+@register_rule("Split")
+def _split(info: OpInfo, ins: Sequence[ShardSpec]) -> Optional[Decision]:
+    """``Split(axis, value)`` along a whole dimension: every piece keeps the
+    value's split (rotary embeddings split the head size of split heads)."""
+    shape = info.input_shapes[1]
+    axis = _axis(info.const_inputs.get(0), _rank(shape))
+    s = ins[1]
+    if axis is None or s.partial or s.split_dim is None or s.split_dim == axis:
+        return None
+    return Decision((_R(info.input_shapes[0]), s), tuple(_S(o, s.split_dim) for o in info.output_shapes))
+
+
+@register_rule("SplitV")
+def _split_v(info: OpInfo, ins: Sequence[ShardSpec]) -> Optional[Decision]:
+    shape = info.input_shapes[0]
+    axis = _axis(info.const_inputs.get(2), _rank(shape))
+    s = ins[0]
+    if axis is None or s.partial or s.split_dim is None or s.split_dim == axis:
+        return None
+    return Decision((s, _R(info.input_shapes[1]), _R(info.input_shapes[2])),
+                    tuple(_S(o, s.split_dim) for o in info.output_shapes))
+
+
+@register_rule("ConcatV2")
+def _concat(info: OpInfo, ins: Sequence[ShardSpec]) -> Optional[Decision]:
+    """A concatenation along a whole dimension of values split on another:
+    the output keeps the split, every value split the same way (a whole
+    one is split for it)."""
+    values = ins[:-1]
+    out = info.output_shapes[0]
+    axis = _axis(info.const_inputs.get(len(ins) - 1), _rank(out))
+    dims = {v.split_dim for v in values if v.split_dim is not None}
+    if axis is None or any(v.partial for v in values) or len(dims) != 1:
+        return None
+    d = dims.pop()
+    if d == axis or not all(_splittable(x, d, info.t) for x in info.input_shapes[:-1]):
+        return None
+    return Decision(tuple(_S(x, d) for x in info.input_shapes[:-1]) + (_R(info.input_shapes[-1]),), (_S(out, d),))
+
+
+@register_rule("Unpack")
+def _unpack(info: OpInfo, ins: Sequence[ShardSpec]) -> Optional[Decision]:
+    shape = info.input_shapes[0]
+    axis = _axis(info.attrs.get("axis"), _rank(shape))
+    s = ins[0]
+    if axis is None or s.partial or s.split_dim is None or s.split_dim == axis:
+        return None
+    d = s.split_dim - (axis < s.split_dim)
+    return Decision((s,), tuple(_S(o, d) for o in info.output_shapes))
+
+
+@register_rule("Pack")
+def _pack(info: OpInfo, ins: Sequence[ShardSpec]) -> Optional[Decision]:
+    out = info.output_shapes[0]
+    axis = _axis(info.attrs.get("axis"), _rank(out))
+    dims = {v.split_dim for v in ins if v.split_dim is not None}
+    if axis is None or any(v.partial for v in ins) or len(dims) != 1:
+        return None
+    d = dims.pop()
+    if not all(_splittable(x, d, info.t) for x in info.input_shapes):
+        return None
+    return Decision(tuple(_S(x, d) for x in info.input_shapes), (_S(out, d + (axis <= d)),))
 
 
 # -------------------------------------------------------- shapes and variables
