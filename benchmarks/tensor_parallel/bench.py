@@ -143,6 +143,93 @@ def _case(args) -> dict:
     return result
 
 
+def _budget_case(args) -> dict:
+    """A GPT-2 LM whose tied embedding dominates: the largest device's
+    predicted peak at P=2 x t=1 and at P=2 x t=2, then a budget between the
+    two: P=2 x t=1 must raise MemoryBudgetError, P=2 x t=2 must train, with
+    the loss of the single-device loop."""
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    import keras
+    import keras_hub
+    import numpy as np
+    import tensorflow as tf
+
+    import smp_tf as smp
+    from smp_tf.memory import MemoryBudgetError
+
+    vocab, width, seq, batch, m = args.vocab, 64, 8, 8, 2
+    four = {"partitions": 2, "microbatches": m, "tensor_parallel_degree": 2}
+    two = {"partitions": 2, "microbatches": m}
+    smp.init(four)  # before any TensorFlow op: it creates the four devices
+    rng = np.random.default_rng(5)
+    tokens = rng.integers(0, vocab, size=(batch, seq + 1)).astype("int32")
+    x = {"token_ids": tf.constant(tokens[:, :-1]), "padding_mask": tf.ones((batch, seq), "int32")}
+    y = tf.constant(tokens[:, 1:])
+
+    def build():
+        keras.utils.set_random_seed(11)
+        backbone = keras_hub.models.GPT2Backbone(
+            vocabulary_size=vocab, num_layers=2, num_heads=2, hidden_dim=width, intermediate_dim=4 * width,
+            dropout=0.0, max_sequence_length=seq)
+        inputs = {"token_ids": keras.Input((seq,), dtype="int32", name="token_ids"),
+                  "padding_mask": keras.Input((seq,), dtype="int32", name="padding_mask")}
+        return smp.DistributedModel(inputs, backbone.token_embedding(backbone(inputs), reverse=True))
+
+    def body_of(model):
+        def body(x, y):
+            with tf.GradientTape() as tape:
+                logits = model(x, training=True)
+                loss = tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(labels=y, logits=logits))
+            return loss, tape.gradient(loss, model.trainable_variables)
+        return body
+
+    def peak(config):
+        smp.init(config)
+        model = build()
+        step = smp.step(body_of(model))
+        step(x, y)
+        return max(step.memory_report(keras.optimizers.Adam()).device_totals().values())
+
+    p4 = peak(four)
+    p2 = peak(two)
+    budget = int(p4 * 1.02)
+    out = {"peak_t1": p2, "peak_t2": p4, "budget": budget}
+    smp.init(dict(two, memory_budget=budget))
+    try:
+        smp.step(body_of(build()))(x, y)
+        out["t1"] = "trains"
+    except MemoryBudgetError:
+        out["t1"] = "MemoryBudgetError"
+    reference = build()
+    ref_body = tf.function(body_of(reference))
+    ref_opt = keras.optimizers.Adam(1e-3)
+    smp.init(dict(four, memory_budget=budget))
+    model = build()
+    step = smp.step(body_of(model))
+    opt = keras.optimizers.Adam(1e-3)
+
+    @tf.function
+    def train(x, y):
+        loss, grads = step(x, y)
+        opt.apply_gradients(zip([g.accumulate() for g in grads], model.trainable_variables))
+        return loss.reduce_mean()
+
+    losses, ref_losses = [], []
+    try:
+        for _ in range(3):
+            losses.append(float(train(x, y)))
+            outs = [ref_body({k: v[j::m] for k, v in x.items()}, y[j::m]) for j in range(m)]
+            grads = [tf.add_n(list(gs)) / m for gs in zip(*[g for _, g in outs])]
+            ref_opt.apply_gradients(zip(grads, reference.trainable_variables))
+            ref_losses.append(float(np.mean([float(l) for l, _ in outs])))
+        out["t2"] = "trains"
+    except MemoryBudgetError:
+        out["t2"] = "MemoryBudgetError"
+    out["losses"], out["ref_losses"] = losses, ref_losses
+    out["embedding_mib"] = vocab * width * 4 / 2**20
+    return out
+
+
 def _run(model, mode, t, devices, sizes, quick) -> dict:
     cmd = [sys.executable, __file__, "--case", "--model", model, "--mode", mode, "--t", str(t),
            "--devices", str(devices)] + sizes + (["--repeats", "2", "--warmup", "1"] if quick else [])
@@ -175,9 +262,10 @@ def main() -> None:
     p.add_argument("--width", type=int, default=2048)
     p.add_argument("--tokens", type=int, default=1024)
     p.add_argument("--seq", type=int, default=256)
+    p.add_argument("--vocab", type=int, default=32768, help="vocabulary of the memory-budget GPT-2")
     args = p.parse_args()
     if args.case:
-        print(json.dumps(_case(args)))
+        print(json.dumps(_budget_case(args) if args.model == "budget" else _case(args)))
         return
     if args.quick:
         mlp_sizes, gpt_sizes = ["--width", "128", "--tokens", "64"], ["--width", "128", "--tokens", "64", "--seq", "32"]
@@ -232,6 +320,22 @@ def main() -> None:
                   f"(target <= 0.55: {'PASS' if ratio <= 0.55 else 'FAIL'}); by device, live / predicted: "
                   + ", ".join(f"{d} {per_device.get(d, 0) / 2**20:.1f} / {predicted.get(d, 0) / 2**20:.1f} MiB"
                               for d in sorted(set(per_device) | set(predicted))))
+    vocab = "16384" if args.quick else str(args.vocab)
+    cmd = [sys.executable, __file__, "--case", "--model", "budget", "--vocab", vocab]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=1800)
+    lines = [l for l in done.stdout.splitlines() if l.startswith("{")]
+    if done.returncode or not lines:
+        print("GPT-2 over a per-device memory budget: error " + (done.stderr or done.stdout)[-600:])
+    else:
+        b = json.loads(lines[-1])
+        results["budget"] = b
+        gap = max((abs(a - r) / abs(r) for a, r in zip(b["losses"], b["ref_losses"])), default=float("nan"))
+        ok = b["t1"] == "MemoryBudgetError" and b["t2"] == "trains" and gap <= 1e-5
+        print(f"GPT-2 LM, tied embedding {b['embedding_mib']:.1f} MiB (vocabulary {vocab}): largest device's predicted "
+              f"peak {b['peak_t1'] / 2**20:.1f} MiB at P=2 x t=1, {b['peak_t2'] / 2**20:.1f} MiB at P=2 x t=2; budget "
+              f"{b['budget'] / 2**20:.1f} MiB per device: P=2 x t=1 {b['t1']}, P=2 x t=2 {b['t2']}, loss against the "
+              f"single-device loop within {gap:.1e} over {len(b['losses'])} Adam steps "
+              f"(target: MemoryBudgetError, trains, within 1e-5: {'PASS' if ok else 'FAIL'})")
     print(f"PyTorch tensor-parallel peer: {_torch_peer()}")
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=1))
