@@ -466,19 +466,32 @@ def test_mixed_precision_pairs_are_found_through_the_casts():
             assert np.max(np.abs(g - r)) <= 4 * eps * max(float(np.max(np.abs(r))), 1e-3)
 
 
-def test_a_keras_hub_llama_gated_mlp_and_attention_are_found_and_match_the_loop():
-    # keras_hub's Llama: each dense layer reshapes its input anew
-    # (Tensordot) and silu is a custom gradient (an IdentityN); the gated
-    # MLP's gate and up projections are still found as siblings. Its
-    # attention (not a keras.layers.MultiHeadAttention, grouped query heads,
-    # rotary embeddings) is split by head.
+@pytest.mark.parametrize("family", ["llama", "gemma"])
+def test_keras_hub_gated_mlps_and_grouped_query_attention_are_found_and_match_the_loop(family):
+    # keras_hub's Llama and Gemma: each dense layer reshapes its input anew
+    # (Tensordot) or is a broadcast BatchMatMulV2 (Gemma's EinsumDense),
+    # silu is a custom gradient (an IdentityN); the gated MLP's gate and up
+    # projections are still found as siblings. Their attention (not a
+    # keras.layers.MultiHeadAttention; 4 query heads over 2 key/value heads;
+    # rotary embeddings) is split by head, each device with one key/value
+    # head and its two query heads.
     import keras_hub
 
     smp.init({"partitions": 2, "microbatches": M, "tensor_parallel_degree": 2})
     keras.utils.set_random_seed(11)
-    backbone = keras_hub.models.LlamaBackbone(
-        vocabulary_size=64, num_layers=2, num_query_heads=4, num_key_value_heads=2,
-        hidden_dim=32, intermediate_dim=64, dropout=0.1)
+    if family == "llama":
+        backbone = keras_hub.models.LlamaBackbone(
+            vocabulary_size=64, num_layers=2, num_query_heads=4, num_key_value_heads=2,
+            hidden_dim=32, intermediate_dim=64, dropout=0.1)
+        mlp = ("feedforward_gate_dense", "feedforward_intermediate_dense", "feedforward_output_dense")
+        block, attention, head_dim = "transformer_layer_{}/", "self_attention/", 1
+    else:
+        backbone = keras_hub.models.GemmaBackbone(
+            vocabulary_size=64, num_layers=2, num_query_heads=4, num_key_value_heads=2,
+            hidden_dim=32, intermediate_dim=128, head_dim=8)
+        mlp = ("ffw_gating", "ffw_gating_2", "ffw_linear")
+        # Gemma's kernels are (heads, model, head size).
+        block, attention, head_dim = "decoder_block_{}/", "attention/", 0
     inputs = {"token_ids": keras.Input((8,), dtype="int32", name="token_ids"),
               "padding_mask": keras.Input((8,), dtype="int32", name="padding_mask")}
     model = smp.DistributedModel(inputs, keras.layers.Dense(64, name="lm_head")(backbone(inputs)))
@@ -503,16 +516,15 @@ def test_a_keras_hub_llama_gated_mlp_and_attention_are_found_and_match_the_loop(
     step = smp.step(body)
     loss, grads = step(tf.nest.map_structure(tf.constant, x), tf.constant(y))
     specs = {k: s.dims for k, s in step.last_plan.shard_plan.variables.items()}
+    by_head = tuple("tensor" if i == head_dim else None for i in range(3))
     for i in range(2):
-        block = f"transformer_layer_{i}/"
-        assert specs[block + "feedforward_gate_dense/kernel"] == (None, "tensor")
-        assert specs[block + "feedforward_intermediate_dense/kernel"] == (None, "tensor")
-        assert specs[block + "feedforward_output_dense/kernel"] == ("tensor", None)
-        # Attention by head: 4 query heads, 2 key and value heads (grouped),
-        # each device with one key/value head and its two query heads.
+        b = block.format(i)
+        assert specs[b + mlp[0] + "/kernel"] == (None, "tensor")
+        assert specs[b + mlp[1] + "/kernel"] == (None, "tensor")
+        assert specs[b + mlp[2] + "/kernel"] == ("tensor", None)
         for name in ("query", "key", "value"):
-            assert specs[f"{block}self_attention/{name}/kernel"] == (None, "tensor", None)
-        assert specs[f"{block}self_attention/attention_output/kernel"] == ("tensor", None, None)
+            assert specs[f"{b}{attention}{name}/kernel"] == by_head
+        assert specs[f"{b}{attention}attention_output/kernel"] == ("tensor", None, None)
     np.testing.assert_allclose([float(v) for v in loss.outputs], [float(r[0]) for r in refs], rtol=1e-6)
     floor = 1e-3 * max(float(np.max(np.abs(tf.convert_to_tensor(g)))) for r in refs for g in r[1] if g is not None)
     for k in range(M):

@@ -3,9 +3,10 @@
 Megatron-LM's pattern, found on the traced graph rather than by layer
 names, so that it covers any model built of dense products:
 
-* **Pairs of products.** A product that reads a kernel (``MatMul`` or
-  ``Einsum`` on a variable), whose result reaches a second product that
-  reads another kernel through element-wise ops only (bias, activation,
+* **Pairs of products.** A product that reads a kernel (``MatMul``,
+  ``Einsum``, or ``BatchMatMulV2`` with a 2-D kernel, on a variable),
+  whose result reaches a second product that reads another kernel
+  through element-wise ops only (bias, activation,
   a gate's multiplication), is column-parallel: its kernel is split along
   the output dimension, its bias with it. The second is row-parallel: its
   kernel is split along the contracted dimension and its result is a
@@ -36,7 +37,7 @@ from smp_tf.sharding.spec import TENSOR, ShardSpec
 
 __all__ = ["product_pairs", "pair_layouts", "output_layer_layouts", "attention_layouts"]
 
-_PRODUCTS = frozenset(["MatMul", "Einsum"])
+_PRODUCTS = frozenset(["MatMul", "Einsum", "BatchMatMulV2"])
 # Reshapes keep a product's output dimension last (a dense layer on a 3-D
 # input is reshape, product, reshape); only their data input joins the path.
 _RESHAPES = frozenset(["Reshape", "ExpandDims", "Squeeze"])
@@ -59,6 +60,13 @@ def _kernel_dims(op: ShardOp, position: int) -> Optional[Tuple[List[int], List[i
             return None
         tb = bool(op.info.attrs.get("transpose_b"))
         return ([0], [1]) if tb else ([1], [0])
+    if op.type == "BatchMatMulV2":
+        # An activation of any rank times a 2-D kernel, broadcast (Keras's
+        # EinsumDense "btd,df->btf" on TensorFlow).
+        shapes = op.info.input_shapes
+        if position != 1 or shapes[1] is None or len(shapes[1]) != 2:
+            return None
+        return ([0], [1]) if op.info.attrs.get("adj_y") else ([1], [0])
     ranks = [len(s) if s is not None else -1 for s in op.info.input_shapes]
     parsed = parse_einsum(str(op.info.attrs.get("equation", "")), ranks) if min(ranks) >= 0 else None
     if parsed is None or len(parsed[0]) != 2:
@@ -279,7 +287,8 @@ def attention_layouts(layers: Sequence[Any], t: int) -> Dict[str, ShardSpec]:
     An attention layer is a `keras.layers.MultiHeadAttention` (and
     subclasses: keras_hub's GPT-2, BERT, ...) or a layer with the same four
     projections (``_query_dense``, ``_key_dense``, ``_value_dense``,
-    ``_output_dense``: keras_hub's Llama, Gemma, Mistral, Qwen attention),
+    ``_output_dense``, with or without the underscore: keras_hub's Llama,
+    Gemma, Mistral, Qwen attention),
     its heads in ``num_heads`` or ``num_query_heads`` and, with grouped-query
     attention, its key and value heads in ``num_key_value_heads``. Both head
     counts must be divisible by ``t`` (each device then holds whole groups:
@@ -287,8 +296,9 @@ def attention_layouts(layers: Sequence[Any], t: int) -> Dict[str, ShardSpec]:
     """
     out: Dict[str, ShardSpec] = {}
     for layer in layers:
-        projections = [getattr(layer, name, None) for name in
-                       ("_query_dense", "_key_dense", "_value_dense", "_output_dense")]
+        projections = []
+        for name in ("query_dense", "key_dense", "value_dense", "output_dense"):
+            projections.append(getattr(layer, "_" + name, None) or getattr(layer, name, None))
         if any(p is None for p in projections):
             continue
         heads = (getattr(layer, "num_heads", None) or getattr(layer, "_num_heads", None)
@@ -297,15 +307,35 @@ def attention_layouts(layers: Sequence[Any], t: int) -> Dict[str, ShardSpec]:
         if not isinstance(heads, int) or not isinstance(kv_heads, int) or heads % t or kv_heads % t:
             continue
         for sub, n in zip(projections[:3], (heads, kv_heads, kv_heads)):
+            d = _head_dim_of_kernel(sub, output=True)
             for v in getattr(sub, "weights", ()):
                 shape = tuple(v.shape)
-                # Kernel (model, heads, head size); bias (heads, head size).
-                if len(shape) == 3 and shape[1] == n:
-                    out[v.path] = ShardSpec((None, TENSOR, None))
+                # Kernel (model, heads, head size) or (heads, model, head
+                # size), as its equation says; bias (heads, head size).
+                if len(shape) == 3 and d is not None and shape[d] == n:
+                    out[v.path] = ShardSpec(tuple(TENSOR if i == d else None for i in range(3)))
                 elif len(shape) == 2 and shape[0] == n:
                     out[v.path] = ShardSpec((TENSOR, None))
+        d = _head_dim_of_kernel(projections[3], output=False)
         for v in getattr(projections[3], "weights", ()):
             shape = tuple(v.shape)
-            if len(shape) == 3 and shape[0] == heads:  # kernel (heads, head size, model)
-                out[v.path] = ShardSpec((TENSOR, None, None))
+            if len(shape) == 3 and d is not None and shape[d] == heads:  # kernel (heads, head size, model)
+                out[v.path] = ShardSpec(tuple(TENSOR if i == d else None for i in range(3)))
     return out
+
+
+def _head_dim_of_kernel(projection: Any, output: bool) -> Optional[int]:
+    """The kernel dimension of an attention projection that holds the heads:
+    the letter of its einsum equation that is second to last in its output
+    (a query, key or value projection: ``...nh``) or in its input (the
+    output projection). Without an equation: dimension 1 for a query, key
+    or value kernel (``(model, heads, head size)``), 0 for the output one."""
+    equation = getattr(projection, "equation", None)
+    if not isinstance(equation, str) or "->" not in equation or "," not in equation:
+        return 1 if output else 0
+    lhs, result = equation.split("->")
+    x, kernel = lhs.split(",")
+    side = result if output else x
+    if len(side) < 2 or side[-2] not in kernel:
+        return None
+    return kernel.index(side[-2])
