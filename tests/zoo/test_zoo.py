@@ -230,6 +230,11 @@ def test_zoo_recompute_every_configuration(name, mode, partitions, schedule):
 #: there relative to the model's largest gradient (the floor of
 #: `_relative_errors`), as any reordering of those sums would.
 TP_CANCELLING = 1e-3
+#: Entries computing in bfloat16: a row-parallel product's pieces are rounded
+#: to bfloat16 before they are added (docs/exactness.md), 2^-8 each, and the
+#: differences carry through the layers below: a few roundings (7.9e-3 on
+#: the zoo's bfloat16 CNN).
+TP_BFLOAT16 = 2.0 ** -6
 
 
 @pytest.mark.tp_zoo
@@ -263,7 +268,7 @@ def test_zoo_tensor_parallel(name, record_property):
     for v in model.variables:
         if v.path in plan.stored_split:
             assert len(storage.shards_of(v)) == 2, v.path
-    tolerance = TP_CANCELLING if "batchnorm" in case.tags else TOLERANCE
-    assert max(loss_errors) <= TOLERANCE, (loss.outputs, ref_losses)
+    tolerance = TP_BFLOAT16 if "bf16" in case.tags else TP_CANCELLING if "batchnorm" in case.tags else TOLERANCE
+    assert max(loss_errors) <= (TP_BFLOAT16 if "bf16" in case.tags else TOLERANCE), (loss.outputs, ref_losses)
     assert max(errors) <= tolerance, f"worst gradient error {max(errors):.2e} (split: {split[:6]})"
     assert max(state_errors) <= tolerance, max(state_errors)
