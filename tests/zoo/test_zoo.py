@@ -86,6 +86,18 @@ def _relative_errors(got: List[List[np.ndarray]], expected: List[List[np.ndarray
     return errors
 
 
+def _step_errors(model, loss, grads, ref_losses, ref_grads, ref_state):
+    """The relative errors of a step's gradients (`_relative_errors`), of
+    its per-micro-batch losses and of the model's state after it."""
+    got = [[tf.convert_to_tensor(g.outputs[m]).numpy() for g in grads] for m in range(M)]
+    loss_errors = [abs(float(l) - r) / max(abs(r), 1e-6) for l, r in zip(loss.outputs, ref_losses)]
+    state_errors = [
+        float(np.max(np.abs(v.numpy() - s))) / max(float(np.max(np.abs(s))), 1e-6) if s.size else 0.0
+        for v, s in zip(model.variables, ref_state)
+    ]
+    return _relative_errors(got, ref_grads), loss_errors, state_errors
+
+
 def _grouped(names):
     # With pytest-xdist (--dist loadgroup) one worker runs all configurations
     # of a model, so the model and its reference are built once.
@@ -134,15 +146,8 @@ def test_zoo_transparency(name, partitions, schedule, virtual_stages, record_pro
     loss, grads = step(case.x, case.y)
     assert step.schedule.kind == schedule
 
-    got = [[tf.convert_to_tensor(g.outputs[m]).numpy() for g in grads] for m in range(M)]
-    errors = _relative_errors(got, ref_grads)
-    loss_errors = [abs(float(l) - r) / max(abs(r), 1e-6) for l, r in zip(loss.outputs, ref_losses)]
-    state_errors = [
-        float(np.max(np.abs(v.numpy() - s))) / max(float(np.max(np.abs(s))), 1e-6) if s.size else 0.0
-        for v, s in zip(model.variables, ref_state)
-    ]
-    worst = max(errors + loss_errors + state_errors)
-    record_property("zoo_worst_error", worst)  # printed at the end of the run
+    errors, loss_errors, state_errors = _step_errors(model, loss, grads, ref_losses, ref_grads, ref_state)
+    record_property("zoo_worst_error", max(errors + loss_errors + state_errors))  # printed at the end of the run
 
     # Every partition got work (as many as the model has units: an LSTM and
     # its head are fewer than 4 chunks), and the variables live where their
@@ -252,15 +257,8 @@ def test_zoo_tensor_parallel(name, record_property):
     smp.init({"partitions": 2, "microbatches": M, "tensor_parallel_degree": 2})
     step = smp.step(_body(case))
     loss, grads = step(case.x, case.y)
-    got = [[tf.convert_to_tensor(g.outputs[m]).numpy() for g in grads] for m in range(M)]
-    errors = _relative_errors(got, ref_grads)
-    loss_errors = [abs(float(l) - r) / max(abs(r), 1e-6) for l, r in zip(loss.outputs, ref_losses)]
-    state_errors = [
-        float(np.max(np.abs(v.numpy() - s))) / max(float(np.max(np.abs(s))), 1e-6) if s.size else 0.0
-        for v, s in zip(model.variables, ref_state)
-    ]
-    worst = max(errors + loss_errors + state_errors)
-    record_property("zoo_worst_error", worst)
+    errors, loss_errors, state_errors = _step_errors(model, loss, grads, ref_losses, ref_grads, ref_state)
+    record_property("zoo_worst_error", max(errors + loss_errors + state_errors))
     plan = step.last_plan.shard_plan
     split = [k for k, s in plan.variables.items() if not s.is_replicated]
     record_property("tp_split_variables", len(split))
