@@ -30,7 +30,7 @@ def test_every_public_name_resolves_and_is_documented():
 
 
 def test_the_data_path_points_one_way():
-    """No two modules of smp_tf import each other (at module or function level)."""
+    """No module of smp_tf imports itself through others (at module or function level)."""
     import ast
     import pathlib
 
@@ -49,3 +49,15 @@ def test_the_data_path_points_one_way():
         imports[name] = deps - {name, "smp_tf"}
     mutual = sorted({tuple(sorted((a, b))) for a, ds in imports.items() for b in ds if a in imports.get(b, ())})
     assert not mutual, f"modules that import each other: {mutual}"
+    # Nor through others: no module reaches itself.
+    def reached(start):
+        seen, todo = set(), [start]
+        while todo:
+            for dep in imports.get(todo.pop(), ()):
+                if dep not in seen:
+                    seen.add(dep)
+                    todo.append(dep)
+        return seen
+
+    cycles = sorted(m for m in imports if m in reached(m))
+    assert not cycles, f"modules on an import cycle: {cycles}"

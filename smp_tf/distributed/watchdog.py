@@ -110,9 +110,11 @@ _WATCHDOG: Optional[Watchdog] = None
 def watchdog() -> Optional[Watchdog]:
     """The process's watchdog (created with the first data-parallel step)."""
     global _WATCHDOG
-    from smp_tf import state
+    # The group `smp.init` joined (the one `state.process_group()` returns),
+    # read from the runtime so that this module does not import the state.
+    from smp_tf.distributed import runtime
 
-    group = state.process_group() if state.is_initialized() else None
+    group = runtime.group()
     if group is None or not getattr(group, "coordinated", True):
         # Drivers of pipelines that span processes: their stage watchdog
         # (`remote`) watches every process of the job instead.

@@ -443,9 +443,11 @@ class profile:
 def _reset_keras_functions() -> None:
     """Makes every `DistributedModel` retrace its Keras functions, so that
     ``fit`` inside a profile carries probes and outside it does not."""
-    from smp_tf.keras import model as keras_model
+    # The registry of `DistributedModel`s lives with the placement, which
+    # the Keras model imports (not the other way round).
+    from smp_tf import placement
 
-    for m in keras_model.live_models():
+    for m in placement.live_models():
         for attr in ("train_function", "test_function", "predict_function"):
             if getattr(m, attr, None) is not None:
                 setattr(m, attr, None)
