@@ -44,6 +44,8 @@ _EXPORTS = {
     "recv_from": "smp_tf.distributed.comm",
     "send": "smp_tf.distributed.comm",
     "Config": "smp_tf.config",
+    "ResourceGraph": "smp_tf.planner.resources",
+    "cluster": "smp_tf.planner",
     "LayoutMap": "smp_tf.sharding.layout_map",
     "ShardSpec": "smp_tf.sharding.spec",
     "shard_tensor": "smp_tf.sharding.api",

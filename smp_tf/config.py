@@ -65,6 +65,10 @@ layout_map             None           (smp_tf only) variable path regular
                                       ``smp.LayoutMap``); None with
                                       tensor_parallel_degree > 1: the
                                       built-in rules
+cluster                None           (smp_tf only) the machines to plan
+                                      for: a dict or the path of a JSON
+                                      file (``smp.cluster()``); None: this
+                                      host, calibrated
 =====================  =============  =======================================
 
 As on SageMaker, the JSON object in the environment variable
@@ -189,6 +193,9 @@ class Config:
             (one ``"tensor"`` or None per dimension), as a dict or a
             `smp.LayoutMap`; kept as a tuple of ``(key, spec)`` pairs.
             None: the built-in rules decide (with t > 1).
+        cluster: the resource graph to plan for (`smp.cluster()`): a dict
+            (kept as its JSON text) or the path of a JSON file; None: this
+            host, calibrated.
 
     Raises:
         ValueError: a value has the wrong type or is out of range.
@@ -214,6 +221,7 @@ class Config:
     virtual_stages: int = 1
     tensor_parallel_degree: int = 1
     layout_map: Optional[Any] = None
+    cluster: Optional[Any] = None
 
     @property
     def num_stages(self) -> int:
@@ -260,6 +268,8 @@ class Config:
             object.__setattr__(self, "memory_budget", int(budget))
         if self.layout_map is not None:
             object.__setattr__(self, "layout_map", _check_layout_map(self.layout_map))
+        if self.cluster is not None:
+            object.__setattr__(self, "cluster", _check_cluster(self.cluster))
         for key in ("partitions", "microbatches", "pipeline_processes", "virtual_stages", "tensor_parallel_degree"):
             if getattr(self, key) < 1:
                 raise ValueError(
@@ -304,7 +314,30 @@ class Config:
         out = dataclasses.asdict(self)
         if self.layout_map is not None:
             out["layout_map"] = {key: tuple(spec) for key, spec in self.layout_map}
+        if self.cluster is not None and self.cluster.lstrip().startswith("{"):
+            out["cluster"] = json.loads(self.cluster)
         return out
+
+
+def _check_cluster(value: Any) -> str:
+    """A cluster as JSON text (a dict, checked) or a JSON file's path (read
+    and checked): hashable, and the same value when it comes back."""
+    from smp_tf.planner.resources import ResourceGraph
+
+    if isinstance(value, Mapping):
+        ResourceGraph.from_dict(value)
+        return json.dumps(value, sort_keys=True)
+    if isinstance(value, (str, os.PathLike)):
+        text = os.fspath(value)
+        if text.lstrip().startswith("{"):
+            ResourceGraph.from_dict(json.loads(text))
+            return text
+        ResourceGraph.from_json(text)
+        return text
+    raise ValueError(
+        "Config parameter 'cluster' must be a dict describing hosts, devices and links, or the path of a "
+        f"JSON file of one (docs/planner.md). Received: cluster={value!r:.200} (of type {type(value).__name__})"
+    )
 
 
 def _check_layout_map(value: Any) -> Tuple[Tuple[str, Tuple[Optional[str], ...]], ...]:

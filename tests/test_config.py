@@ -65,6 +65,7 @@ def test_defaults():
         "virtual_stages": 1,
         "tensor_parallel_degree": 1,
         "layout_map": None,
+        "cluster": None,
     }
     assert parse({}) == cfg
 
@@ -91,6 +92,9 @@ def test_all_keys_set():
         "virtual_stages": 1,
         "tensor_parallel_degree": 1,
         "layout_map": {"dense/kernel": (None, "tensor")},
+        "cluster": {"hosts": {"h": {"devices": [
+            {"name": "CPU:0", "kind": "CPU", "memory": 2**30, "overhead": 1e-6,
+             "flops": {"matmul": 1e11, "conv": 5e10, "elementwise": 1e9}}]}}, "links": {}},
     }
     cfg = parse(given)
     assert cfg.to_dict() == given

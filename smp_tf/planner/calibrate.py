@@ -1,0 +1,283 @@
+"""Measuring this host's resource graph: a short calibration, cached.
+
+For every device `smp.init` set up (or, before it, every logical device
+TensorFlow has), a few small `tf.function`s run on that device alone:
+
+* ``matmul``: a chain of products of 256 x 256 matrices (512 on GPUs);
+* ``conv``: a chain of 3 x 3 convolutions of 32 channels on 32 x 32 images;
+* ``elementwise``: a chain of additions and multiplications of 2^18 floats;
+* the per-op overhead: a chain of 200 additions of scalars.
+
+Each figure is the median of three timed calls after one untimed one, in
+the flop units of `smp_tf.graph_view.estimate_flops`. Then, for every pair
+of devices, a tensor of 4 MiB and one of 4 bytes cross from one to the
+other: the small one's time is the latency, the large one's the bandwidth
+(logical devices of one process hand buffers over without a copy: their
+links show 1000 GB/s, the most recorded).
+
+It takes a few seconds (at most ``budget_s``, 10 by default: the sizes
+shrink when a device is slow). The result is cached per host, TensorFlow
+version and device set (``$SMP_TF_CACHE`` or ``~/.cache/smp_tf``), so later
+runs read it back; ``refresh=True`` measures again.
+
+Logical CPU devices that share cores are measured one at a time, each with
+the whole process's threads: what one device can do alone, not what it
+does while the others run.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import socket
+import statistics
+import time
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+from smp_tf.planner.resources import COST_CLASSES, Device, Link, ResourceGraph
+
+__all__ = ["calibrate", "local_cluster", "cache_path"]
+
+_SIZES = {"matmul": 256, "conv": 32, "elementwise": 1 << 18}
+_CHAIN = 8
+#: The fastest link recorded (bytes per second): transfers that take no
+#: measurable time (logical devices of one process) are given this.
+_FASTEST = 1e12
+
+
+def _short(device: str) -> str:
+    """``/job:localhost/replica:0/task:0/device:CPU:1`` -> ``CPU:1``; a
+    device of another process keeps its job and task
+    (``worker.1/CPU:0``)."""
+    short = device.rsplit("device:", 1)[-1]
+    parts = dict(p.split(":", 1) for p in device.strip("/").split("/") if p.startswith(("job:", "task:")))
+    if parts.get("job", "localhost") != "localhost":
+        return f"{parts['job']}.{parts.get('task', '0')}/{short}"
+    return short
+
+
+def _timed(fn, *args, repeats: int = 3) -> float:
+    fn(*args)  # traces and warms up
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        out = fn(*args)
+        _ = out.numpy() if hasattr(out, "numpy") else out
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def _device_speeds(device: str, scale: float) -> Tuple[Dict[str, float], float]:
+    """Operations per second per cost class, and seconds per op, on `device`."""
+    import tensorflow as tf
+
+    from smp_tf.graph_view import estimate_flops
+
+    gpu = "GPU" in device.upper()
+    n = int((512 if gpu else _SIZES["matmul"]) * scale) or 16
+    c = _SIZES["conv"]
+    e = max(int(_SIZES["elementwise"] * scale), 1024)
+    with tf.device(device):
+        a = tf.random.stateless_normal((n, n), seed=(1, 2)) / n ** 0.5
+        img = tf.random.stateless_normal((8, c, c, 32), seed=(3, 4))
+        kernel = tf.random.stateless_normal((3, 3, 32, 32), seed=(5, 6)) / 17.0
+        vec = tf.random.stateless_normal((e,), seed=(7, 8))
+        one = tf.constant(1.0)
+
+    def on_device(body):
+        @tf.function
+        def run(*xs):
+            with tf.device(device):
+                return body(*xs)
+        return run
+
+    def products(x):
+        for _ in range(_CHAIN):
+            x = tf.matmul(x, a)
+        return tf.reduce_sum(x[:1, :1])
+
+    def convolutions(x):
+        for _ in range(_CHAIN):
+            x = tf.nn.conv2d(x, kernel, 1, "SAME")
+        return tf.reduce_sum(x[:1, :1, :1, :1])
+
+    def elementwise(x):
+        for _ in range(_CHAIN):
+            x = x * 0.999 + 0.001
+        return tf.reduce_sum(x[:1])
+
+    def tiny(x):
+        for _ in range(200):
+            x = x + 1.0
+        return x
+
+    flops = {
+        "matmul": _CHAIN * estimate_flops("MatMul", [(n, n), (n, n)], [(n, n)]),
+        "conv": _CHAIN * estimate_flops("Conv2D", [(8, c, c, 32), (3, 3, 32, 32)], [(8, c, c, 32)]),
+        "elementwise": _CHAIN * 2 * estimate_flops("Mul", [(e,), ()], [(e,)]),
+    }
+    overhead = _timed(on_device(tiny), one, repeats=5) / 200
+    seconds = {
+        "matmul": _timed(on_device(products), a),
+        "conv": _timed(on_device(convolutions), img),
+        "elementwise": _timed(on_device(elementwise), vec),
+    }
+    # Each chain also pays its ops' fixed cost; the speed is what is left.
+    ops = {"matmul": _CHAIN, "conv": _CHAIN, "elementwise": 2 * _CHAIN}
+    speeds = {k: flops[k] / max(seconds[k] - ops[k] * overhead, 1e-9) for k in COST_CLASSES}
+    return speeds, overhead
+
+
+def _link(a: str, b: str, scale: float) -> Tuple[float, float]:
+    """(bandwidth in bytes per second, latency in seconds) from `a` to `b`."""
+    import tensorflow as tf
+
+    big_n = max(int((1 << 20) * scale), 1024)  # 4 MiB of float32 at scale 1
+    with tf.device(a):
+        big = tf.random.stateless_normal((big_n,), seed=(9, 10))
+        small = tf.constant([1.0])
+
+    @tf.function
+    def move(x):
+        with tf.device(a):
+            y = x + 0.0
+        with tf.device(b):
+            return tf.reduce_sum(y[:1]) + 0.0
+
+    @tf.function
+    def stay(x):
+        with tf.device(a):
+            y = x + 0.0
+            return tf.reduce_sum(y[:1]) + 0.0
+
+    latency = max(_timed(move, small, repeats=5) - _timed(stay, small, repeats=5), 1e-7)
+    extra = _timed(move, big) - _timed(stay, big) - latency
+    # Logical devices of one process share its memory, and TensorFlow hands
+    # the buffer over without a copy: no measurable time. Such a link is
+    # recorded at `_FASTEST` bytes per second.
+    return min(big_n * 4 / max(extra, 1e-9), _FASTEST), latency
+
+
+def calibrate(devices: Sequence[str], budget_s: float = 10.0, host: Optional[str] = None) -> ResourceGraph:
+    """Measures `devices` (TensorFlow device names of this process) and the
+    links between them (module doc).
+
+    Args:
+        devices: the devices to measure.
+        budget_s: how long the calibration may take, roughly.
+        host: the host's name (default: this machine's).
+
+    Returns:
+        The `ResourceGraph` (``source="calibrated"``).
+    """
+    host = host or socket.gethostname()
+    start = time.perf_counter()
+    scale = 1.0
+    measured: List[Device] = []
+    for k, d in enumerate(devices):
+        t0 = time.perf_counter()
+        speeds, overhead = _device_speeds(d, scale)
+        spent = time.perf_counter() - t0
+        # Leave half the budget for the links and the other devices.
+        left = max(len(devices) - k - 1, 0)
+        if left and spent * left > budget_s / 2 - (time.perf_counter() - start):
+            scale = max(scale / 2, 0.125)
+        cpus = sum(_kind(x) == "CPU" for x in devices)
+        measured.append(Device(f"{host}/{_short(d)}", host, _kind(d), _memory_of(d, cpus), speeds, overhead))
+    pairs: Dict[Tuple[str, str], Link] = {}
+    for i, a in enumerate(devices):
+        for b in devices[i + 1:]:
+            if time.perf_counter() - start > budget_s:
+                break
+            bandwidth, latency = _link(a, b, scale)
+            pairs[tuple(sorted((f"{host}/{_short(a)}", f"{host}/{_short(b)}")))] = Link("host", bandwidth, latency)
+    links = {}
+    if pairs:
+        links["host"] = Link("host", statistics.median(l.bandwidth for l in pairs.values()),
+                             statistics.median(l.latency for l in pairs.values()))
+    elif len(devices) > 1:
+        links["host"] = Link("host", 1e10, 1e-5)
+    return ResourceGraph(measured, links, pairs, source="calibrated", seconds=time.perf_counter() - start)
+
+
+def _kind(device: str) -> str:
+    return "GPU" if "GPU" in _short(device).upper() else "CPU"
+
+
+def _memory_of(device: str, cpu_devices: int) -> int:
+    """A GPU's memory limit or total memory; a logical CPU device's share of
+    the host's memory (the CPU devices of a process share it)."""
+    import tensorflow as tf
+
+    if _kind(device) == "GPU":
+        try:
+            info = tf.config.experimental.get_memory_info(device)
+            limit = info.get("limit") if isinstance(info, dict) else None
+            if limit:
+                return int(limit)
+        except (ValueError, RuntimeError, tf.errors.OpError):
+            pass
+        return 0
+    try:
+        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return 0
+    return int(total // max(cpu_devices, 1))
+
+
+def cache_path(devices: Sequence[str], cache_dir: Optional[str] = None) -> str:
+    """Where the calibration of `devices` on this host is cached."""
+    import tensorflow as tf
+
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    key = json.dumps([socket.gethostname(), tf.__version__, list(devices), cores])
+    folder = cache_dir or os.environ.get("SMP_TF_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "smp_tf")
+    return os.path.join(folder, f"cluster-{hashlib.sha256(key.encode()).hexdigest()[:16]}.json")
+
+
+def local_cluster(devices: Optional[Sequence[str]] = None, refresh: bool = False, budget_s: float = 10.0,
+                  cache_dir: Optional[str] = None) -> ResourceGraph:
+    """This host's resource graph: read from the cache, or calibrated and
+    cached.
+
+    Args:
+        devices: the devices (default: those `smp.init` set up, or every
+            logical device TensorFlow has).
+        refresh: measure again even when a cached graph exists.
+        budget_s: the calibration's time budget.
+        cache_dir: the cache folder (default ``$SMP_TF_CACHE`` or
+            ``~/.cache/smp_tf``).
+    """
+    if devices is None:
+        devices = _local_devices()
+    path = cache_path(devices, cache_dir)
+    if not refresh and os.path.exists(path):
+        try:
+            with open(path) as f:
+                return ResourceGraph.from_dict(json.load(f), source="cached")
+        except (ValueError, OSError):
+            pass  # a damaged cache is measured again
+    graph = calibrate(devices, budget_s=budget_s)
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    tmp = f"{path}.{os.getpid()}.tmp"
+    with open(tmp, "w") as f:
+        json.dump(graph.to_dict(), f, indent=1)
+    os.replace(tmp, path)
+    return graph
+
+
+def _local_devices() -> List[str]:
+    from smp_tf import state
+
+    if state.is_initialized():
+        topo = state.topology()
+        out: List[str] = []
+        groups: Sequence[Any] = topo.tensor_devices or [(d,) for d in topo.devices]
+        for g in groups:
+            out.extend(d for d in g if d not in out)
+        return out
+    import tensorflow as tf
+
+    gpus = tf.config.list_logical_devices("GPU")
+    return [d.name for d in (gpus or tf.config.list_logical_devices("CPU"))]

@@ -1,0 +1,315 @@
+"""The resource graph of a cluster: hosts, devices and the links between them.
+
+A `ResourceGraph` says what the machines a job runs on can do, in the units
+of smp_tf's cost model (`smp_tf.graph_view.estimate_flops`):
+
+* a **device** has a kind (``"CPU"``, ``"GPU"``), a host, a memory capacity,
+  a speed per cost class of the flop model (floating-point operations per
+  second for ``"matmul"``: products, ``"conv"``: convolutions,
+  ``"elementwise"``: everything else) and a fixed overhead per op;
+* a **link** between two devices has a bandwidth (bytes per second) and a
+  latency (seconds), and a class: ``"device"`` (the same device),
+  ``"host"`` (two devices of one host), ``"network"`` (two hosts).
+
+It is built from a plain dict (or a JSON file of one), so a user can plan
+for machines they do not have, or measured on this host by a short
+calibration (`smp_tf.planner.calibrate`). Plain Python: it imports no
+TensorFlow.
+
+The dict::
+
+    {"hosts": {"a": {"devices": [
+         {"name": "GPU:0", "kind": "GPU", "memory": 80e9,
+          "flops": {"matmul": 3e14, "conv": 2e14, "elementwise": 1e12},
+          "overhead": 5e-6},
+         ...]},
+       "b": {...}},
+     "links": {"host": {"bandwidth": 2e11, "latency": 5e-6},
+               "network": {"bandwidth": 2.5e10, "latency": 2e-5},
+               "pairs": [{"a": "a/GPU:0", "b": "b/GPU:0", "bandwidth": 5e10, "latency": 1e-5}]}}
+
+Devices are named ``host/name``. A link between two devices is the pair's
+own entry when ``pairs`` has one, else its class's.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from dataclasses import dataclass, field
+from typing import Any, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
+
+__all__ = ["COST_CLASSES", "cost_class", "Device", "Link", "ResourceGraph"]
+
+#: The cost classes of the flop model, each with its own measured speed.
+COST_CLASSES = ("matmul", "conv", "elementwise")
+#: Link classes, from the fastest.
+LINK_CLASSES = ("device", "host", "network")
+
+_MATMUL = frozenset(["MatMul", "BatchMatMul", "BatchMatMulV2", "BatchMatMulV3", "Einsum"])
+_CONV_PREFIXES = ("Conv", "DepthwiseConv")
+
+
+def cost_class(op_type: str) -> str:
+    """The cost class of an op type: ``"matmul"``, ``"conv"`` or ``"elementwise"``."""
+    if op_type in _MATMUL:
+        return "matmul"
+    if op_type.startswith(_CONV_PREFIXES):
+        return "conv"
+    return "elementwise"
+
+
+def _positive(value: Any, what: str, allow_zero: bool = False) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or math.isnan(value):
+        raise ValueError(f"{what} must be a number. Received: {value!r}")
+    if value < 0 or (value == 0 and not allow_zero):
+        raise ValueError(f"{what} must be {'non-negative' if allow_zero else 'positive'}. Received: {value!r}")
+    return float(value)
+
+
+@dataclass(frozen=True)
+class Device:
+    """One device of the cluster.
+
+    Attributes:
+        name: ``host/name`` (``"worker-1/GPU:0"``).
+        host: the host it belongs to.
+        kind: ``"CPU"`` or ``"GPU"`` (or another accelerator's name).
+        memory: bytes it can hold (0: unknown).
+        flops: operations per second per cost class (`COST_CLASSES`).
+        overhead: seconds each op costs besides its operations.
+    """
+
+    name: str
+    host: str
+    kind: str
+    memory: int
+    flops: Mapping[str, float]
+    overhead: float = 0.0
+
+    def seconds(self, flops_by_class: Mapping[str, float], ops: int = 0) -> float:
+        """Predicted time of `ops` ops doing `flops_by_class` operations here."""
+        return sum(f / self.flops[c] for c, f in flops_by_class.items() if f) + ops * self.overhead
+
+    def speed(self) -> float:
+        """One figure for the device's speed: its element-wise, product and
+        convolution speeds' geometric mean (for reports)."""
+        values = [self.flops[c] for c in COST_CLASSES]
+        return math.exp(sum(math.log(v) for v in values) / len(values))
+
+
+@dataclass(frozen=True)
+class Link:
+    """What moving bytes between two devices costs.
+
+    Attributes:
+        kind: ``"device"``, ``"host"`` or ``"network"``.
+        bandwidth: bytes per second.
+        latency: seconds per transfer.
+    """
+
+    kind: str
+    bandwidth: float
+    latency: float
+
+    def seconds(self, nbytes: float) -> float:
+        """Time to move `nbytes` over the link (0 on the same device)."""
+        if self.kind == "device" or nbytes <= 0:
+            return 0.0
+        return self.latency + nbytes / self.bandwidth
+
+
+@dataclass
+class ResourceGraph:
+    """Hosts, devices and links (module doc).
+
+    Attributes:
+        devices: every device, in the order given (host by host).
+        links: the link of each link class (``"host"``, ``"network"``).
+        pairs: links measured or given for a pair of devices, keyed by the
+            sorted pair of names.
+        source: where it came from (``"given"``, ``"calibrated"``, ``"cached"``).
+        seconds: how long the calibration took (0 when given or cached).
+    """
+
+    devices: List[Device]
+    links: Dict[str, Link]
+    pairs: Dict[Tuple[str, str], Link] = field(default_factory=dict)
+    source: str = "given"
+    seconds: float = 0.0
+
+    def __post_init__(self) -> None:
+        names = [d.name for d in self.devices]
+        if not names:
+            raise ValueError("A resource graph needs at least one device.")
+        dup = sorted({n for n in names if names.count(n) > 1})
+        if dup:
+            raise ValueError(f"Device names must be unique; repeated: {dup}.")
+        known = set(names)
+        for a, b in self.pairs:
+            for n in (a, b):
+                if n not in known:
+                    raise ValueError(f"A link names device {n!r}, which is not in the graph. Devices: {names}.")
+        hosts = {d.host for d in self.devices}
+        needed = {"host"} if any(sum(d.host == h for d in self.devices) > 1 for h in hosts) else set()
+        if len(hosts) > 1:
+            needed.add("network")
+        missing = sorted(k for k in needed - set(self.links)
+                         if not self._pairs_cover(k))
+        if missing:
+            raise ValueError(
+                f"The graph has devices joined by {missing} links but no bandwidth and latency for them: "
+                f"give links[{missing[0]!r}] = {{'bandwidth': ..., 'latency': ...}}."
+            )
+
+    def _pairs_cover(self, kind: str) -> bool:
+        return all((tuple(sorted((a.name, b.name))) in self.pairs)
+                   for a in self.devices for b in self.devices
+                   if a.name < b.name and self._kind(a, b) == kind)
+
+    # -- lookups -------------------------------------------------------------
+    @property
+    def hosts(self) -> List[str]:
+        """The hosts, in the order of their first device."""
+        out: List[str] = []
+        for d in self.devices:
+            if d.host not in out:
+                out.append(d.host)
+        return out
+
+    def device(self, name: str) -> Device:
+        """The device named `name` (``host/name``, or ``name`` on one host)."""
+        for d in self.devices:
+            if d.name == name or (len(self.hosts) == 1 and d.name.split("/", 1)[1] == name):
+                return d
+        raise KeyError(f"No device {name!r} in the resource graph. Devices: {[d.name for d in self.devices]}.")
+
+    @staticmethod
+    def _kind(a: Device, b: Device) -> str:
+        if a.name == b.name:
+            return "device"
+        return "host" if a.host == b.host else "network"
+
+    def link(self, a: str, b: str) -> Link:
+        """The link between devices `a` and `b`."""
+        da, db = self.device(a), self.device(b)
+        kind = self._kind(da, db)
+        if kind == "device":
+            return Link("device", float("inf"), 0.0)
+        own = self.pairs.get(tuple(sorted((da.name, db.name))))
+        return own if own is not None else self.links[kind]
+
+    # -- conversions -----------------------------------------------------------
+    @classmethod
+    def from_dict(cls, spec: Mapping[str, Any], source: str = "given") -> "ResourceGraph":
+        """Builds a graph from the dict of the module doc, checking every value.
+
+        Raises:
+            ValueError: a missing or malformed entry (named in the message).
+        """
+        if not isinstance(spec, Mapping) or not isinstance(spec.get("hosts"), Mapping) or not spec["hosts"]:
+            raise ValueError("A cluster is a dict with 'hosts': {host name: {'devices': [...]}, ...} "
+                             f"(see docs/planner.md). Received: {spec!r:.200}")
+        devices = []
+        for host, entry in spec["hosts"].items():
+            items = entry.get("devices") if isinstance(entry, Mapping) else None
+            if not isinstance(items, Sequence) or not items:
+                raise ValueError(f"Host {host!r} needs a non-empty 'devices' list. Received: {entry!r:.200}")
+            for k, d in enumerate(items):
+                where = f"hosts[{host!r}].devices[{k}]"
+                if not isinstance(d, Mapping) or "name" not in d:
+                    raise ValueError(f"{where} must be a dict with a 'name'. Received: {d!r:.200}")
+                flops = d.get("flops")
+                if not isinstance(flops, Mapping) or set(flops) != set(COST_CLASSES):
+                    raise ValueError(f"{where}.flops must give operations per second for each of {list(COST_CLASSES)}. "
+                                     f"Received: {flops!r}")
+                devices.append(Device(
+                    name=f"{host}/{d['name']}", host=str(host), kind=str(d.get("kind", "CPU")),
+                    memory=int(_positive(d.get("memory", 0), f"{where}.memory", allow_zero=True)),
+                    flops={c: _positive(flops[c], f"{where}.flops[{c!r}]") for c in COST_CLASSES},
+                    overhead=_positive(d.get("overhead", 0.0), f"{where}.overhead", allow_zero=True),
+                ))
+        links_spec = spec.get("links", {}) or {}
+        if not isinstance(links_spec, Mapping):
+            raise ValueError(f"'links' must be a dict. Received: {links_spec!r:.200}")
+        unknown = sorted(set(links_spec) - {"host", "network", "pairs"})
+        if unknown:
+            raise ValueError(f"Unknown link classes {unknown}: use 'host', 'network' and 'pairs'.")
+
+        def link(kind: str, d: Any, where: str) -> Link:
+            if not isinstance(d, Mapping):
+                raise ValueError(f"{where} must be a dict with 'bandwidth' and 'latency'. Received: {d!r:.200}")
+            return Link(kind, _positive(d.get("bandwidth"), f"{where}.bandwidth"),
+                        _positive(d.get("latency", 0.0), f"{where}.latency", allow_zero=True))
+
+        links = {k: link(k, links_spec[k], f"links[{k!r}]") for k in ("host", "network") if k in links_spec}
+        pairs: Dict[Tuple[str, str], Link] = {}
+        hosts_of = {d.name: d.host for d in devices}
+        for k, p in enumerate(links_spec.get("pairs", []) or []):
+            if not isinstance(p, Mapping) or "a" not in p or "b" not in p:
+                raise ValueError(f"links.pairs[{k}] needs 'a' and 'b' (device names host/name). Received: {p!r:.200}")
+            a, b = str(p["a"]), str(p["b"])
+            for n in (a, b):
+                if n not in hosts_of:
+                    raise ValueError(f"links.pairs[{k}] names device {n!r}, which is not in the graph. "
+                                     f"Devices: {sorted(hosts_of)}.")
+            kind = "host" if hosts_of[a] == hosts_of[b] else "network"
+            pairs[tuple(sorted((a, b)))] = link(kind, p, f"links.pairs[{k}]")
+        return cls(devices, links, pairs, source=source)
+
+    def to_dict(self) -> Dict[str, Any]:
+        """The dict `from_dict` reads back."""
+        hosts: Dict[str, Any] = {}
+        for d in self.devices:
+            hosts.setdefault(d.host, {"devices": []})["devices"].append({
+                "name": d.name.split("/", 1)[1], "kind": d.kind, "memory": d.memory,
+                "flops": dict(d.flops), "overhead": d.overhead})
+        links: Dict[str, Any] = {k: {"bandwidth": l.bandwidth, "latency": l.latency} for k, l in self.links.items()}
+        if self.pairs:
+            links["pairs"] = [{"a": a, "b": b, "bandwidth": l.bandwidth, "latency": l.latency}
+                              for (a, b), l in sorted(self.pairs.items())]
+        return {"hosts": hosts, "links": links}
+
+    @classmethod
+    def from_json(cls, path: str) -> "ResourceGraph":
+        """Reads the dict from a JSON file."""
+        if not os.path.exists(path):
+            raise ValueError(f"Cluster file {path!r} does not exist.")
+        with open(path) as f:
+            try:
+                spec = json.load(f)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"Cluster file {path!r} is not JSON: {e}") from e
+        return cls.from_dict(spec)
+
+    # -- report ------------------------------------------------------------------
+    def table(self) -> str:
+        """A readable table: the devices, then the links."""
+        w = max(len(d.name) for d in self.devices)
+        lines = [f"ResourceGraph ({self.source}{f', {self.seconds:.1f} s' if self.seconds else ''}): "
+                 f"{len(self.hosts)} host(s), {len(self.devices)} device(s)",
+                 f"{'device':<{w}}  {'kind':<4}  {'memory':>9}  {'matmul':>9}  {'conv':>9}  {'elementwise':>11}  "
+                 f"{'overhead':>9}",
+                 f"{'':<{w}}  {'':<4}  {'GiB':>9}  {'GFLOP/s':>9}  {'GFLOP/s':>9}  {'GFLOP/s':>11}  {'us/op':>9}"]
+        for d in self.devices:
+            lines.append(f"{d.name:<{w}}  {d.kind:<4}  {d.memory / 2**30:>9.2f}  {d.flops['matmul'] / 1e9:>9.2f}  "
+                         f"{d.flops['conv'] / 1e9:>9.2f}  {d.flops['elementwise'] / 1e9:>11.2f}  "
+                         f"{d.overhead * 1e6:>9.1f}")
+        lines.append("links:")
+        for kind, l in sorted(self.links.items()):
+            lines.append(f"  {kind:<8} {l.bandwidth / 1e9:>9.2f} GB/s  {l.latency * 1e6:>8.1f} us")
+        for (a, b), l in sorted(self.pairs.items()):
+            lines.append(f"  {a} <-> {b} ({l.kind}): {l.bandwidth / 1e9:.2f} GB/s, {l.latency * 1e6:.1f} us")
+        return "\n".join(lines)
+
+    def __str__(self) -> str:
+        return self.table()
+
+
+def graph_flops_by_class(op_types: Iterable[str], flops: Iterable[float]) -> Dict[str, float]:
+    """Sums ops' flops per cost class (`cost_class`)."""
+    out = {c: 0.0 for c in COST_CLASSES}
+    for t, f in zip(op_types, flops):
+        out[cost_class(t)] += float(f)
+    return out
