@@ -107,3 +107,53 @@ def test_calibration_measures_this_host_and_is_cached(tmp_path):
     again = local_cluster(devices, cache_dir=str(tmp_path))
     assert again.source == "cached" and again.to_dict() == g.to_dict()
     assert local_cluster(devices, refresh=True, cache_dir=str(tmp_path)).source == "calibrated"
+
+
+def _two_devices(fast, slow):
+    def cpu(name, speed):
+        return {"name": name, "kind": "CPU", "memory": 2**30, "overhead": 0.0,
+                "flops": {"matmul": speed, "conv": speed, "elementwise": speed / 10}}
+
+    return {"hosts": {"h": {"devices": [cpu("CPU:0", fast), cpu("CPU:1", slow)]}},
+            "links": {"host": {"bandwidth": 1e10, "latency": 1e-5}}}
+
+
+def test_effective_speed_weighs_each_class_by_the_work():
+    from smp_tf.planner.resources import effective_speeds
+
+    g = ResourceGraph.from_dict(_two_devices(2e11, 1e11))
+    products = {"matmul": 1e9, "conv": 0.0, "elementwise": 0.0}
+    assert effective_speeds(g.devices, products) == pytest.approx([2e11, 1e11])
+    mixed = {"matmul": 1e9, "conv": 0.0, "elementwise": 1e9}  # the element-wise half dominates the time
+    assert effective_speeds(g.devices, mixed) == pytest.approx([2e9 / (0.005 + 0.05), 2e9 / (0.01 + 0.1)])
+
+
+@pytest.mark.parametrize("fast, ratio", [(2e11, 2.0), (1e11, 1.0)])
+def test_a_device_twice_as_fast_gets_twice_the_work(fast, ratio):
+    import keras
+    import numpy as np
+    import tensorflow as tf
+
+    smp.init({"partitions": 2, "microbatches": 2, "cluster": _two_devices(fast, 1e11)})
+    keras.utils.set_random_seed(0)
+    inp = keras.Input((64,))
+    h = inp
+    for i in range(12):
+        h = keras.layers.Dense(64, activation="relu", name=f"d{i}")(h)
+    model = smp.DistributedModel(inp, h)
+
+    @smp.step
+    def step(x):
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_mean(model(x) ** 2)
+        return loss, tape.gradient(loss, model.trainable_variables)
+
+    plan = step.get_plan(tf.constant(np.ones((8, 64), "float32")))
+    flops = [r["flops"] for r in plan.summary()]
+    # By predicted time the stages are balanced: the fast device's stage
+    # does about `ratio` times the work (whole layers: within one layer).
+    assert flops[0] / flops[1] == pytest.approx(ratio, rel=0.25)
+    seconds = plan.stage_seconds()
+    assert max(seconds) / min(seconds) < 1.3
+    report = plan.report()
+    assert "declared devices (cluster)" in report and "h/CPU:1" in report

@@ -468,6 +468,15 @@ def _backward_window(
     return (first, last) if first <= last else None
 
 
+def _unequal(stage_speeds: Optional[Sequence[float]], num_partitions: int) -> bool:
+    """Whether `stage_speeds` asks for a speed-aware split (checked)."""
+    if stage_speeds is None:
+        return False
+    if len(stage_speeds) != num_partitions or any(not s > 0 for s in stage_speeds):
+        raise ValueError(f"stage_speeds needs {num_partitions} positive speeds. Received: {list(stage_speeds)}")
+    return max(stage_speeds) > min(stage_speeds) * (1 + 1e-9)
+
+
 def assign_partitions(
     graph: OpGraph,
     num_partitions: int,
@@ -484,6 +493,7 @@ def assign_partitions(
     recompute: str = "never",
     stage_overheads: Optional[Sequence[float]] = None,
     bound_shifts: Optional[Sequence[int]] = None,
+    stage_speeds: Optional[Sequence[float]] = None,
 ) -> List[int]:
     """Assigns every op of `graph` to a partition.
 
@@ -519,6 +529,10 @@ def assign_partitions(
             each partition keeping at least one unit
             (`smp_tf.memory.refine_memory_split` settles the split on the
             predicted peaks this way).
+        stage_speeds: with ``optimize="speed"`` and ``contiguous``, the
+            speed of each stage's device (any unit; `smp.cluster()`): the
+            split balances each stage's cost divided by its speed, its
+            predicted time, instead of its cost.
 
     Returns:
         The partition of each op, indexed like ``graph.ops``.
@@ -585,13 +599,23 @@ def assign_partitions(
                 if bound_shifts is not None:
                     bounds = _shift_bounds(bounds, bound_shifts)
                 costs = [static[g] + stage_multipliers[0] * kept[g] for g in unit_groups]
+            elif optimize == "speed" and _unequal(stage_speeds, num_partitions):
+                # Unequal devices: a stage's time is its cost over its
+                # device's speed, the multiplier of the stage-weighted split.
+                fastest = max(stage_speeds)
+                bounds = balance.stage_weighted_split(
+                    [0.0] * len(costs), costs, [fastest / s for s in stage_speeds], cuts, tolerance=tolerance)
             else:
                 bounds = balance.contiguous_split(costs, cuts, num_partitions, tolerance=tolerance, **limit_kw)
             for p in range(num_partitions):
                 for u in range(bounds[p], bounds[p + 1]):
                     part_of_group[unit_groups[u]] = p
-            bottleneck = max(balance.segment_costs(costs, bounds)) if costs else 0.0
-            _adjust_split(graph, groups, unit_groups, costs, part_of_group, num_partitions, bottleneck * (1 + tolerance))
+            if not (optimize == "speed" and _unequal(stage_speeds, num_partitions)):
+                # (Its bound is one cost for every partition: with unequal
+                # devices the exact split above stands as it is.)
+                bottleneck = max(balance.segment_costs(costs, bounds)) if costs else 0.0
+                _adjust_split(graph, groups, unit_groups, costs, part_of_group, num_partitions,
+                              bottleneck * (1 + tolerance))
         else:
             edges = _unit_edges(graph, groups, unit_of_group)
             parts = balance.balanced_assignment(
@@ -722,6 +746,9 @@ class PartitionPlan:
         # The device of each op within its partition's stage (index of
         # `op_graph.ops`); None without tensor parallelism.
         self.shard_of_op: Optional[List[int]] = None
+        # With a declared cluster (config key "cluster"): the
+        # `smp_tf.planner.resources.Device` of each stage.
+        self.stage_resources: Optional[List[Any]] = None
         self.assignment: Dict[str, int] = {
             op.name: p for op, p in zip(op_graph.ops, self.partition_of_op)
         }
@@ -808,9 +835,40 @@ class PartitionPlan:
                 f"{format_bytes(r['variable_bytes']):>10} {100 * r['variable_bytes'] / tot_v:>5.1f}% "
                 f"{r['flops'] / 1e9:>9.3f} {100 * r['flops'] / tot_f:>5.1f}%"
             )
+        if self.stage_resources:
+            lines.append("declared devices (cluster): speed on this graph's work, predicted compute per micro-batch")
+            for p, (device, seconds) in enumerate(zip(self.stage_resources, self.stage_seconds())):
+                speed = self.op_graph_speed(p)
+                lines.append(f"{p:>4}  {device.name:<{width}} {speed / 1e9:>9.2f} GFLOP/s {seconds * 1e3:>10.3f} ms")
         if self.shard_plan is not None:
             lines.append(self.shard_plan.summary())
         return "\n".join(lines)
+
+    def _stage_work(self, p: int) -> "tuple[Dict[str, float], int]":
+        from smp_tf.planner.resources import graph_flops_by_class
+
+        ops = [op for op, q in zip(self.op_graph.ops, self.partition_of_op) if q == p]
+        return graph_flops_by_class([op.type for op in ops], [op.flops for op in ops]), len(ops)
+
+    def stage_seconds(self) -> List[float]:
+        """Predicted compute seconds of each stage per micro-batch (forward
+        and backward) on its declared device: its ops' operations per cost
+        class at the device's speeds, plus its per-op overhead. Empty
+        without a declared cluster."""
+        if not self.stage_resources:
+            return []
+        out = []
+        for p, device in enumerate(self.stage_resources):
+            work, ops = self._stage_work(p)
+            out.append(device.seconds(work, ops))
+        return out
+
+    def op_graph_speed(self, p: int) -> float:
+        """Stage `p`'s declared device's speed on the stage's own work
+        (operations per second)."""
+        work, _ = self._stage_work(p)
+        seconds = self.stage_resources[p].seconds(work) if self.stage_resources else 0.0
+        return sum(work.values()) / seconds if seconds > 0 else 0.0
 
     def __repr__(self) -> str:
         return self.report()

@@ -40,7 +40,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
 
-__all__ = ["COST_CLASSES", "cost_class", "Device", "Link", "ResourceGraph"]
+__all__ = ["COST_CLASSES", "cost_class", "Device", "Link", "ResourceGraph", "stage_devices", "effective_speeds"]
 
 #: The cost classes of the flop model, each with its own measured speed.
 COST_CLASSES = ("matmul", "conv", "elementwise")
@@ -313,3 +313,29 @@ def graph_flops_by_class(op_types: Iterable[str], flops: Iterable[float]) -> Dic
     for t, f in zip(op_types, flops):
         out[cost_class(t)] += float(f)
     return out
+
+
+def stage_devices(graph: ResourceGraph, num_stages: int, partitions: int) -> List[Device]:
+    """The device of each pipeline stage (model chunk): stage ``c`` on the
+    graph's device ``c % partitions``, the devices in the graph's order.
+
+    Raises:
+        ValueError: the graph has fewer devices than `partitions`.
+    """
+    if len(graph.devices) < partitions:
+        raise ValueError(
+            f"The cluster has {len(graph.devices)} device(s) for partitions={partitions}: describe at least one "
+            "device per partition (their order is the stages' order)."
+        )
+    return [graph.devices[c % partitions] for c in range(num_stages)]
+
+
+def effective_speeds(devices: Sequence[Device], flops_by_class: Mapping[str, float], ops: int = 0) -> List[float]:
+    """Each device's speed on a workload of this mix (operations per second):
+    its total operations over the time the device takes for all of them, so
+    that a device fast at products and slow at element-wise ops counts as
+    fast for a graph of products."""
+    total = sum(flops_by_class.values())
+    if total <= 0:
+        return [1.0 for _ in devices]
+    return [total / max(d.seconds(flops_by_class, ops), 1e-30) for d in devices]
