@@ -157,3 +157,84 @@ def test_a_device_twice_as_fast_gets_twice_the_work(fast, ratio):
     assert max(seconds) / min(seconds) < 1.3
     report = plan.report()
     assert "declared devices (cluster)" in report and "h/CPU:1" in report
+
+
+# -- rank mapping ------------------------------------------------------------------
+
+def _two_hosts_of_four(slow_network=1e9):
+    def cpu(name, speed=1e11):
+        return {"name": name, "kind": "GPU", "memory": 2**34, "overhead": 0.0,
+                "flops": {"matmul": speed, "conv": speed, "elementwise": speed}}
+
+    return ResourceGraph.from_dict({
+        "hosts": {"a": {"devices": [cpu(f"GPU:{i}") for i in range(4)]},
+                  "b": {"devices": [cpu(f"GPU:{i}") for i in range(4)]}},
+        "links": {"host": {"bandwidth": 1e11, "latency": 1e-6},
+                  "network": {"bandwidth": slow_network, "latency": 1e-4}}})
+
+
+def _problem(replicas, stages, t, boundary, gradient, flops=1e9, m=4):
+    from smp_tf.planner.mapping import MappingProblem
+
+    work = {"matmul": flops, "conv": 0.0, "elementwise": 0.0}
+    return MappingProblem(replicas, stages, t, [work] * stages, boundary, gradient, m)
+
+
+@pytest.mark.parametrize("replicas, stages, t, boundary, gradient", [
+    (2, 4, 1, [1e8, 1e6, 1e8], [1e6] * 4),   # heavy pipeline traffic: each pipeline on one host
+    (2, 2, 2, [1e7], [1e9, 1e9]),            # heavy gradients, tensor-parallel pairs
+    (4, 2, 1, [1e8], [1e7, 1e7]),
+    (1, 4, 2, [1e6, 1e9, 1e6], [0] * 4),     # one pipeline over both hosts: cut at the light boundary
+])
+def test_the_heuristic_matches_brute_force_on_two_hosts_with_a_slow_link(replicas, stages, t, boundary, gradient):
+    from smp_tf.planner.mapping import _blocks, _heuristic, brute_force
+
+    graph = _two_hosts_of_four()
+    problem = _problem(replicas, stages, t, boundary, gradient)
+    exact = brute_force(problem, graph)
+    heuristic = _heuristic(problem, graph, _blocks(graph, t))
+    assert heuristic.step_seconds <= exact.step_seconds * 1.001, (heuristic.table(), exact.table())
+    # Tensor-parallel groups never span hosts.
+    for names in heuristic.devices.values():
+        assert len({n.split("/")[0] for n in names}) == 1
+
+
+def test_the_mapping_follows_the_traffic():
+    from smp_tf.planner.mapping import map_ranks
+
+    graph = _two_hosts_of_four()
+    # Heavy boundaries, light gradients: each replica's pipeline on one host.
+    m = map_ranks(_problem(2, 4, 1, [1e8] * 3, [1e3] * 4), graph)
+    assert m.method == "brute force"
+    for r in range(2):
+        assert len({m.devices[(r, p)][0].split("/")[0] for p in range(4)}) == 1
+    # One pipeline over both hosts crosses once, at its lightest boundary.
+    m = map_ranks(_problem(1, 4, 2, [1e9, 1e6, 1e9], [0] * 4), graph)
+    hosts = [m.devices[(0, p)][0].split("/")[0] for p in range(4)]
+    assert hosts[0] == hosts[1] and hosts[2] == hosts[3] and hosts[1] != hosts[2]
+    with pytest.raises(ValueError, match="need 5 groups of 2 device"):
+        map_ranks(_problem(1, 5, 2, [1.0] * 4, [0] * 5), graph)
+
+
+
+def test_the_heuristic_on_a_large_cluster_is_quick_and_no_worse_than_in_order():
+    import time
+
+    from smp_tf.planner.mapping import Mapping, map_ranks
+
+    def cpu(name, speed):
+        return {"name": name, "kind": "GPU", "memory": 2**34, "overhead": 0.0,
+                "flops": {"matmul": speed, "conv": speed, "elementwise": speed}}
+
+    # 8 hosts x 8 devices, two generations of devices.
+    graph = ResourceGraph.from_dict({
+        "hosts": {f"h{i}": {"devices": [cpu(f"GPU:{k}", 2e11 if i % 2 else 1e11) for k in range(8)]}
+                  for i in range(8)},
+        "links": {"host": {"bandwidth": 1e11, "latency": 1e-6}, "network": {"bandwidth": 1e9, "latency": 1e-4}}})
+    problem = _problem(4, 8, 2, [1e8] * 7, [1e8] * 8)
+    t0 = time.perf_counter()
+    m = map_ranks(problem, graph)
+    assert m.method == "heuristic" and time.perf_counter() - t0 < 30
+    names = [d.name for d in graph.devices]
+    in_order = Mapping({g: tuple(names[2 * i:2 * i + 2]) for i, g in enumerate(problem.groups)})
+    assert m.step_seconds <= problem.step_seconds(graph, in_order)

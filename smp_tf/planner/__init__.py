@@ -4,6 +4,8 @@
   cost class, per-op overhead) and links (bandwidth, latency); plain Python.
 * `calibrate` — this host's graph, measured by a short calibration and
   cached.
+* `mapping` — which devices run which stage of which replica (exact for
+  small clusters, a stated heuristic beyond); plain Python.
 
 `smp.cluster()` returns the graph a job plans for.
 """

@@ -140,6 +140,7 @@ class ResourceGraph:
     seconds: float = 0.0
 
     def __post_init__(self) -> None:
+        self._by_name = {d.name: d for d in self.devices}
         names = [d.name for d in self.devices]
         if not names:
             raise ValueError("A resource graph needs at least one device.")
@@ -180,6 +181,9 @@ class ResourceGraph:
 
     def device(self, name: str) -> Device:
         """The device named `name` (``host/name``, or ``name`` on one host)."""
+        found = self._by_name.get(name)
+        if found is not None:
+            return found
         for d in self.devices:
             if d.name == name or (len(self.hosts) == 1 and d.name.split("/", 1)[1] == name):
                 return d

@@ -1,0 +1,302 @@
+"""Rank mapping: which device runs which stage of which replica.
+
+A layout of ``R`` data-parallel replicas of a pipeline of ``P`` stages, each
+stage split over ``t`` devices (tensor parallelism), needs ``R * P * t``
+devices of a `ResourceGraph`. Which ones, and in which order, decides what
+each transfer costs:
+
+* a stage's ``t`` devices exchange partial sums every layer: they must share
+  a host (a hard rule: a stage's devices belong to one process);
+* consecutive stages of a replica exchange the boundary tensors of every
+  micro-batch: the heaviest boundaries want the fastest links;
+* the replicas of a stage all-reduce its gradients once per step: they can
+  take the slowest links.
+
+`MappingProblem.step_seconds` predicts a mapping's step time from the
+graph's speeds and links:
+
+    (M + P - 1) * max over (replica, stage) of [compute + send to next stage]
+    + max over stages of the all-reduce of its gradients (a ring over its
+      replicas' first devices: 2 (R-1)/R of the bytes over the ring's
+      slowest link, plus 2 (R-1) latencies)
+
+The first term is the pipeline (``M`` micro-batches through ``P`` stages,
+the slowest stage setting the pace); a stage's compute is its work at its
+slowest device's speed (its ``t`` devices work in step).
+
+`brute_force` tries every assignment of stage groups to blocks of devices
+(exact; small clusters only). `map_ranks` uses it up to a number of
+assignments, and beyond that a heuristic: each replica's stages on
+consecutive blocks, host by host (the fastest hosts and devices first), so
+that a pipeline crosses hosts as rarely as the sizes allow; then, while
+the predicted step time falls, the first move that lowers it (or keeps it
+and lowers the sum of every group's time, to leave a plateau of the
+maximum): two stage groups exchange their blocks, or one moves to an
+unused block. Plain
+Python.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional, Sequence, Tuple
+
+from smp_tf.planner.resources import ResourceGraph
+
+__all__ = ["MappingProblem", "Mapping", "brute_force", "map_ranks"]
+
+
+@dataclass(frozen=True)
+class MappingProblem:
+    """What a mapping is judged on.
+
+    Attributes:
+        replicas: data-parallel replicas ``R``.
+        stages: pipeline stages ``P``.
+        tensor_degree: devices per stage ``t``.
+        stage_flops: each stage's work per micro-batch, by cost class.
+        boundary_bytes: bytes stage ``p`` sends to stage ``p + 1`` per
+            micro-batch, forward and backward together (``P - 1`` entries).
+        gradient_bytes: bytes of each stage's gradients, all-reduced over
+            the replicas once per step.
+        microbatches: micro-batches per step ``M``.
+    """
+
+    replicas: int
+    stages: int
+    tensor_degree: int
+    stage_flops: Sequence[Dict[str, float]]
+    boundary_bytes: Sequence[float]
+    gradient_bytes: Sequence[float]
+    microbatches: int = 1
+
+    def __post_init__(self) -> None:
+        for name in ("replicas", "stages", "tensor_degree", "microbatches"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be at least 1. Received: {getattr(self, name)}")
+        if len(self.stage_flops) != self.stages or len(self.gradient_bytes) != self.stages:
+            raise ValueError(f"stage_flops and gradient_bytes need {self.stages} entries (one per stage).")
+        if len(self.boundary_bytes) != self.stages - 1:
+            raise ValueError(f"boundary_bytes needs {self.stages - 1} entries (one per boundary).")
+
+    @property
+    def groups(self) -> List[Tuple[int, int]]:
+        """The stage groups ``(replica, stage)``, replica by replica."""
+        return [(r, p) for r in range(self.replicas) for p in range(self.stages)]
+
+    def step_seconds(self, graph: ResourceGraph, mapping: "Mapping") -> float:
+        """The predicted step time of `mapping` (module doc)."""
+        return self.score(graph, mapping)[0]
+
+    def score(self, graph: ResourceGraph, mapping: "Mapping") -> Tuple[float, float]:
+        """(the predicted step time, the sum of every stage group's compute
+        and send and every stage's all-reduce): the second breaks ties of
+        the first, so that a search can leave a plateau of the maximum."""
+        return self._times(graph, mapping)[:2]
+
+    def critical(self, graph: ResourceGraph, mapping: "Mapping") -> List[Tuple[int, int]]:
+        """The stage groups on the critical path: the slowest (replica,
+        stage) and its next stage, and the replicas of the stage whose
+        all-reduce takes longest."""
+        return self._times(graph, mapping)[2]
+
+    def _times(self, graph: ResourceGraph, mapping: "Mapping"):
+        slowest = 0.0
+        total = 0.0
+        per_group: Dict[Tuple[int, int], float] = {}
+        per_stage: Dict[int, float] = {}
+        for r in range(self.replicas):
+            for p in range(self.stages):
+                devices = [graph.device(n) for n in mapping.devices[(r, p)]]
+                compute = max(d.seconds(self.stage_flops[p]) for d in devices)
+                send = 0.0
+                if p + 1 < self.stages:
+                    a, b = mapping.devices[(r, p)][0], mapping.devices[(r, p + 1)][0]
+                    send = graph.link(a, b).seconds(self.boundary_bytes[p])
+                slowest = max(slowest, compute + send)
+                total += compute + send
+                per_group[(r, p)] = compute + send
+        pipeline = (self.microbatches + self.stages - 1) * slowest
+        reduce = 0.0
+        if self.replicas > 1:
+            R = self.replicas
+            for p in range(self.stages):
+                ring = [mapping.devices[(r, p)][0] for r in range(R)]
+                links = [graph.link(ring[i], ring[(i + 1) % R]) for i in range(R)]
+                if self.gradient_bytes[p] <= 0:
+                    continue
+                bandwidth = min(l.bandwidth for l in links)
+                latency = max(l.latency for l in links)
+                seconds = 2 * (R - 1) / R * self.gradient_bytes[p] / bandwidth + 2 * (R - 1) * latency
+                reduce = max(reduce, seconds)
+                total += seconds
+                per_stage[p] = seconds
+        critical = set()
+        for (r, p), seconds in per_group.items():
+            if seconds >= slowest * (1 - 1e-9):
+                critical.update({(r, p), (r, min(p + 1, self.stages - 1))})
+        if per_stage:
+            worst = max(per_stage, key=per_stage.get)
+            critical.update((r, worst) for r in range(self.replicas))
+        return pipeline + reduce, total, sorted(critical)
+
+
+@dataclass
+class Mapping:
+    """Devices of each stage group: ``devices[(replica, stage)]`` is the
+    names of its ``t`` devices (the first is the stage's own)."""
+
+    devices: Dict[Tuple[int, int], Tuple[str, ...]]
+    step_seconds: float = math.inf
+    tried: int = 0
+    method: str = ""
+    notes: List[str] = field(default_factory=list)
+
+    def table(self) -> str:
+        """One line per stage group."""
+        lines = [f"rank mapping ({self.method}, {self.tried} tried): predicted step {self.step_seconds * 1e3:.3f} ms"]
+        for (r, p), names in sorted(self.devices.items()):
+            lines.append(f"  replica {r} stage {p}: {', '.join(names)}")
+        return "\n".join(lines)
+
+
+def _blocks(graph: ResourceGraph, t: int) -> List[Tuple[str, ...]]:
+    """The host-aligned blocks of ``t`` consecutive devices (a stage's devices)."""
+    out = []
+    for host in graph.hosts:
+        names = [d.name for d in graph.devices if d.host == host]
+        out.extend(tuple(names[i:i + t]) for i in range(0, len(names) - t + 1, t))
+    return out
+
+
+def _check_fits(problem: MappingProblem, blocks: Sequence[Tuple[str, ...]], graph: ResourceGraph) -> None:
+    need = problem.replicas * problem.stages
+    if len(blocks) < need:
+        raise ValueError(
+            f"{problem.replicas} replica(s) x {problem.stages} stage(s) x tensor_parallel_degree "
+            f"{problem.tensor_degree} need {need} groups of {problem.tensor_degree} device(s) of one host; "
+            f"the cluster has {len(blocks)} ({len(graph.devices)} devices on {len(graph.hosts)} host(s))."
+        )
+
+
+def brute_force(problem: MappingProblem, graph: ResourceGraph, limit: int = 200_000) -> Mapping:
+    """The best mapping, trying every assignment of stage groups to device
+    blocks (exact).
+
+    Raises:
+        ValueError: the cluster cannot hold the layout, or more than `limit`
+            assignments would be tried (use `map_ranks`).
+    """
+    blocks = _blocks(graph, problem.tensor_degree)
+    _check_fits(problem, blocks, graph)
+    groups = problem.groups
+    count = math.perm(len(blocks), len(groups))
+    if count > limit:
+        raise ValueError(f"{count} assignments to try (more than {limit}): use map_ranks for this cluster.")
+    best: Optional[Mapping] = None
+    for chosen in itertools.permutations(blocks, len(groups)):
+        m = Mapping(dict(zip(groups, chosen)))
+        m.step_seconds = problem.step_seconds(graph, m)
+        if best is None or m.step_seconds < best.step_seconds - 1e-15:
+            best = m
+    assert best is not None
+    best.tried, best.method = count, "brute force"
+    return best
+
+
+def map_ranks(problem: MappingProblem, graph: ResourceGraph, exact_limit: int = 50_000) -> Mapping:
+    """A good mapping: exact (`brute_force`) when at most `exact_limit`
+    assignments exist, else the heuristic of the module doc."""
+    blocks = _blocks(graph, problem.tensor_degree)
+    _check_fits(problem, blocks, graph)
+    if math.perm(len(blocks), len(problem.groups)) <= exact_limit:
+        return brute_force(problem, graph, limit=exact_limit)
+    return _heuristic(problem, graph, blocks)
+
+
+def _orders(problem: MappingProblem, hosts: int) -> List[List[Tuple[int, int]]]:
+    """Orders in which stage groups take the blocks (host by host).
+
+    Replica-major (each replica's pipeline on consecutive blocks: the
+    boundaries stay within hosts), and, for S = 2 .. hosts segments, the
+    pipeline cut at its S - 1 lightest boundaries with each segment's
+    groups of all replicas together (the pipeline crosses hosts at light
+    boundaries, and a stage's replicas share a host for their all-reduce).
+    """
+    P, R = problem.stages, problem.replicas
+    orders = [[(r, p) for r in range(R) for p in range(P)]]
+    for segments in range(2, min(P, hosts) + 1):
+        cuts = sorted(sorted(range(P - 1), key=lambda i: problem.boundary_bytes[i])[:segments - 1])
+        bounds = [0] + [c + 1 for c in cuts] + [P]
+        orders.append([(r, p) for a, b in zip(bounds, bounds[1:]) for r in range(R) for p in range(a, b)])
+    return orders
+
+
+def _heuristic(problem: MappingProblem, graph: ResourceGraph, blocks: List[Tuple[str, ...]]) -> Mapping:
+    # Blocks host by host (the hosts with the most speed first, each host's
+    # fastest blocks first), taken in each order of `_orders`; from each,
+    # local moves (`_descend`); the best result.
+    speed = {d.name: d.speed() for d in graph.devices}
+    by_host: Dict[str, List[Tuple[str, ...]]] = {}
+    for b in blocks:
+        by_host.setdefault(graph.device(b[0]).host, []).append(b)
+    ordered = [b for h in sorted(by_host, key=lambda h: -sum(speed[b[0]] for b in by_host[h]))
+               for b in sorted(by_host[h], key=lambda b: -min(speed[n] for n in b))]
+    best: Optional[Tuple[Tuple[float, float], Mapping]] = None
+    tried = 0
+    n = len(problem.groups)
+    for order in _orders(problem, len(by_host)):
+        m = Mapping(dict(zip(order, ordered[:n])))
+        score, count = _descend(problem, graph, m, list(ordered[n:]))
+        tried += count
+        if best is None or _better(score, best[0]):
+            best = (score, m)
+    assert best is not None
+    score, m = best
+    m.step_seconds, m.tried, m.method = score[0], tried, "heuristic"
+    return m
+
+
+def _descend(problem: MappingProblem, graph: ResourceGraph, m: Mapping,
+             unused: List[Tuple[str, ...]], max_tries: int = 5_000) -> Tuple[Tuple[float, float], int]:
+    """Applies the first improving move (`_better`) until none improves:
+    two stage groups exchange their blocks, or one moves to an unused
+    block. Changes `m` in place; returns its score and the mappings tried."""
+    score = problem.score(graph, m)
+    tried = 1
+    improved = True
+    # On a large layout only moves of the critical groups are tried (the
+    # others cannot lower the maximum), within a bound on the mappings.
+    small = len(m.devices) <= 16
+    while improved and tried < max_tries:
+        improved = False
+        keys = list(m.devices)
+        movers = keys if small else problem.critical(graph, m)
+        moves = [("swap", a, b) for a, b in itertools.combinations(keys, 2)] if small else [
+            ("swap", a, b) for a in movers for b in keys if b != a]
+        moves += [("move", a, u) for a in movers for u in range(len(unused))]
+        for kind, a, b in moves:
+            trial = dict(m.devices)
+            if kind == "swap":
+                trial[a], trial[b] = trial[b], trial[a]
+            else:
+                trial[a] = unused[b]
+            trial_score = problem.score(graph, Mapping(trial))
+            tried += 1
+            if _better(trial_score, score):
+                if kind == "move":
+                    unused[b] = m.devices[a]
+                m.devices, score = trial, trial_score
+                improved = True
+                break
+    return score, tried
+
+
+def _better(a: Tuple[float, float], b: Tuple[float, float]) -> bool:
+    """Whether score `a` is better than `b`: a lower step time, or the same
+    (within rounding) and a lower total."""
+    if a[0] < b[0] * (1 - 1e-12):
+        return True
+    return a[0] <= b[0] * (1 + 1e-12) and a[1] < b[1] * (1 - 1e-12)
