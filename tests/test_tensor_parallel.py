@@ -525,6 +525,9 @@ def test_keras_hub_gated_mlps_and_grouped_query_attention_are_found_and_match_th
         for name in ("query", "key", "value"):
             assert specs[f"{b}{attention}{name}/kernel"] == by_head
         assert specs[f"{b}{attention}attention_output/kernel"] == ("tensor", None, None)
+    # The (untied) token embedding by vocabulary rows, stored in pieces.
+    table = next(k for k in specs if k.endswith("token_embedding/embeddings"))
+    assert specs[table] == ("tensor", None) and table in step.last_plan.shard_plan.stored_split
     np.testing.assert_allclose([float(v) for v in loss.outputs], [float(r[0]) for r in refs], rtol=1e-6)
     floor = 1e-3 * max(float(np.max(np.abs(tf.convert_to_tensor(g)))) for r in refs for g in r[1] if g is not None)
     for k in range(M):

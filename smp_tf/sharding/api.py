@@ -7,7 +7,7 @@ from typing import Any, Dict, Mapping, Optional, Sequence
 import tensorflow as tf
 from tensorflow.core.framework import attr_value_pb2
 
-from smp_tf.sharding.builtin import attention_layouts, output_layer_layouts, pair_layouts
+from smp_tf.sharding.builtin import attention_layouts, embedding_layouts, output_layer_layouts, pair_layouts
 from smp_tf.sharding.completion import ShardGraph
 from smp_tf.sharding import storage
 from smp_tf.sharding.layout_map import resolve_layout
@@ -68,6 +68,10 @@ def variable_layouts(
     # Each built-in rule splits only dimensions that t divides.
     for path, spec in attention_layouts(layers, t).items():
         if path in shapes:
+            out[path] = spec
+    # Embedding tables by vocabulary rows (a tied one is already decided).
+    for path, spec in embedding_layouts(layers, t).items():
+        if path in shapes and path not in out:
             out[path] = spec
     return out
 

@@ -339,3 +339,22 @@ def _head_dim_of_kernel(projection: Any, output: bool) -> Optional[int]:
     if len(side) < 2 or side[-2] not in kernel:
         return None
     return kernel.index(side[-2])
+
+
+def embedding_layouts(layers: Sequence[Any], t: int) -> Dict[str, ShardSpec]:
+    """Variable path -> layout for the `keras.layers.Embedding` layers (and
+    subclasses: keras_hub's token embeddings) among `layers`: the table
+    split by vocabulary rows (its lookup is then masked per device, and the
+    pieces added: exact). Tables whose vocabulary `t` does not divide stay
+    whole."""
+    import keras
+
+    out: Dict[str, ShardSpec] = {}
+    for layer in layers:
+        if not isinstance(layer, keras.layers.Embedding):
+            continue
+        table = getattr(layer, "embeddings", None)
+        shape = tuple(getattr(table, "shape", ()))
+        if len(shape) == 2 and shape[0] % t == 0 and shape[0] >= t:
+            out[table.path] = ShardSpec((TENSOR, None))
+    return out
