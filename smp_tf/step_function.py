@@ -101,17 +101,18 @@ def _memory_budget(cfg: Any) -> Optional[int]:
     return min(limits) if limits else None
 
 
-def _stage_resources(cfg: Any, graph: Any) -> Tuple[Optional[List[Any]], Optional[List[float]]]:
-    """The declared device of each stage and its speed on `graph`'s mix of
-    work, when the config has a ``cluster``; (None, None) otherwise."""
+def _stage_resources(cfg: Any, graph: Any) -> Tuple[Any, Optional[List[Any]], Optional[List[float]]]:
+    """The declared cluster, the device of each stage and its speed on
+    `graph`'s mix of work, when the config has a ``cluster``; Nones otherwise."""
     if cfg.cluster is None:
-        return None, None
+        return None, None, None
     from smp_tf.planner import resource_graph_of
     from smp_tf.planner.resources import effective_speeds, graph_flops_by_class, stage_devices
 
-    devices = stage_devices(resource_graph_of(cfg.cluster), cfg.num_stages, cfg.partitions)
+    cluster = resource_graph_of(cfg.cluster)
+    devices = stage_devices(cluster, cfg.num_stages, cfg.partitions)
     mix = graph_flops_by_class([op.type for op in graph.ops], [op.flops for op in graph.ops])
-    return devices, effective_speeds(devices, mix)
+    return cluster, devices, effective_speeds(devices, mix)
 
 
 def _split_storage(plan: PartitionPlan) -> Tuple[Dict[str, int], Optional[List[List[str]]]]:
@@ -327,7 +328,7 @@ class StepFunction:
         multipliers = stage_multipliers(cfg.num_stages, cfg.microbatches, cfg.pipeline, num_devices=cfg.partitions)
         # Declared devices (config key "cluster"): each stage's device speed
         # on this graph's mix of products, convolutions and the rest.
-        stage_resources, speeds = _stage_resources(cfg, traced.op_graph)
+        cluster, stage_resources, speeds = _stage_resources(cfg, traced.op_graph)
 
         def assign(overheads: Optional[Sequence[float]] = None, shifts: Optional[Sequence[int]] = None) -> List[int]:
             return assign_partitions(
@@ -385,7 +386,7 @@ class StepFunction:
             lambda: traced.graph, traced.op_graph, assignment, cfg.num_stages, devices,
             traced.view_seconds + time.perf_counter() - t1,
         )
-        plan.stage_resources = stage_resources
+        plan.stage_resources, plan.cluster = stage_resources, cluster
         plan.trace_seconds = t1 - t0 - traced.view_seconds
         plan.view_seconds = traced.view_seconds
         plan.shard_plan = shard_plan

@@ -157,6 +157,10 @@ def test_a_device_twice_as_fast_gets_twice_the_work(fast, ratio):
     assert max(seconds) / min(seconds) < 1.3
     report = plan.report()
     assert "declared devices (cluster)" in report and "h/CPU:1" in report
+    # Each stage sends its boundary tensors over the declared link (10 GB/s,
+    # 10 us each): stage 0 its activations forward, stage 1 the gradients back.
+    sends = plan.stage_send_seconds()
+    assert all(s >= 1e-5 for s in sends) and all(s < 1e-3 for s in sends)
 
 
 # -- rank mapping ------------------------------------------------------------------

@@ -749,6 +749,8 @@ class PartitionPlan:
         # With a declared cluster (config key "cluster"): the
         # `smp_tf.planner.resources.Device` of each stage.
         self.stage_resources: Optional[List[Any]] = None
+        # ... and the `smp_tf.planner.resources.ResourceGraph` they are in.
+        self.cluster: Any = None
         self.assignment: Dict[str, int] = {
             op.name: p for op, p in zip(op_graph.ops, self.partition_of_op)
         }
@@ -836,10 +838,13 @@ class PartitionPlan:
                 f"{r['flops'] / 1e9:>9.3f} {100 * r['flops'] / tot_f:>5.1f}%"
             )
         if self.stage_resources:
-            lines.append("declared devices (cluster): speed on this graph's work, predicted compute per micro-batch")
+            lines.append("declared devices (cluster): speed on this graph's work, predicted compute and sends "
+                         "per micro-batch")
+            sends = self.stage_send_seconds()
             for p, (device, seconds) in enumerate(zip(self.stage_resources, self.stage_seconds())):
                 speed = self.op_graph_speed(p)
-                lines.append(f"{p:>4}  {device.name:<{width}} {speed / 1e9:>9.2f} GFLOP/s {seconds * 1e3:>10.3f} ms")
+                lines.append(f"{p:>4}  {device.name:<{width}} {speed / 1e9:>9.2f} GFLOP/s {seconds * 1e3:>10.3f} ms "
+                             f"compute {sends[p] * 1e3:>9.3f} ms sends")
         if self.shard_plan is not None:
             lines.append(self.shard_plan.summary())
         return "\n".join(lines)
@@ -861,6 +866,20 @@ class PartitionPlan:
         for p, device in enumerate(self.stage_resources):
             work, ops = self._stage_work(p)
             out.append(device.seconds(work, ops))
+        return out
+
+    def stage_send_seconds(self) -> List[float]:
+        """Predicted seconds each stage spends per micro-batch sending the
+        tensors other stages read, over the declared links (each tensor
+        once per reading stage). Empty without a declared cluster."""
+        if not self.stage_resources or self.cluster is None:
+            return []
+        out = [0.0] * len(self.stage_resources)
+        for t in self.op_graph.tensors:
+            p = self.partition_of_op[t.producer]
+            for q in {self.partition_of_op[c] for c in t.consumers} - {p}:
+                link = self.cluster.link(self.stage_resources[p].name, self.stage_resources[q].name)
+                out[p] += link.seconds(t.bytes)
         return out
 
     def op_graph_speed(self, p: int) -> float:
