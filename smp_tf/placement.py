@@ -437,10 +437,12 @@ def place_variables(
         if getattr(v, _PLACED, None) == generation or cap.key not in partition_of_variable:
             where[cap.key] = v.device
             continue
-        if storage.is_sharded(v):
-            # Split for an earlier smp.init: whole again before it is placed.
-            moved[id(storage.unshard_variable(v))] = v.handle
         device = devices[partition_of_variable[cap.key]]
+        if storage.is_sharded(v):
+            # Split for an earlier smp.init: whole again before it is placed
+            # (and its slots with it, below).
+            moved[id(storage.unshard_variable(v))] = v.handle
+            moved_variables[id(v)] = device
         if cap.key in split and stage_devices is not None:
             pieces_on = list(stage_devices[partition_of_variable[cap.key]])
             old = storage.shard_variable(v, split[cap.key], pieces_on)

@@ -619,3 +619,38 @@ def test_a_gpt2_whose_embedding_exceeds_the_budget_trains_on_four_devices():
     from smp_tf.sharding import storage
 
     assert [tuple(p.shape) for p in storage.shards_of(table)] == [(vocab // 2, 32)] * 2
+
+
+def test_a_later_init_gathers_split_variables_and_their_slots_whole_and_splits_them_again():
+    from smp_tf.sharding import storage
+
+    x, y = _data()
+    model = None
+    losses, reference = [], []
+    opt = keras.optimizers.Adam(0.01)
+    for config in ({"partitions": 2, "tensor_parallel_degree": 2}, {"partitions": 2},
+                   {"partitions": 1, "tensor_parallel_degree": 2}):
+        smp.init(dict(config, microbatches=2))
+        model = model or _mlp(width=64)
+        if not reference:
+            twin = keras.models.clone_model(model)
+            twin.set_weights(model.get_weights())
+            twin_opt = keras.optimizers.Adam(0.01)
+        step = smp.step(_body(model))
+
+        @tf.function
+        def train(x, y):
+            loss, grads = step(x, y)
+            opt.apply_gradients(zip([g.accumulate() for g in grads], model.trainable_variables))
+            return loss.reduce_mean()
+
+        losses.append(float(train(tf.constant(x), tf.constant(y))))
+        kernel = model.get_layer("up").kernel
+        moments = [v for v in opt.variables if v.path.split("/")[-1].startswith("up_kernel")]
+        split = config.get("tensor_parallel_degree", 1) > 1
+        assert storage.is_sharded(kernel) == split and all(storage.is_sharded(m) == split for m in moments)
+        # The single-device loop, for the losses.
+        outs = [_body(twin)(tf.constant(x[k::2]), tf.constant(y[k::2])) for k in range(2)]
+        twin_opt.apply_gradients(zip([(a + b) / 2 for a, b in zip(outs[0][1], outs[1][1])], twin.trainable_variables))
+        reference.append(float(np.mean([float(l) for l, _ in outs])))
+    np.testing.assert_allclose(losses, reference, rtol=1e-5)
