@@ -337,7 +337,7 @@ class CompiledStep:
         cfg: Config,
         recompute: Optional[Sequence[str]] = None,
         optimizer: Any = None,
-        budget: Optional[int] = None,
+        budget: Any = None,
     ) -> None:
         """
         Args:
@@ -349,7 +349,7 @@ class CompiledStep:
                 `budget` (`smp_tf.memory.choose_recompute`).
             optimizer: the optimizer that applies the gradients, if known
                 (unknown, the budget check counts Adam's two slots).
-            budget: bytes per device (None: no limit).
+            budget: bytes per device, or device -> bytes (each device's own; None: no limit).
 
         Raises:
             MemoryBudgetError: the layout does not fit `budget`.
@@ -641,7 +641,7 @@ class CompiledStep:
     def memory_report(
         self,
         optimizer: Any = None,
-        budget: Optional[int] = None,
+        budget: Any = None,
         workspace: Optional[Dict[Tuple[int, int], int]] = None,
         slots: Optional[float] = None,
     ) -> MemoryReport:

@@ -303,7 +303,9 @@ class MemoryReport:
         measured_process_peak: the measured peak of one shared allocator
             (logical CPU devices with ``TF_CPU_ALLOCATOR_USE_BFC=true``).
         method: how ``measured`` was obtained, in words.
-        budget: the configured ``memory_budget`` (None: none).
+        budget: the configured ``memory_budget`` (None: none), or each
+            device's own (a mapping device -> bytes, from a declared
+            ``cluster``'s memory).
         schedule: the schedule kind and micro-batch count it was predicted for.
     """
 
@@ -312,7 +314,7 @@ class MemoryReport:
     process_peak: int = 0
     measured_process_peak: Optional[int] = None
     method: str = ""
-    budget: Optional[int] = None
+    budget: Any = None
     schedule: str = ""
 
     def __getitem__(self, p: int) -> PartitionMemory:
@@ -344,7 +346,7 @@ class MemoryReport:
         """The report as a table (one row per partition)."""
         head = f"Memory per partition ({self.schedule})" if self.schedule else "Memory per partition"
         if self.budget is not None:
-            head += f", budget {format_bytes(self.budget)} per device"
+            head += f", budget {format_budget(self.budget)}"
         cols = ("variables", "optimizer", "gradients", "activations", "buffers", "transient", "total", "measured")
         # Devices of other processes (`pipeline_processes`) carry their job
         # and task, longer than a local device's name.
@@ -601,7 +603,7 @@ def predict_memory(
     optimizer_bytes: Optional[Mapping[int, int]] = None,
     recompute: Sequence[str] = (),
     devices: Sequence[str] = (),
-    budget: Optional[int] = None,
+    budget: Any = None,
     workspace: Optional[Mapping[Tuple[int, int], int]] = None,
     cpu_kernel_scratch: bool = True,
     shard_of_op: Optional[Sequence[int]] = None,
@@ -1061,11 +1063,32 @@ def _simulated_multipliers(num_devices: int, virtual_stages: int, num_microbatch
 _ESCALATION = ("never", "selective", "full")
 
 
+def budget_of(budget: Any, device: str) -> Optional[int]:
+    """A device's bytes under `budget`: one figure for every device, or a
+    mapping device -> bytes (each device's own capacity; a device it does
+    not name has no limit)."""
+    if budget is None or isinstance(budget, int):
+        return budget
+    return budget.get(device)
+
+
+def _over(budget: Any, device: str, load: int) -> bool:
+    limit = budget_of(budget, device)
+    return limit is not None and load > limit
+
+
+def format_budget(budget: Any) -> str:
+    """A budget for messages and reports."""
+    if isinstance(budget, int):
+        return f"{format_bytes(budget)} per device"
+    return "per device " + ", ".join(f"{d} {format_bytes(n)}" for d, n in budget.items())
+
+
 def choose_recompute(
     predict: Callable[[Sequence[str]], MemoryReport],
     num_partitions: int,
     requested: str,
-    budget: Optional[int],
+    budget: Any,
 ) -> Tuple[List[str], MemoryReport]:
     """Each partition's recompute mode, and the report it gives.
 
@@ -1085,7 +1108,8 @@ def choose_recompute(
         predict: recompute mode per partition -> the predicted report.
         num_partitions: number of partitions.
         requested: the configured ``recompute``.
-        budget: bytes per device, or None.
+        budget: bytes per device, a mapping device -> bytes (each
+            device's own capacity, `budget_of`), or None.
 
     Returns:
         (modes, report).
@@ -1119,7 +1143,8 @@ def choose_recompute(
         loads = report.device_totals()
         over = [
             r.partition for r in report
-            if loads[_device_of(r)] > budget and r.partition not in stuck and next_mode(r.partition) is not None
+            if _over(budget, _device_of(r), loads[_device_of(r)]) and r.partition not in stuck
+            and next_mode(r.partition) is not None
         ]
         if not over:
             break
@@ -1144,30 +1169,32 @@ def choose_recompute(
             tried[p] = modes[p]
         modes = tried
         report = predict(modes) if useless else attempt
-    if any(load > budget for load in report.device_totals().values()):
+    if any(_over(budget, d, load) for d, load in report.device_totals().items()):
         raise MemoryBudgetError(_budget_message(report, budget, requested, predict, modes))
     return modes, report
 
 
-def _budget_message(report: MemoryReport, budget: int, requested: str, predict, modes: Sequence[str]) -> str:
+def _budget_message(report: MemoryReport, budget: Any, requested: str, predict, modes: Sequence[str]) -> str:
     loads = report.device_totals()
     shared = len(loads) < len(report.partitions)
     rows = ", ".join(
         f"partition {r.partition} {format_bytes(r.total)} (activations {format_bytes(r.activations)}, "
-        f"recompute={r.recompute!r})" + (" OVER" if loads[_device_of(r)] > budget and not shared else "")
+        f"recompute={r.recompute!r})" + (" OVER" if _over(budget, _device_of(r), loads[_device_of(r)])
+                                         and not shared else "")
         for r in report
     )
-    if shared:
-        # Several partitions per device (virtual stages): the budget holds
-        # for their sum.
-        rows += ". Per device, the sum of its partitions: " + ", ".join(
-            f"{d} {format_bytes(n)}" + (" OVER" if n > budget else "") for d, n in loads.items()
+    if shared or report.devices:
+        # Several partitions per device (virtual stages), or several devices
+        # per partition (tensor parallelism): the budget holds per device.
+        rows += (". Per device, the sum of its partitions: " if shared else ". Per device: ") + ", ".join(
+            f"{d} {format_bytes(n)}" + (" OVER" if _over(budget, d, n) else "") for d, n in loads.items()
         )
     hints = []
     if any(m != "full" for m in modes):
         full = predict(["full"] * len(modes))
+        fits = not any(_over(budget, d, n) for d, n in full.device_totals().items())
         full_peak = max(full.device_totals().values(), default=0)
-        verdict = "fits" if full_peak <= budget else "still does not fit"
+        verdict = "fits" if fits else "still does not fit"
         what = "largest device sum" if shared else "largest peak"
         hints.append(f"recompute='full' (predicted {what} {format_bytes(full_peak)}: {verdict})")
         if requested != "auto":
@@ -1179,10 +1206,13 @@ def _budget_message(report: MemoryReport, budget: int, requested: str, predict, 
         hints.append("pipeline='interleaved' (stage p keeps at most P - p micro-batches, not all)")
     if not shared:
         hints.append("optimize='memory' (balance the predicted peak)")
+    what = (f"memory_budget={budget} ({format_budget(budget)})" if isinstance(budget, int)
+            else f"the devices' memory ({format_budget(budget)})")
     return (
-        f"The step does not fit memory_budget={budget} ({format_bytes(budget)} per device) under "
+        f"The step does not fit {what} under "
         f"{report.schedule or 'this schedule'}. Predicted peaks: {rows}. The smallest changes that "
-        f"may fit: {'; '.join(hints)}. Or raise memory_budget."
+        f"may fit: {'; '.join(hints)}. "
+        + ("Or raise memory_budget." if isinstance(budget, int) else "Or declare more memory (or raise memory_budget).")
     )
 
 

@@ -86,9 +86,23 @@ def stage_devices(cfg: Any, devices: Sequence[str]) -> List[str]:
     return [devices[c % cfg.partitions] for c in range(cfg.num_stages)]
 
 
-def _memory_budget(cfg: Any) -> Optional[int]:
+def _memory_budget(cfg: Any) -> Any:
     """``memory_budget``, or on GPUs split into logical GPUs with memory
-    limits, the smallest limit."""
+    limits, the smallest limit. With a declared ``cluster`` whose devices
+    give their memory, each device's own: device -> bytes (the smaller of
+    its memory and ``memory_budget``), the cluster's devices taken in the
+    order this process's devices are (`_local_devices_in_order`)."""
+    if cfg.cluster is not None:
+        from smp_tf.planner import resource_graph_of
+
+        declared = resource_graph_of(cfg.cluster).devices
+        own = {}
+        for local, device in zip(_local_devices_in_order(), declared):
+            limits = [x for x in (device.memory, cfg.memory_budget) if x]
+            if limits:
+                own[local] = min(limits)
+        if own:
+            return own
     if cfg.memory_budget is not None:
         return cfg.memory_budget
     if state.topology().kind != "GPU":
@@ -99,6 +113,17 @@ def _memory_budget(cfg: Any) -> Optional[int]:
             if logical.memory_limit:
                 limits.append(int(logical.memory_limit) * 2**20)
     return min(limits) if limits else None
+
+
+def _local_devices_in_order() -> List[str]:
+    """This process's devices in stage order (each stage's tensor-parallel
+    devices together)."""
+    topo = state.topology()
+    groups = topo.tensor_devices or [(d,) for d in topo.devices]
+    out: List[str] = []
+    for g in groups:
+        out.extend(d for d in g if d not in out)
+    return out
 
 
 def _stage_resources(cfg: Any, graph: Any) -> Tuple[Any, Optional[List[Any]], Optional[List[float]]]:

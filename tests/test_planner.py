@@ -242,3 +242,48 @@ def test_the_heuristic_on_a_large_cluster_is_quick_and_no_worse_than_in_order():
     names = [d.name for d in graph.devices]
     in_order = Mapping({g: tuple(names[2 * i:2 * i + 2]) for i, g in enumerate(problem.groups)})
     assert m.step_seconds <= problem.step_seconds(graph, in_order)
+
+
+def test_each_declared_device_is_bounded_by_its_own_memory():
+    import keras
+    import numpy as np
+    import tensorflow as tf
+
+    import smp_tf.memory as memory
+
+    def build():
+        keras.utils.set_random_seed(0)
+        inp = keras.Input((64,))
+        h = inp
+        for i in range(4):
+            h = keras.layers.Dense(256, activation="relu", name=f"d{i}")(h)
+        return smp.DistributedModel(inp, keras.layers.Dense(4)(h))
+
+    def body_of(model):
+        def body(x):
+            with tf.GradientTape() as tape:
+                loss = tf.reduce_mean(model(x) ** 2)
+            return loss, tape.gradient(loss, model.trainable_variables)
+        return body
+
+    x = np.ones((8, 64), "float32")
+    spec = _two_devices(1e11, 1e11)
+    for d in spec["hosts"]["h"]["devices"]:
+        d["memory"] = 2**30
+    smp.init({"partitions": 2, "microbatches": 2, "cluster": spec})
+    step = smp.step(body_of(build()))
+    step(tf.constant(x))
+    report = step.memory_report(keras.optimizers.Adam())
+    assert report.budget == {"/device:CPU:0": 2**30, "/device:CPU:1": 2**30}
+    peaks = report.device_totals()
+    # The second device holds less than its first stage's peak: that layout
+    # does not fit it, and the error names it; the first still fits.
+    spec["hosts"]["h"]["devices"][1]["memory"] = peaks["/device:CPU:1"] - 1
+    smp.init({"partitions": 2, "microbatches": 2, "cluster": spec})
+    with pytest.raises(memory.MemoryBudgetError, match=r"/device:CPU:1 .* OVER") as raised:
+        smp.step(body_of(build()))(tf.constant(x))
+    assert "/device:CPU:0" in str(raised.value) and "the devices' memory" in str(raised.value)
+    # memory_budget lowers a declared device's memory, never raises it.
+    smp.init({"partitions": 2, "microbatches": 2, "cluster": spec, "memory_budget": 2**40})
+    with pytest.raises(memory.MemoryBudgetError):
+        smp.step(body_of(build()))(tf.constant(x))
