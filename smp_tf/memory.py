@@ -905,6 +905,7 @@ def refine_memory_split(
     rounds: int = 3,
     moves: int = 0,
     device_of_partition: Optional[Sequence[int]] = None,
+    capacity: Optional[Mapping[Tuple[int, int], float]] = None,
 ) -> List[int]:
     """A contiguous memory split that also balances what it cannot model per unit.
 
@@ -944,20 +945,26 @@ def refine_memory_split(
         moves: how many boundary moves at most (0: none).
         device_of_partition: the device number of each partition; None:
             one partition per device.
+        capacity: (device number, device within the stage) -> the device's
+            memory (declared devices of unequal memory): each device's
+            figure is then its share of its memory, so a device with
+            three times the memory gets about three times the bytes.
     """
 
     def device(p: int) -> int:
         return p if device_of_partition is None else device_of_partition[p]
 
-    def loads(report: MemoryReport) -> Dict[Tuple[int, int], int]:
+    def loads(report: MemoryReport) -> Dict[Tuple[int, int], float]:
         """(device, device within the stage) -> its figure."""
-        out: Dict[Tuple[int, int], int] = {}
+        out: Dict[Tuple[int, int], float] = {}
         for r in report.devices or report.partitions:
             key = (device(r.partition), r.shard or 0)
             out[key] = out.get(key, 0) + r.total
+        if capacity:
+            out = {k: v / capacity[k] if capacity.get(k) else v for k, v in out.items()}
         return out
 
-    def worst(report: MemoryReport) -> int:
+    def worst(report: MemoryReport) -> float:
         return max(loads(report).values(), default=0)
 
     current = assign(None)

@@ -115,6 +115,18 @@ def _memory_budget(cfg: Any) -> Any:
     return min(limits) if limits else None
 
 
+def _device_capacities(cfg: Any) -> Optional[Dict[Tuple[int, int], float]]:
+    """(device number, device within the stage) -> its bytes, when every
+    device has its own (`_memory_budget` from a declared cluster)."""
+    budget = _memory_budget(cfg)
+    if not isinstance(budget, dict):
+        return None
+    topo = state.topology()
+    groups = topo.tensor_devices or [(d,) for d in topo.devices]
+    out = {(d, k): float(budget[name]) for d, g in enumerate(groups) for k, name in enumerate(g) if name in budget}
+    return out if len(out) == sum(len(g) for g in groups) else None
+
+
 def _local_devices_in_order() -> List[str]:
     """This process's devices in stage order (each stage's tensor-parallel
     devices together)."""
@@ -403,6 +415,7 @@ class StepFunction:
                 ),
                 moves=MEMORY_SPLIT_MOVES,
                 device_of_partition=device_of,
+                capacity=_device_capacities(cfg),
             )
         else:
             assignment = assign()

@@ -287,3 +287,38 @@ def test_each_declared_device_is_bounded_by_its_own_memory():
     smp.init({"partitions": 2, "microbatches": 2, "cluster": spec, "memory_budget": 2**40})
     with pytest.raises(memory.MemoryBudgetError):
         smp.step(body_of(build()))(tf.constant(x))
+
+
+def test_optimize_memory_fills_each_declared_device_by_its_share_of_memory():
+    import keras
+    import numpy as np
+    import tensorflow as tf
+
+    def peaks(memory):
+        spec = _two_devices(1e11, 1e11)
+        for d, m in zip(spec["hosts"]["h"]["devices"], memory):
+            d["memory"] = m
+        smp.init({"partitions": 2, "microbatches": 2, "optimize": "memory", "cluster": spec})
+        keras.utils.set_random_seed(0)
+        inp = keras.Input((128,))
+        h = inp
+        for i in range(12):
+            h = keras.layers.Dense(128, activation="relu", name=f"d{i}")(h)
+        model = smp.DistributedModel(inp, h)
+
+        @smp.step
+        def step(x):
+            with tf.GradientTape() as tape:
+                loss = tf.reduce_mean(model(x) ** 2)
+            return loss, tape.gradient(loss, model.trainable_variables)
+
+        step(tf.constant(np.ones((8, 128), "float32")))
+        totals = step.memory_report(keras.optimizers.Adam()).device_totals()
+        return totals["/device:CPU:0"], totals["/device:CPU:1"]
+
+    even = peaks([2**30, 2**30])
+    uneven = peaks([2**30, 3 * 2**30])
+    # Equal memory: about equal peaks. Three times the memory on the second
+    # device: it takes more of the model, the first less.
+    assert 0.7 < even[0] / even[1] < 1.4, even
+    assert uneven[1] / uneven[0] > 1.5 * even[1] / even[0], (even, uneven)
