@@ -437,25 +437,12 @@ def place_variables(
         if getattr(v, _PLACED, None) == generation or cap.key not in partition_of_variable:
             where[cap.key] = v.device
             continue
-        device = devices[partition_of_variable[cap.key]]
-        if storage.is_sharded(v):
-            # Split for an earlier smp.init: whole again before it is placed
-            # (and its slots with it, below).
-            moved[id(storage.unshard_variable(v))] = v.handle
-            moved_variables[id(v)] = device
-        if cap.key in split and stage_devices is not None:
-            pieces_on = list(stage_devices[partition_of_variable[cap.key]])
-            old = storage.shard_variable(v, split[cap.key], pieces_on)
-            moved[id(old)] = v.handle
-            moved_variables[id(v)] = (split[cap.key], pieces_on)
-        else:
-            old = relocate_variable(v, device)
-            if old is not None:
-                moved[id(old)] = v.handle
-                moved_variables[id(v)] = device
+        p = partition_of_variable[cap.key]
+        split_on = (split[cap.key], list(stage_devices[p])) if cap.key in split and stage_devices is not None else None
+        _place(v, devices[p], split_on, moved, moved_variables)
         setattr(v, _PLACED, generation)
-        setattr(v, _PARTITION, partition_of_variable[cap.key])
-        placed_now.append((v, partition_of_variable[cap.key]))
+        setattr(v, _PARTITION, p)
+        placed_now.append((v, p))
         where[cap.key] = v.device
     if unmovable:
         logger.warning(
@@ -473,26 +460,7 @@ def place_variables(
     if not moved:
         return where
     live = live_objects.live_objects()
-    for opt in list(_OPTIMIZERS) + [o for o in live.get("optimizers", []) if o not in _OPTIMIZERS]:
-        for slot, reference in _slots_by_reference(opt):
-            rv, sv = _resource_variable(reference), _resource_variable(slot)
-            if rv is None or sv is None or id(rv) not in moved_variables:
-                continue
-            if storage.is_sharded(sv):
-                moved[id(storage.unshard_variable(sv))] = sv.handle
-            target = moved_variables[id(rv)]
-            if isinstance(target, tuple):
-                if tuple(sv.shape) == tuple(rv.shape):
-                    moved[id(storage.shard_variable(sv, target[0], target[1]))] = sv.handle
-                    moved_variables[id(sv)] = target
-                    setattr(sv, _PLACED, generation)
-                    continue
-                target = target[1][0]
-            old = relocate_variable(sv, target)
-            if old is not None:
-                moved[id(old)] = sv.handle
-                moved_variables[id(sv)] = target
-            setattr(sv, _PLACED, generation)
+    _place_slots(live, moved, moved_variables, generation)
     functions = sum(_retarget_function(f, moved) for f in live["functions"])
     graphs = set(map(id, live["graphs"]))
     current = [g for g in _current_graphs() if id(g) not in graphs]
@@ -502,6 +470,43 @@ def place_variables(
         len(moved), functions, traced,
     )
     return where
+
+
+def _place(v: Any, device: str, split_on: Optional[Tuple[int, List[str]]], moved: Dict[int, Any],
+           targets: Dict[int, Any]) -> None:
+    """Puts variable `v` on `device`, or splits it along ``split_on =
+    (dimension, devices)`` (a split variable is gathered whole first).
+    Records the old handle -> the new one in `moved`, and where it went
+    (a device, or `split_on`) in `targets`."""
+    if storage.is_sharded(v):
+        moved[id(storage.unshard_variable(v))] = v.handle
+        targets[id(v)] = device
+    if split_on is not None:
+        moved[id(storage.shard_variable(v, split_on[0], split_on[1]))] = v.handle
+        targets[id(v)] = split_on
+        return
+    old = relocate_variable(v, device)
+    if old is not None:
+        moved[id(old)] = v.handle
+        targets[id(v)] = device
+
+
+def _place_slots(live: Mapping[str, Any], moved: Dict[int, Any], targets: Dict[int, Any], generation: Any) -> None:
+    """Optimizer slots follow their variables (`targets`): moved with a
+    moved one; split with a split one when they have its shape, else on
+    its stage's first device."""
+    for opt in list(_OPTIMIZERS) + [o for o in live.get("optimizers", []) if o not in _OPTIMIZERS]:
+        for slot, reference in _slots_by_reference(opt):
+            rv, sv = _resource_variable(reference), _resource_variable(slot)
+            if rv is None or sv is None or id(rv) not in targets:
+                continue
+            target = targets[id(rv)]
+            if isinstance(target, tuple):
+                same_shape = tuple(sv.shape) == tuple(rv.shape)
+                _place(sv, target[1][0], target if same_shape else None, moved, targets)
+            else:
+                _place(sv, target, None, moved, targets)
+            setattr(sv, _PLACED, generation)
 
 
 def pinned_partitions(captures: Mapping[str, Any], devices: Sequence[str]) -> Dict[str, int]:

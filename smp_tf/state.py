@@ -83,6 +83,18 @@ class Topology:
     logical_cpu: bool
     tensor_devices: tuple = ()
 
+    def stage_groups(self) -> tuple:
+        """Each partition's devices (`stage_devices` of every partition)."""
+        return self.tensor_devices or tuple((d,) for d in self.devices)
+
+    def all_devices(self) -> list:
+        """Every device of this process's stages, once, in stage order
+        (each stage's tensor-parallel devices together)."""
+        out: list = []
+        for group in self.stage_groups():
+            out.extend(d for d in group if d not in out)
+        return out
+
     def stage_devices(self, partition: int) -> tuple:
         """The devices partition `partition`'s ops are split over."""
         if self.tensor_devices:

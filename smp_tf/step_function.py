@@ -91,13 +91,13 @@ def _memory_budget(cfg: Any) -> Any:
     limits, the smallest limit. With a declared ``cluster`` whose devices
     give their memory, each device's own: device -> bytes (the smaller of
     its memory and ``memory_budget``), the cluster's devices taken in the
-    order this process's devices are (`_local_devices_in_order`)."""
+    order this process's devices are (`Topology.all_devices`)."""
     if cfg.cluster is not None:
         from smp_tf.planner import resource_graph_of
 
         declared = resource_graph_of(cfg.cluster).devices
         own = {}
-        for local, device in zip(_local_devices_in_order(), declared):
+        for local, device in zip(state.topology().all_devices(), declared):
             limits = [x for x in (device.memory, cfg.memory_budget) if x]
             if limits:
                 own[local] = min(limits)
@@ -121,21 +121,41 @@ def _device_capacities(cfg: Any) -> Optional[Dict[Tuple[int, int], float]]:
     budget = _memory_budget(cfg)
     if not isinstance(budget, dict):
         return None
-    topo = state.topology()
-    groups = topo.tensor_devices or [(d,) for d in topo.devices]
+    groups = state.topology().stage_groups()
     out = {(d, k): float(budget[name]) for d, g in enumerate(groups) for k, name in enumerate(g) if name in budget}
     return out if len(out) == sum(len(g) for g in groups) else None
 
 
-def _local_devices_in_order() -> List[str]:
-    """This process's devices in stage order (each stage's tensor-parallel
-    devices together)."""
-    topo = state.topology()
-    groups = topo.tensor_devices or [(d,) for d in topo.devices]
-    out: List[str] = []
-    for g in groups:
-        out.extend(d for d in g if d not in out)
-    return out
+def _memory_split(assign: Callable[..., List[int]], traced: Traced, shard_plan: Any, cfg: Any, recompute: str,
+                  slots: float) -> List[int]:
+    """The ``optimize="memory"`` split settled on predicted peaks
+    (`refine_memory_split`): boundary buffers and each stage's largest task
+    are known only once the tasks exist, so it splits again with them as
+    fixed bytes."""
+    outputs = [t for t in traced.output_tensors() if t is not None]
+    # With virtual stages a device holds several chunks: the split
+    # balances the devices' sums of their chunks' peaks.
+    device_of = [c % cfg.partitions for c in range(cfg.num_stages)] if cfg.virtual_stages > 1 else None
+    scratch = cpu_kernels_allocate_scratch()
+    # With tensor parallelism each device of a stage counts on its own.
+    sharding = {}
+    if shard_plan is not None:
+        from smp_tf.sharding.lower import shard_of_ops
+
+        sharding = dict(shard_of_op=shard_of_ops(traced.graph_def, traced.op_graph),
+                        tensor_degree=cfg.tensor_parallel_degree,
+                        split_variables=sorted(shard_plan.stored_split))
+    return refine_memory_split(
+        assign,
+        lambda parts: predict_assignment(
+            traced.op_graph, parts, outputs, num_partitions=cfg.num_stages, num_microbatches=cfg.microbatches,
+            kind=cfg.pipeline, recompute=recompute, slots=slots, device_of_partition=device_of,
+            cpu_kernel_scratch=scratch, **sharding,
+        ),
+        moves=MEMORY_SPLIT_MOVES,
+        device_of_partition=device_of,
+        capacity=_device_capacities(cfg),
+    )
 
 
 def _stage_resources(cfg: Any, graph: Any) -> Tuple[Any, Optional[List[Any]], Optional[List[float]]]:
@@ -391,32 +411,7 @@ class StepFunction:
             )
 
         if cfg.optimize == "memory" and cfg.contiguous and cfg.auto_partition and cfg.num_stages > 1 and not pinned:
-            # Boundary buffers and each stage's largest task are known only
-            # once the tasks exist: split again with them as fixed bytes.
-            outputs = [t for t in traced.output_tensors() if t is not None]
-            # With virtual stages a device holds several chunks: the split
-            # balances the devices' sums of their chunks' peaks.
-            device_of = [c % cfg.partitions for c in range(cfg.num_stages)] if cfg.virtual_stages > 1 else None
-            scratch = cpu_kernels_allocate_scratch()
-            # With tensor parallelism each device of a stage counts on its own.
-            sharding = {}
-            if shard_plan is not None:
-                from smp_tf.sharding.lower import shard_of_ops
-
-                sharding = dict(shard_of_op=shard_of_ops(traced.graph_def, traced.op_graph),
-                                tensor_degree=cfg.tensor_parallel_degree,
-                                split_variables=sorted(shard_plan.stored_split))
-            assignment = refine_memory_split(
-                assign,
-                lambda parts: predict_assignment(
-                    traced.op_graph, parts, outputs, num_partitions=cfg.num_stages, num_microbatches=cfg.microbatches,
-                    kind=cfg.pipeline, recompute=recompute, slots=slots, device_of_partition=device_of,
-                    cpu_kernel_scratch=scratch, **sharding,
-                ),
-                moves=MEMORY_SPLIT_MOVES,
-                device_of_partition=device_of,
-                capacity=_device_capacities(cfg),
-            )
+            assignment = _memory_split(assign, traced, shard_plan, cfg, recompute, slots)
         else:
             assignment = assign()
         # Partitioning time: the graph view, the groups and the assignment.

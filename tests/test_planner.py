@@ -118,6 +118,27 @@ def _two_devices(fast, slow):
             "links": {"host": {"bandwidth": 1e10, "latency": 1e-5}}}
 
 
+def _mlp_step(width):
+    """`smp.step` of a 12-layer MLP of `width` (its loss: the outputs' mean square)."""
+    import keras
+    import tensorflow as tf
+
+    keras.utils.set_random_seed(0)
+    inp = keras.Input((width,))
+    h = inp
+    for i in range(12):
+        h = keras.layers.Dense(width, activation="relu", name=f"d{i}")(h)
+    model = smp.DistributedModel(inp, h)
+
+    @smp.step
+    def step(x):
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_mean(model(x) ** 2)
+        return loss, tape.gradient(loss, model.trainable_variables)
+
+    return step
+
+
 def test_effective_speed_weighs_each_class_by_the_work():
     from smp_tf.planner.resources import effective_speeds
 
@@ -130,24 +151,11 @@ def test_effective_speed_weighs_each_class_by_the_work():
 
 @pytest.mark.parametrize("fast, ratio", [(2e11, 2.0), (1e11, 1.0)])
 def test_a_device_twice_as_fast_gets_twice_the_work(fast, ratio):
-    import keras
     import numpy as np
     import tensorflow as tf
 
     smp.init({"partitions": 2, "microbatches": 2, "cluster": _two_devices(fast, 1e11)})
-    keras.utils.set_random_seed(0)
-    inp = keras.Input((64,))
-    h = inp
-    for i in range(12):
-        h = keras.layers.Dense(64, activation="relu", name=f"d{i}")(h)
-    model = smp.DistributedModel(inp, h)
-
-    @smp.step
-    def step(x):
-        with tf.GradientTape() as tape:
-            loss = tf.reduce_mean(model(x) ** 2)
-        return loss, tape.gradient(loss, model.trainable_variables)
-
+    step = _mlp_step(64)
     plan = step.get_plan(tf.constant(np.ones((8, 64), "float32")))
     flops = [r["flops"] for r in plan.summary()]
     # By predicted time the stages are balanced: the fast device's stage
@@ -299,19 +307,7 @@ def test_optimize_memory_fills_each_declared_device_by_its_share_of_memory():
         for d, m in zip(spec["hosts"]["h"]["devices"], memory):
             d["memory"] = m
         smp.init({"partitions": 2, "microbatches": 2, "optimize": "memory", "cluster": spec})
-        keras.utils.set_random_seed(0)
-        inp = keras.Input((128,))
-        h = inp
-        for i in range(12):
-            h = keras.layers.Dense(128, activation="relu", name=f"d{i}")(h)
-        model = smp.DistributedModel(inp, h)
-
-        @smp.step
-        def step(x):
-            with tf.GradientTape() as tape:
-                loss = tf.reduce_mean(model(x) ** 2)
-            return loss, tape.gradient(loss, model.trainable_variables)
-
+        step = _mlp_step(128)
         step(tf.constant(np.ones((8, 128), "float32")))
         totals = step.memory_report(keras.optimizers.Adam()).device_totals()
         return totals["/device:CPU:0"], totals["/device:CPU:1"]

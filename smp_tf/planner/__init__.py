@@ -12,6 +12,7 @@
 
 from __future__ import annotations
 
+import functools
 from typing import Optional
 
 from smp_tf.planner.resources import ResourceGraph
@@ -45,8 +46,10 @@ def cluster(refresh: bool = False, budget_s: float = 10.0) -> ResourceGraph:
     return local_cluster(refresh=refresh, budget_s=budget_s)
 
 
+@functools.lru_cache(maxsize=8)
 def resource_graph_of(value: str) -> ResourceGraph:
-    """The graph of the config key ``cluster`` (JSON text or a file's path)."""
+    """The graph of the config key ``cluster`` (JSON text or a file's path),
+    parsed once per value: every step call's compile key reads it."""
     import json
 
     if value.lstrip().startswith("{"):

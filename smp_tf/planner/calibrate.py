@@ -33,7 +33,7 @@ import os
 import socket
 import statistics
 import time
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 from smp_tf.planner.resources import COST_CLASSES, Device, Link, ResourceGraph
 
@@ -271,12 +271,7 @@ def _local_devices() -> List[str]:
     from smp_tf import state
 
     if state.is_initialized():
-        topo = state.topology()
-        out: List[str] = []
-        groups: Sequence[Any] = topo.tensor_devices or [(d,) for d in topo.devices]
-        for g in groups:
-            out.extend(d for d in g if d not in out)
-        return out
+        return state.topology().all_devices()
     import tensorflow as tf
 
     gpus = tf.config.list_logical_devices("GPU")

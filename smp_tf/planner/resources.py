@@ -38,7 +38,7 @@ import json
 import math
 import os
 from dataclasses import dataclass, field
-from typing import Any, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
+from typing import Any, Dict, Iterable, List, Mapping, Sequence, Tuple
 
 __all__ = ["COST_CLASSES", "cost_class", "Device", "Link", "ResourceGraph", "stage_devices", "effective_speeds"]
 

@@ -231,12 +231,7 @@ class _Writer:
         handle per piece, on its device."""
         self.sharded[src.name] = True
         for k in range(self.t):
-            node = self.out.node.add()
-            node.CopyFrom(src)
-            node.name = f"{src.name}{MARK}_s{k}"
-            node.attr[SHARD_ATTR].i = k
-            if "_class" in node.attr:
-                del node.attr["_class"]
+            self._shard_copy(src, k)
 
     def _read_pieces(self, op: Any, src: Any, dec: Any) -> None:
         """A read of a variable stored in pieces: each device reads its own."""
@@ -244,20 +239,32 @@ class _Writer:
         handle = self._handle_of(src)
         controls = self._controls(src)
         for k in range(self.t):
-            node = self.out.node.add()
-            node.CopyFrom(src)
-            node.name = f"{op.name}{MARK}_s{k}"
+            self._shard_copy(src, k, [f"{handle}{MARK}_s{k}"] + controls)
+        self._record_outputs(op, dec.outputs[:1])
+
+    def _shard_copy(self, src: Any, k: int, inputs: Optional[Sequence[str]] = None) -> Any:
+        """Device `k`'s copy of NodeDef `src` (``<name>__smp_s<k>``), with
+        `inputs` instead of its own when given; no colocation constraint
+        (the copies are placed by `place_shards`)."""
+        node = self.out.node.add()
+        node.CopyFrom(src)
+        node.name = f"{src.name}{MARK}_s{k}"
+        if inputs is not None:
             del node.input[:]
-            node.input.append(f"{handle}{MARK}_s{k}")
-            node.input.extend(controls)
-            node.attr[SHARD_ATTR].i = k
-            if "_class" in node.attr:
-                del node.attr["_class"]
-        name = self.g.tensor_name(op.outputs[0])
-        spec = dec.outputs[0]
-        self.physical[name] = spec
-        for k in range(self.t):
-            self.shapes[f"{op.name}{MARK}_s{k}:0"] = self.local_shape(self.g.tensors[op.outputs[0]].shape, spec)
+            node.input.extend(inputs)
+        node.attr[SHARD_ATTR].i = k
+        if "_class" in node.attr:
+            del node.attr["_class"]
+        return node
+
+    def _record_outputs(self, op: Any, specs: Sequence[ShardSpec]) -> None:
+        """The layout each output of a split op is made in, and its pieces' shapes."""
+        for x, spec in zip(op.outputs, specs):
+            name = self.g.tensor_name(x)
+            self.physical[name] = spec
+            port = name.rsplit(":", 1)[1]
+            for k in range(self.t):
+                self.shapes[f"{op.name}{MARK}_s{k}:{port}"] = self.local_shape(self.g.tensors[x].shape, spec)
 
     def _static(self, op: Any, src: Any) -> None:
         """A shape known when tracing: a constant (its input may now be pieces)."""
@@ -317,26 +324,14 @@ class _Writer:
         if out_shape is not None and None not in out_shape and dec.outputs and dec.outputs[0].split_dim is not None:
             local = list(self.local_shape(out_shape, dec.outputs[0]))
         for k in range(self.t):
-            node = self.out.node.add()
-            node.CopyFrom(src)
-            node.name = f"{op.name}{MARK}_s{k}"
-            del node.input[:]
+            inputs = []
             for position, x in enumerate(data):
-                t = self.canonical(x)
                 if local is not None and self._is_shape_input(op.type, position):
-                    node.input.append(self._const(f"{op.name}{MARK}_shape_s{k}", local, shard=k))
-                    continue
-                node.input.append(self.piece(t, dec.inputs[position], k))
-            node.input.extend(controls)
-            node.attr[SHARD_ATTR].i = k
-            if "_class" in node.attr:
-                del node.attr["_class"]
-        for x, spec in zip(op.outputs, dec.outputs):
-            name = self.g.tensor_name(x)
-            self.physical[name] = spec
-            port = name.rsplit(":", 1)[1]
-            for k in range(self.t):
-                self.shapes[f"{op.name}{MARK}_s{k}:{port}"] = self.local_shape(self.g.tensors[x].shape, spec)
+                    inputs.append(self._const(f"{op.name}{MARK}_shape_s{k}", local, shard=k))
+                else:
+                    inputs.append(self.piece(self.canonical(x), dec.inputs[position], k))
+            self._shard_copy(src, k, inputs + controls)
+        self._record_outputs(op, dec.outputs)
 
     def local_shape(self, shape: Any, spec: ShardSpec) -> Any:
         """The shape of one device's piece of a tensor of `shape` in `spec`."""
