@@ -466,7 +466,7 @@ def test_mixed_precision_pairs_are_found_through_the_casts():
             assert np.max(np.abs(g - r)) <= 4 * eps * max(float(np.max(np.abs(r))), 1e-3)
 
 
-@pytest.mark.parametrize("family", ["llama", "gemma"])
+@pytest.mark.parametrize("family", ["llama", "mistral", "gemma"])
 def test_keras_hub_gated_mlps_and_grouped_query_attention_are_found_and_match_the_loop(family):
     # keras_hub's Llama and Gemma: each dense layer reshapes its input anew
     # (Tensordot) or is a broadcast BatchMatMulV2 (Gemma's EinsumDense),
@@ -479,10 +479,12 @@ def test_keras_hub_gated_mlps_and_grouped_query_attention_are_found_and_match_th
 
     smp.init({"partitions": 2, "microbatches": M, "tensor_parallel_degree": 2})
     keras.utils.set_random_seed(11)
-    if family == "llama":
-        backbone = keras_hub.models.LlamaBackbone(
-            vocabulary_size=64, num_layers=2, num_query_heads=4, num_key_value_heads=2,
-            hidden_dim=32, intermediate_dim=64, dropout=0.1)
+    if family in ("llama", "mistral"):
+        # (Mistral keeps its head counts in private attributes.)
+        cls, extra = ((keras_hub.models.LlamaBackbone, {}) if family == "llama"
+                      else (keras_hub.models.MistralBackbone, {"sliding_window": 8}))
+        backbone = cls(vocabulary_size=64, num_layers=2, num_query_heads=4, num_key_value_heads=2,
+                       hidden_dim=32, intermediate_dim=64, dropout=0.1, **extra)
         mlp = ("feedforward_gate_dense", "feedforward_intermediate_dense", "feedforward_output_dense")
         block, attention, head_dim = "transformer_layer_{}/", "self_attention/", 1
     else:

@@ -290,7 +290,9 @@ def attention_layouts(layers: Sequence[Any], t: int) -> Dict[str, ShardSpec]:
     ``_output_dense``, with or without the underscore: keras_hub's Llama,
     Gemma, Mistral, Qwen attention),
     its heads in ``num_heads`` or ``num_query_heads`` and, with grouped-query
-    attention, its key and value heads in ``num_key_value_heads``. Both head
+    attention, its key and value heads in ``num_key_value_heads`` (each
+    with or without a leading underscore: keras_hub's Mistral keeps them
+    private). Both head
     counts must be divisible by ``t`` (each device then holds whole groups:
     query head ``q`` reads key head ``q // groups``, on the same device).
     """
@@ -301,9 +303,8 @@ def attention_layouts(layers: Sequence[Any], t: int) -> Dict[str, ShardSpec]:
             projections.append(getattr(layer, "_" + name, None) or getattr(layer, name, None))
         if any(p is None for p in projections):
             continue
-        heads = (getattr(layer, "num_heads", None) or getattr(layer, "_num_heads", None)
-                 or getattr(layer, "num_query_heads", None))
-        kv_heads = getattr(layer, "num_key_value_heads", None) or heads
+        heads = _first_attr(layer, "num_heads", "_num_heads", "num_query_heads", "_num_query_heads")
+        kv_heads = _first_attr(layer, "num_key_value_heads", "_num_key_value_heads") or heads
         if not isinstance(heads, int) or not isinstance(kv_heads, int) or heads % t or kv_heads % t:
             continue
         for sub, n in zip(projections[:3], (heads, kv_heads, kv_heads)):
@@ -322,6 +323,15 @@ def attention_layouts(layers: Sequence[Any], t: int) -> Dict[str, ShardSpec]:
             if len(shape) == 3 and d is not None and shape[d] == heads:  # kernel (heads, head size, model)
                 out[v.path] = ShardSpec(tuple(TENSOR if i == d else None for i in range(3)))
     return out
+
+
+def _first_attr(obj: Any, *names: str) -> Any:
+    """The first of `names` that `obj` has (and is not None)."""
+    for name in names:
+        value = getattr(obj, name, None)
+        if value is not None:
+            return value
+    return None
 
 
 def _head_dim_of_kernel(projection: Any, output: bool) -> Optional[int]:
