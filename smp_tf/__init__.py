@@ -46,6 +46,8 @@ _EXPORTS = {
     "Config": "smp_tf.config",
     "ResourceGraph": "smp_tf.planner.resources",
     "cluster": "smp_tf.planner",
+    "plan": "smp_tf.planner.plan",
+    "Plan": "smp_tf.planner.plan",
     "LayoutMap": "smp_tf.sharding.layout_map",
     "ShardSpec": "smp_tf.sharding.spec",
     "shard_tensor": "smp_tf.sharding.api",

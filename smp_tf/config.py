@@ -69,6 +69,11 @@ cluster                None           (smp_tf only) the machines to plan
                                       for: a dict or the path of a JSON
                                       file (``smp.cluster()``); None: this
                                       host, calibrated
+auto                   False          (smp_tf only) plan the configuration
+                                      (``smp.plan``) at a step's first call
+                                      and re-initialise with the best one;
+                                      sets up every GPU, or one logical CPU
+                                      device per core
 =====================  =============  =======================================
 
 As on SageMaker, the JSON object in the environment variable
@@ -107,7 +112,7 @@ _INT_KEYS = (
     "partitions", "microbatches", "default_partition", "pipeline_processes", "virtual_stages", "tensor_parallel_degree",
 )
 _BOOL_KEYS = (
-    "auto_partition", "contiguous", "horovod", "fuse_weight_gradients", "pretranspose_weights", "shard_inputs",
+    "auto_partition", "contiguous", "horovod", "fuse_weight_gradients", "pretranspose_weights", "shard_inputs", "auto",
 )
 
 
@@ -196,6 +201,9 @@ class Config:
         cluster: the resource graph to plan for (`smp.cluster()`): a dict
             (kept as its JSON text) or the path of a JSON file; None: this
             host, calibrated.
+        auto: plan the configuration at a step's first call (`smp.plan`)
+            and re-initialise with the best plan's keys; the keys it
+            chooses are ignored until then.
 
     Raises:
         ValueError: a value has the wrong type or is out of range.
@@ -222,6 +230,7 @@ class Config:
     tensor_parallel_degree: int = 1
     layout_map: Optional[Any] = None
     cluster: Optional[Any] = None
+    auto: bool = False
 
     @property
     def num_stages(self) -> int:

@@ -222,6 +222,22 @@ def _setup_devices(
     )
 
 
+def _host_devices() -> int:
+    """The devices smp_tf plans for on this host: its GPUs (logical GPUs
+    counted), or one logical CPU device per core this process may use."""
+    import os
+
+    import tensorflow as tf
+
+    gpus = tf.config.list_physical_devices("GPU")
+    if gpus:
+        return sum(len(tf.config.get_logical_device_configuration(g) or [None]) for g in gpus)
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        return os.cpu_count() or 1
+
+
 #: The oldest releases smp_tf runs on (its test suite passes there).
 MIN_TENSORFLOW = (2, 16)
 MIN_KERAS = (3, 7)
@@ -309,6 +325,11 @@ def init(config: Optional[Mapping[str, Any]] = None) -> Config:
 
             group = remote.data_parallel_group(process, json.dumps(cfg.to_dict(), sort_keys=True))
     else:
+        if cfg.auto:
+            # The planner plans for every device this host has: set them up
+            # now, while TensorFlow's devices can still be configured.
+            _setup_devices(max(_host_devices(), cfg.partitions * cfg.tensor_parallel_degree), info.local_rank,
+                           info.local_size, cfg.placement_strategy)
         topo = _setup_devices(
             cfg.partitions, info.local_rank, info.local_size, cfg.placement_strategy, cfg.tensor_parallel_degree
         )

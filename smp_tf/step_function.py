@@ -258,6 +258,8 @@ class StepFunction:
         #: The eager call's tf.function, with and without timing probes.
         self._eager_fns: Dict[bool, Any] = {}
         self.schedule = None
+        #: The `smp.Plan` the config key ``auto`` chose this step's config from.
+        self.auto_plan = None
         self.last_plan: Optional[PartitionPlan] = None
         self.last_compiled: Optional[CompiledStep] = None
         #: The optimizer that applies this step's gradients, if known: its
@@ -498,6 +500,8 @@ class StepFunction:
                 (micro-batches then differ in size by at most one row; the
                 caller makes sure none is empty).
         """
+        if state.config().auto:
+            self._plan_auto(args, kwargs)
         cfg = state.config()
         m = cfg.microbatches if num_microbatches is None else num_microbatches
         mbs = self._split(args, kwargs, m, uneven=uneven)
@@ -560,6 +564,15 @@ class StepFunction:
         for k in members:
             flat[k]._replicas = (reducer, k)
 
+    def _plan_auto(self, args: tuple, kwargs: dict) -> None:
+        """The config key ``auto``: plans this step on these arguments and
+        re-initialises with the best plan (`smp_tf.planner.plan.apply_auto`)."""
+        from smp_tf.planner.plan import apply_auto
+
+        with self._lock:
+            if state.config().auto:
+                apply_auto(self, args, kwargs)
+
     def memory_report(self, optimizer: Any = None) -> Any:
         """The predicted memory of every partition for the last compiled step.
 
@@ -608,6 +621,9 @@ class StepFunction:
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         cfg = state.config()  # raises a clear error before smp.init
+        if cfg.auto:
+            self._plan_auto(args, kwargs)
+            cfg = state.config()
         if not tf.executing_eagerly():
             return self._emit(args, kwargs)
         # Eager values have known sizes; check them here, where a bad size

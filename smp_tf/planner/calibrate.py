@@ -9,7 +9,11 @@ TensorFlow has), a few small `tf.function`s run on that device alone:
 * the per-op overhead: a chain of 200 additions of scalars.
 
 Each figure is the median of three timed calls after one untimed one, in
-the flop units of `smp_tf.graph_view.estimate_flops`. Then, for every pair
+the flop units of `smp_tf.graph_view.estimate_flops`; logical CPU devices
+of one process (the same cores) each get the median of their figures.
+A chain of products of 1/16 as many rows by distinct large weights gives
+the bandwidth products stream their operands at; calling a one-op
+`tf.function` the runtime's cost of a step. Then, for every pair
 of devices, a tensor of 4 MiB and one of 4 bytes cross from one to the
 other: the small one's time is the latency, the large one's the bandwidth
 (logical devices of one process hand buffers over without a copy: their
@@ -22,7 +26,9 @@ runs read it back; ``refresh=True`` measures again.
 
 Logical CPU devices that share cores are measured one at a time, each with
 the whole process's threads: what one device can do alone, not what it
-does while the others run.
+does while the others run. The graph records the cores they share
+(``ResourceGraph.cores``), so a prediction slows devices that run at once
+on fewer cores than there are devices.
 """
 
 from __future__ import annotations
@@ -68,8 +74,10 @@ def _timed(fn, *args, repeats: int = 3) -> float:
     return statistics.median(times)
 
 
-def _device_speeds(device: str, scale: float) -> Tuple[Dict[str, float], float]:
-    """Operations per second per cost class, and seconds per op, on `device`."""
+def _device_speeds(device: str, scale: float) -> Tuple[Dict[str, float], float, float]:
+    """Operations per second per cost class, seconds per op, and the bytes
+    per second a product streams its operands at (0: not measurable), on
+    `device`."""
     import tensorflow as tf
 
     from smp_tf.graph_view import estimate_flops
@@ -112,6 +120,18 @@ def _device_speeds(device: str, scale: float) -> Tuple[Dict[str, float], float]:
             x = x + 1.0
         return x
 
+    # Products of few rows by large weights stream the weights from memory:
+    # distinct weights, so that none stays in a cache.
+    k, rows = (2 * n, max(n // 16, 1))
+    with tf.device(device):
+        weights = [tf.random.stateless_normal((k, k), seed=(11, i)) / k ** 0.5 for i in range(_CHAIN)]
+        skinny = tf.random.stateless_normal((rows, k), seed=(12, 13))
+
+    def streamed(x, *ws):
+        for w in ws:
+            x = tf.matmul(x, w)
+        return tf.reduce_sum(x[:1, :1])
+
     flops = {
         "matmul": _CHAIN * estimate_flops("MatMul", [(n, n), (n, n)], [(n, n)]),
         "conv": _CHAIN * estimate_flops("Conv2D", [(8, c, c, 32), (3, 3, 32, 32)], [(8, c, c, 32)]),
@@ -125,8 +145,15 @@ def _device_speeds(device: str, scale: float) -> Tuple[Dict[str, float], float]:
     }
     # Each chain also pays its ops' fixed cost; the speed is what is left.
     ops = {"matmul": _CHAIN, "conv": _CHAIN, "elementwise": 2 * _CHAIN}
-    speeds = {k: flops[k] / max(seconds[k] - ops[k] * overhead, 1e-9) for k in COST_CLASSES}
-    return speeds, overhead
+    speeds = {c: flops[c] / max(seconds[c] - ops[c] * overhead, 1e-9) for c in COST_CLASSES}
+    # What the streamed products take beyond their operations at that speed
+    # is the weights' (and rows') bytes at the memory's bandwidth.
+    streamed_s = _timed(on_device(streamed), skinny, *weights)
+    moved = _CHAIN * 4 * (k * k + 2 * rows * k)
+    left = streamed_s - _CHAIN * (estimate_flops("MatMul", [(rows, k), (k, k)], [(rows, k)]) / speeds["matmul"]
+                                  + overhead)
+    bandwidth = moved / left if left > 0.05 * streamed_s else 0.0
+    return speeds, overhead, bandwidth
 
 
 def _link(a: str, b: str, scale: float) -> Tuple[float, float]:
@@ -177,14 +204,16 @@ def calibrate(devices: Sequence[str], budget_s: float = 10.0, host: Optional[str
     measured: List[Device] = []
     for k, d in enumerate(devices):
         t0 = time.perf_counter()
-        speeds, overhead = _device_speeds(d, scale)
+        speeds, overhead, bandwidth = _device_speeds(d, scale)
         spent = time.perf_counter() - t0
         # Leave half the budget for the links and the other devices.
         left = max(len(devices) - k - 1, 0)
         if left and spent * left > budget_s / 2 - (time.perf_counter() - start):
             scale = max(scale / 2, 0.125)
         cpus = sum(_kind(x) == "CPU" for x in devices)
-        measured.append(Device(f"{host}/{_short(d)}", host, _kind(d), _memory_of(d, cpus), speeds, overhead))
+        measured.append(Device(f"{host}/{_short(d)}", host, _kind(d), _memory_of(d, cpus), speeds, overhead,
+                               bandwidth))
+    measured = _same_cores(measured)
     pairs: Dict[Tuple[str, str], Link] = {}
     for i, a in enumerate(devices):
         for b in devices[i + 1:]:
@@ -198,7 +227,72 @@ def calibrate(devices: Sequence[str], budget_s: float = 10.0, host: Optional[str
                              statistics.median(l.latency for l in pairs.values()))
     elif len(devices) > 1:
         links["host"] = Link("host", 1e10, 1e-5)
-    return ResourceGraph(measured, links, pairs, source="calibrated", seconds=time.perf_counter() - start)
+    # Logical CPU devices of one process share the cores the process may run on.
+    cpus = sum(d.kind == "CPU" for d in measured)
+    cores = {host: float(_cores())} if cpus > 1 else {}
+    runtime = _runtime(devices[0])
+    return ResourceGraph(measured, links, pairs, source="calibrated", seconds=time.perf_counter() - start,
+                         cores=cores, runtime=runtime)
+
+
+def _same_cores(measured: List[Device]) -> List[Device]:
+    """Logical CPU devices of one process run on the same cores: each gets
+    the median of their figures, which a moment's load on the machine
+    moves less than any one of them."""
+    cpus = [d for d in measured if d.kind == "CPU"]
+    if len(cpus) < 2:
+        return measured
+    flops = {c: statistics.median(d.flops[c] for d in cpus) for c in COST_CLASSES}
+    overhead = statistics.median(d.overhead for d in cpus)
+    bandwidth = statistics.median(d.bandwidth for d in cpus)
+    return [Device(d.name, d.host, d.kind, d.memory, dict(flops), overhead, bandwidth) if d.kind == "CPU" else d
+            for d in measured]
+
+
+def _runtime(device: str) -> Dict[str, float]:
+    """What the runtime costs besides the ops: ``step``, the seconds of
+    calling a compiled step (a `tf.function` of one op); ``action``, the
+    seconds each action of a pipeline adds (a function call inside the
+    step, over the same op inline)."""
+    import tensorflow as tf
+
+    calls = 20
+    with tf.device(device):
+        one = tf.constant(1.0)
+
+    @tf.function
+    def inner(x):
+        return x + 1.0
+
+    @tf.function
+    def nested(x):
+        with tf.device(device):
+            for _ in range(calls):
+                x = inner(x)
+            return x
+
+    @tf.function
+    def inline(x):
+        with tf.device(device):
+            for _ in range(calls):
+                x = x + 1.0
+            return x
+
+    @tf.function
+    def trivial(x):
+        return x + 1.0
+
+    step = _timed(trivial, one, repeats=9)
+    action = max(_timed(nested, one, repeats=9) - _timed(inline, one, repeats=9), 0.0) / calls
+    return {"step": step, "action": action}
+
+
+def _cores() -> int:
+    """The cores this process may run on."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        return os.cpu_count() or 1
 
 
 def _kind(device: str) -> str:
@@ -231,7 +325,8 @@ def cache_path(devices: Sequence[str], cache_dir: Optional[str] = None) -> str:
     import tensorflow as tf
 
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    key = json.dumps([socket.gethostname(), tf.__version__, list(devices), cores])
+    # The calibration's version: a cache written by an older one is measured again.
+    key = json.dumps([socket.gethostname(), tf.__version__, list(devices), cores, 2])
     folder = cache_dir or os.environ.get("SMP_TF_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "smp_tf")
     return os.path.join(folder, f"cluster-{hashlib.sha256(key.encode()).hexdigest()[:16]}.json")
 

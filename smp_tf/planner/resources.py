@@ -79,6 +79,10 @@ class Device:
         memory: bytes it can hold (0: unknown).
         flops: operations per second per cost class (`COST_CLASSES`).
         overhead: seconds each op costs besides its operations.
+        bandwidth: bytes per second a product or convolution streams its
+            operands at (weights that do not stay in a cache); 0: not
+            modelled. A product of few rows by a large weight costs its
+            bytes at this rate besides its operations.
     """
 
     name: str
@@ -87,6 +91,7 @@ class Device:
     memory: int
     flops: Mapping[str, float]
     overhead: float = 0.0
+    bandwidth: float = 0.0
 
     def seconds(self, flops_by_class: Mapping[str, float], ops: int = 0) -> float:
         """Predicted time of `ops` ops doing `flops_by_class` operations here."""
@@ -131,6 +136,15 @@ class ResourceGraph:
             sorted pair of names.
         source: where it came from (``"given"``, ``"calibrated"``, ``"cached"``).
         seconds: how long the calibration took (0 when given or cached).
+        runtime: what the runtime costs besides the ops, in seconds:
+            ``"step"`` per step (calling the compiled step), ``"action"``
+            per action of the pipeline (dispatching a task's function).
+            Missing keys count 0.
+        cores: host -> the CPU cores its CPU devices share (logical CPU
+            devices of one process, or processes pinned to the same
+            cores): when more of them run at once than there are cores,
+            each runs slower in proportion. A host not listed: its devices
+            do not share (GPUs, or one core per device).
     """
 
     devices: List[Device]
@@ -138,6 +152,8 @@ class ResourceGraph:
     pairs: Dict[Tuple[str, str], Link] = field(default_factory=dict)
     source: str = "given"
     seconds: float = 0.0
+    cores: Dict[str, float] = field(default_factory=dict)
+    runtime: Dict[str, float] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self._by_name = {d.name: d for d in self.devices}
@@ -153,6 +169,14 @@ class ResourceGraph:
                 if n not in known:
                     raise ValueError(f"A link names device {n!r}, which is not in the graph. Devices: {names}.")
         hosts = {d.host for d in self.devices}
+        for key, value in self.runtime.items():
+            if key not in ("step", "action"):
+                raise ValueError(f"runtime has unknown key {key!r}: use 'step' and 'action' (seconds).")
+            _positive(value, f"runtime[{key!r}]", allow_zero=True)
+        for host, n in self.cores.items():
+            if host not in hosts:
+                raise ValueError(f"cores names host {host!r}, which has no device. Hosts: {sorted(hosts)}.")
+            _positive(n, f"hosts[{host!r}].cores")
         needed = {"host"} if any(sum(d.host == h for d in self.devices) > 1 for h in hosts) else set()
         if len(hosts) > 1:
             needed.add("network")
@@ -216,10 +240,13 @@ class ResourceGraph:
             raise ValueError("A cluster is a dict with 'hosts': {host name: {'devices': [...]}, ...} "
                              f"(see docs/planner.md). Received: {spec!r:.200}")
         devices = []
+        cores: Dict[str, float] = {}
         for host, entry in spec["hosts"].items():
             items = entry.get("devices") if isinstance(entry, Mapping) else None
             if not isinstance(items, Sequence) or not items:
                 raise ValueError(f"Host {host!r} needs a non-empty 'devices' list. Received: {entry!r:.200}")
+            if entry.get("cores") is not None:
+                cores[str(host)] = _positive(entry["cores"], f"hosts[{host!r}].cores")
             for k, d in enumerate(items):
                 where = f"hosts[{host!r}].devices[{k}]"
                 if not isinstance(d, Mapping) or "name" not in d:
@@ -233,6 +260,7 @@ class ResourceGraph:
                     memory=int(_positive(d.get("memory", 0), f"{where}.memory", allow_zero=True)),
                     flops={c: _positive(flops[c], f"{where}.flops[{c!r}]") for c in COST_CLASSES},
                     overhead=_positive(d.get("overhead", 0.0), f"{where}.overhead", allow_zero=True),
+                    bandwidth=_positive(d.get("bandwidth", 0.0), f"{where}.bandwidth", allow_zero=True),
                 ))
         links_spec = spec.get("links", {}) or {}
         if not isinstance(links_spec, Mapping):
@@ -260,7 +288,10 @@ class ResourceGraph:
                                      f"Devices: {sorted(hosts_of)}.")
             kind = "host" if hosts_of[a] == hosts_of[b] else "network"
             pairs[tuple(sorted((a, b)))] = link(kind, p, f"links.pairs[{k}]")
-        return cls(devices, links, pairs, source=source)
+        runtime = spec.get("runtime", {}) or {}
+        if not isinstance(runtime, Mapping):
+            raise ValueError(f"'runtime' must be a dict {{'step': seconds, 'action': seconds}}. Received: {runtime!r:.200}")
+        return cls(devices, links, pairs, source=source, cores=cores, runtime=dict(runtime))
 
     def to_dict(self) -> Dict[str, Any]:
         """The dict `from_dict` reads back."""
@@ -268,12 +299,17 @@ class ResourceGraph:
         for d in self.devices:
             hosts.setdefault(d.host, {"devices": []})["devices"].append({
                 "name": d.name.split("/", 1)[1], "kind": d.kind, "memory": d.memory,
-                "flops": dict(d.flops), "overhead": d.overhead})
+                "flops": dict(d.flops), "overhead": d.overhead, "bandwidth": d.bandwidth})
+        for host, n in self.cores.items():
+            hosts[host]["cores"] = n
         links: Dict[str, Any] = {k: {"bandwidth": l.bandwidth, "latency": l.latency} for k, l in self.links.items()}
         if self.pairs:
             links["pairs"] = [{"a": a, "b": b, "bandwidth": l.bandwidth, "latency": l.latency}
                               for (a, b), l in sorted(self.pairs.items())]
-        return {"hosts": hosts, "links": links}
+        out: Dict[str, Any] = {"hosts": hosts, "links": links}
+        if self.runtime:
+            out["runtime"] = dict(self.runtime)
+        return out
 
     @classmethod
     def from_json(cls, path: str) -> "ResourceGraph":
@@ -294,12 +330,18 @@ class ResourceGraph:
         lines = [f"ResourceGraph ({self.source}{f', {self.seconds:.1f} s' if self.seconds else ''}): "
                  f"{len(self.hosts)} host(s), {len(self.devices)} device(s)",
                  f"{'device':<{w}}  {'kind':<4}  {'memory':>9}  {'matmul':>9}  {'conv':>9}  {'elementwise':>11}  "
-                 f"{'overhead':>9}",
-                 f"{'':<{w}}  {'':<4}  {'GiB':>9}  {'GFLOP/s':>9}  {'GFLOP/s':>9}  {'GFLOP/s':>11}  {'us/op':>9}"]
+                 f"{'overhead':>9}  {'stream':>7}",
+                 f"{'':<{w}}  {'':<4}  {'GiB':>9}  {'GFLOP/s':>9}  {'GFLOP/s':>9}  {'GFLOP/s':>11}  {'us/op':>9}  "
+                 f"{'GB/s':>7}"]
         for d in self.devices:
             lines.append(f"{d.name:<{w}}  {d.kind:<4}  {d.memory / 2**30:>9.2f}  {d.flops['matmul'] / 1e9:>9.2f}  "
                          f"{d.flops['conv'] / 1e9:>9.2f}  {d.flops['elementwise'] / 1e9:>11.2f}  "
-                         f"{d.overhead * 1e6:>9.1f}")
+                         f"{d.overhead * 1e6:>9.1f}  {d.bandwidth / 1e9:>7.1f}")
+        for host, n in self.cores.items():
+            shared = sum(d.host == host and d.kind == "CPU" for d in self.devices)
+            lines.append(f"host {host}: its {shared} CPU device(s) share {n:g} core(s)")
+        if self.runtime:
+            lines.append("runtime: " + ", ".join(f"{k} {v * 1e6:.1f} us" for k, v in sorted(self.runtime.items())))
         lines.append("links:")
         for kind, l in sorted(self.links.items()):
             lines.append(f"  {kind:<8} {l.bandwidth / 1e9:>9.2f} GB/s  {l.latency * 1e6:>8.1f} us")

@@ -1,0 +1,424 @@
+"""`smp.plan`: the whole configuration chosen for a step and a cluster.
+
+The step is traced once per micro-batch size the candidates need (and once
+more per tensor-parallel degree, sharded); `smp_tf.planner.search` predicts
+every candidate's step time and every device's peak on the cluster and
+ranks them. `Plan.measure` runs the best few for a few steps each and keeps
+the fastest measured one. The config key ``auto`` applies the best plan at
+a step's first call (`apply_auto`).
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+import types
+from typing import Any, Dict, List, Mapping, Optional, Tuple, Union
+
+import tensorflow as tf
+
+from smp_tf.planner.resources import ResourceGraph
+from smp_tf.planner.search import (
+    GraphInfo,
+    PlanRow,
+    SearchResult,
+    Skipped,
+    candidates,
+    search,
+)
+
+__all__ = ["Plan", "plan", "apply_auto", "profile_run", "time_step"]
+
+#: Search dimensions `plan` accepts as keyword arguments (each a sequence of
+#: values to try), passed to `smp_tf.planner.search.candidates`.
+SEARCH_DIMENSIONS = ("partitions", "tensor_parallel_degrees", "replicas", "microbatches", "pipelines",
+                     "virtual_stages", "recompute", "max_stages")
+
+
+class Plan:
+    """The ranked candidates of `smp.plan`.
+
+    Attributes:
+        rows: `PlanRow`s best first: those predicted to fit by predicted
+            step time, then those predicted not to fit. Each has
+            ``config`` (the dict for `smp.init`), ``step_time`` (predicted
+            seconds per step), ``peak`` (predicted bytes per device),
+            ``fits`` and, after `measure`, ``measured``.
+        skipped: the candidates not ranked, each with its reason.
+        cluster: the `ResourceGraph` planned for.
+        search_seconds: the search's time (tracing included).
+        trace_seconds: the part of it spent tracing the step.
+        chosen: the row `measure` picked (None before).
+    """
+
+    def __init__(self, result: SearchResult, cluster: ResourceGraph, step: Any, args: tuple, kwargs: dict,
+                 trace_seconds: float, batch_size: int):
+        self.rows: List[PlanRow] = result.rows
+        self.skipped: List[Skipped] = result.skipped
+        self.cluster = cluster
+        self.search_seconds = result.seconds
+        self.trace_seconds = trace_seconds
+        self.evaluated = result.evaluated
+        self.batch_size = batch_size
+        self.chosen: Optional[PlanRow] = None
+        #: What `measure` measured of each row it ran (`smp_tf.planner.learn.Run`).
+        self.runs: List[Any] = []
+        self._step, self._args, self._kwargs = step, args, kwargs
+
+    @property
+    def best(self) -> PlanRow:
+        """The chosen row after `measure`, else the first row that fits.
+
+        Raises:
+            ValueError: no candidate is predicted to fit.
+        """
+        if self.chosen is not None:
+            return self.chosen
+        for row in self.rows:
+            if row.fits:
+                return row
+        worst = min(self.rows, key=lambda r: r.max_peak, default=None)
+        detail = "" if worst is None else (
+            f" The smallest predicted peak is {worst.max_peak / 2**20:.1f} MiB ({worst.candidate.label()}).")
+        raise ValueError("No candidate is predicted to fit the devices' memory." + detail +
+                         " Give more devices, a smaller batch, or allow more partitions or recomputation.")
+
+    def measure(self, k: int = 3, steps: int = 5, warmup: int = 2, profile: bool = True) -> PlanRow:
+        """Runs the best `k` fitting rows for a few steps each and picks the
+        fastest measured one.
+
+        Each row's config is given to `smp.init` (so this process needs the
+        row's ``P * t`` devices; rows with several replicas need one process
+        each and are passed over), the step runs `warmup` untimed and
+        `steps` timed times on the planned arguments, and ``row.measured``
+        is the median. With `profile`, two more steps run inside
+        `smp.profile` and their timeline is kept in ``plan.runs``, for
+        `learned`. The step's gradients are not applied; state the step
+        itself writes (BatchNorm statistics) does change. Afterwards
+        `smp.init` is left with the chosen row's config.
+
+        Returns:
+            The chosen row (also ``plan.chosen`` and ``plan.best``).
+        """
+        from smp_tf import state
+
+        if k < 1 or steps < 1 or warmup < 0:
+            raise ValueError(f"measure needs k >= 1, steps >= 1 and warmup >= 0. Received: k={k}, steps={steps}, "
+                             f"warmup={warmup}")
+        if self._step is None:
+            raise ValueError("This plan has no step to run (it was built from graphs): measure needs smp.plan's.")
+        rows = [r for r in self.rows if r.fits and r.replicas == 1][:k]
+        if not rows:
+            raise ValueError("No fitting single-replica candidate to measure.")
+        for row in rows:
+            state.init(row.config)
+            row.measured = time_step(self._step, self._args, self._kwargs, steps, warmup)
+            if profile:
+                self.runs.append(profile_run(row, self._step, self._args, self._kwargs))
+        self.chosen = min(rows, key=lambda r: r.measured)
+        state.init(self.chosen.config)
+        return self.chosen
+
+    def learned(self) -> ResourceGraph:
+        """The cluster refined by what `measure` measured
+        (`smp_tf.planner.learn.refine`): plan again on it
+        (``smp.plan(..., cluster=plan.learned())``) for predictions from
+        this machine's own steps.
+
+        Raises:
+            ValueError: nothing was measured yet.
+        """
+        from smp_tf.planner.learn import refine
+
+        return refine(self.cluster, self.runs)
+
+    def table(self, limit: int = 20) -> str:
+        """The plan as a table: the best `limit` rows, then how many were
+        skipped and for which reasons."""
+        lines = [
+            f"Plan: {len(self.cluster.devices)} device(s) on {len(self.cluster.hosts)} host(s), batch "
+            f"{self.batch_size}; {self.evaluated} candidates predicted in {self.search_seconds:.1f} s "
+            f"(tracing {self.trace_seconds:.1f} s); {sum(r.fits for r in self.rows)} fit",
+            f"{'rank':>4}  {'P':>3} {'t':>2} {'R':>3} {'M':>4}  {'pipeline':<11} {'v':>2}  {'recompute':<9}  "
+            f"{'step ms':>9}  {'measured':>9}  {'peak MiB':>9}  {'of MiB':>8}  fits",
+        ]
+        for n, row in enumerate(self.rows[:limit]):
+            c = row.candidate
+            cap = max(row.capacity.values(), default=0)
+            measured = f"{row.measured * 1e3:9.2f}" if row.measured is not None else f"{'-':>9}"
+            mark = " <" if row is self.chosen else ""
+            lines.append(
+                f"{n + 1:>4}  {c.partitions:>3} {c.tensor_parallel_degree:>2} {c.replicas:>3} {c.microbatches:>4}  "
+                f"{c.pipeline:<11} {c.virtual_stages:>2}  {c.recompute:<9}  {row.step_time * 1e3:9.2f}  {measured}  "
+                f"{row.max_peak / 2**20:9.1f}  {(cap / 2**20 if cap else 0):8.0f}  {'yes' if row.fits else 'NO'}{mark}")
+        if len(self.rows) > limit:
+            lines.append(f"... {len(self.rows) - limit} more row(s) in plan.rows")
+        if self.skipped:
+            kinds: Dict[str, List[Skipped]] = {}
+            for s in self.skipped:
+                kinds.setdefault(s.kind, []).append(s)
+            lines.append(f"skipped {len(self.skipped)} candidate(s) (plan.skipped):")
+            for kind, items in sorted(kinds.items(), key=lambda x: -len(x[1])):
+                lines.append(f"  {len(items):>5} {_KINDS.get(kind, kind)}; e.g. {items[0].candidate.label()}: "
+                             f"{items[0].reason[:100]}")
+        return "\n".join(lines)
+
+    def __str__(self) -> str:
+        return self.table()
+
+    def __repr__(self) -> str:
+        best = next((r for r in self.rows if r.fits), None)
+        return f"<Plan {len(self.rows)} rows, best {best.candidate.label() if best else None}>"
+
+
+#: How the table names each class of skipped candidates.
+_KINDS = {
+    "slower": "predicted slower than the ranked rows (memory not predicted)",
+    "memory": "cannot fit (variables and optimizer state alone)",
+    "devices": "need more devices than the cluster has",
+    "batch": "batch not divisible",
+    "trace": "tracing failed",
+    "invalid": "not possible on this graph",
+}
+
+
+def time_step(step: Any, args: tuple, kwargs: dict, steps: int, warmup: int) -> float:
+    """The median seconds of `steps` calls of `step` after `warmup` calls."""
+    def run() -> None:
+        out = step(*args, **kwargs)
+        for leaf in tf.nest.flatten(out, expand_composites=True):
+            if hasattr(leaf, "numpy"):
+                leaf.numpy()
+                break
+
+    for _ in range(warmup):
+        run()
+    times = []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        run()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def profile_run(row: PlanRow, step: Any, args: tuple, kwargs: dict, steps: int = 2) -> Any:
+    """Runs `steps` steps of the current config inside `smp.profile` and
+    returns the `smp_tf.planner.learn.Run` of `row`: its tasks' measured
+    durations, the gap between actions, the pipeline's span and (from
+    ``row.measured``) the step's wall time."""
+    from smp_tf.planner.learn import Run
+    from smp_tf.profiling.timeline import profile
+
+    with profile() as prof:
+        for _ in range(steps):
+            time_step(step, args, kwargs, 1, 0)
+    tl = prof.timeline
+    if not tl.records:
+        return Run(row, {}, None, None, row.measured)
+    numbers = sorted({r.step for r in tl.records})
+    try:
+        gap: Optional[float] = tl.measured_gap()
+    except ValueError:  # one action per device: nothing waited
+        gap = None
+    return Run(row, tl.task_costs(), gap, statistics.median(tl.step_time(n) for n in numbers), row.measured)
+
+
+# ---------------------------------------------------------------------------
+# Tracing
+
+
+class _Tracer:
+    """The step traced at each micro-batch size (and tensor-parallel degree)
+    a candidate needs, each once."""
+
+    def __init__(self, step: Any, args: tuple, kwargs: dict, batch_size: int, layout_map: Any):
+        self.step, self.args, self.kwargs, self.batch_size = step, args, kwargs, batch_size
+        self.layout_map = layout_map
+        self.seconds = 0.0
+        self._traced: Dict[int, Any] = {}
+
+    def _trace(self, b: int) -> Any:
+        from smp_tf.trace import trace_microbatch
+
+        traced = self._traced.get(b)
+        if traced is None:
+            mbs = self.step._split(self.args, self.kwargs, self.batch_size // b)
+            traced = self._traced[b] = trace_microbatch(
+                self.step._fn, mbs[0][0], mbs[0][1], shapes=self.step._trace_shapes(mbs),
+                tf_function_kwargs=self.step._tf_kwargs)
+        return traced
+
+    def __call__(self, b: int, t: int) -> GraphInfo:
+        t0 = time.perf_counter()
+        try:
+            traced = self._trace(b)
+            if t == 1:
+                return GraphInfo(traced.op_graph, [x for x in traced.output_tensors() if x is not None])
+            from smp_tf.sharding.api import shard_step
+            from smp_tf.sharding.lower import shard_of_ops
+
+            cfg = types.SimpleNamespace(tensor_parallel_degree=t, layout_map=self.layout_map)
+            sharded, shard_plan = shard_step(traced, cfg, None)
+            return GraphInfo(sharded.op_graph, [x for x in sharded.output_tensors() if x is not None],
+                             shard_of_ops(sharded.graph_def, sharded.op_graph), sorted(shard_plan.stored_split))
+        finally:
+            self.seconds += time.perf_counter() - t0
+
+
+def _batch_size(step: Any, args: tuple, kwargs: dict) -> int:
+    """The batch of the arguments: the size of what the step splits."""
+    from smp_tf.step_function import StepFunction
+
+    if not isinstance(step, StepFunction):
+        raise TypeError(f"smp.plan needs an `smp.step` function or a compiled smp.DistributedModel. "
+                        f"Received: {step!r:.100}")
+    one = step._split(args, kwargs, 1)[0]
+    sizes = {int(x.shape[0]) for x in tf.nest.flatten(one) if isinstance(x, tf.Tensor) and x.shape.rank}
+    if len(sizes) != 1:
+        raise ValueError(f"smp.plan needs example arguments with one batch size; their leading sizes are "
+                         f"{sorted(sizes)}.")
+    return sizes.pop()
+
+
+def _model_step(model: Any, x: Any, y: Any) -> Tuple[Any, tuple]:
+    """The training step ``fit`` runs for a compiled `DistributedModel`, and
+    its arguments for a batch ``(x, y)``."""
+    from smp_tf.keras.loss_scale import loss_scale_of
+
+    if getattr(model, "optimizer", None) is None or not getattr(model, "compiled", False):
+        raise ValueError("smp.plan(model, x, y) needs a compiled model: call model.compile(optimizer=..., loss=...) "
+                         "first.")
+    if not model.built:
+        model(x)
+    steps = model.step_functions
+    steps.train.optimizer = model.optimizer
+    x = tf.nest.map_structure(tf.convert_to_tensor, x)
+    y = tf.nest.map_structure(tf.convert_to_tensor, y)
+    batch = int(tf.nest.flatten(x)[0].shape[0])
+    return steps.train, (x, y, None, tf.constant(batch), tf.constant(1, tf.int64), loss_scale_of(model))
+
+
+def _cluster(cluster: Union[None, ResourceGraph, Mapping[str, Any], str]) -> ResourceGraph:
+    if isinstance(cluster, ResourceGraph):
+        return cluster
+    if isinstance(cluster, Mapping):
+        return ResourceGraph.from_dict(cluster)
+    if isinstance(cluster, str):
+        return ResourceGraph.from_json(cluster)
+    if cluster is not None:
+        raise TypeError(f"cluster must be a ResourceGraph, a dict or a JSON file's path. Received: {cluster!r:.100}")
+    from smp_tf.planner import cluster as this_cluster
+
+    return this_cluster()
+
+
+def plan(
+    target: Any,
+    *args: Any,
+    optimizer: Any = None,
+    cluster: Union[None, ResourceGraph, Mapping[str, Any], str] = None,
+    memory_budget: Optional[int] = None,
+    keep: int = 24,
+    config: Optional[Mapping[str, Any]] = None,
+    **kwargs: Any,
+) -> Plan:
+    """Searches the configuration of a step for a cluster.
+
+    ``smp.plan(train_step, x, y, optimizer=opt)`` for an `smp.step`
+    function and its example arguments, or ``smp.plan(model, x, y)`` for a
+    compiled `smp.DistributedModel` (the step ``fit`` runs). Searches
+    ``partitions``, ``tensor_parallel_degree``, data-parallel replicas,
+    ``microbatches``, ``pipeline``, ``virtual_stages`` and ``recompute``;
+    for each candidate predicts the step time on the cluster and every
+    device's peak, and ranks them (see `smp_tf.planner.search`).
+
+    Args:
+        target: an `smp.step` function, or a compiled `DistributedModel`.
+        *args: the step's example arguments (one whole batch), or ``x, y``
+            for a model.
+        optimizer: the optimizer that applies the gradients (its state
+            counts in every device's memory; default: the step's own, or
+            Adam's two slots).
+        cluster: the machines: a `ResourceGraph`, a dict or a JSON file's
+            path (`ResourceGraph.from_dict`); None: `smp.cluster()` (the
+            config's ``cluster``, or this process's devices, calibrated).
+        memory_budget: bytes per device; lowers every device's memory.
+        keep: how many fitting candidates get their memory predicted (the
+            fastest by predicted time); the rest are listed as skipped.
+        config: keys every row's config carries (e.g. ``optimize``); the
+            current `smp.init` config's other keys by default.
+        **kwargs: the step's keyword arguments, and search dimensions
+            (``partitions=[2, 4]``, ``tensor_parallel_degrees``,
+            ``replicas``, ``microbatches``, ``pipelines``,
+            ``virtual_stages``, ``recompute``, ``max_stages``) that fix
+            their values.
+
+    Returns:
+        The `Plan`; ``print(plan)`` shows its table, ``plan.best.config``
+        is the dict for `smp.init`.
+    """
+    from smp_tf import state
+    from smp_tf.memory import optimizer_slots
+    from smp_tf.partitioner.plan import DEFAULT_SLOTS
+    from smp_tf.step_function import StepFunction
+
+    dims = {k: kwargs.pop(k) for k in list(kwargs) if k in SEARCH_DIMENSIONS}
+    if not isinstance(target, StepFunction) and hasattr(target, "step_functions"):
+        if len(args) != 2 or kwargs:
+            raise ValueError("smp.plan(model, x, y): give the model's inputs and targets of one batch.")
+        optimizer = optimizer if optimizer is not None else target.optimizer
+        step, args = _model_step(target, *args)
+    else:
+        step = target
+    batch = _batch_size(step, args, kwargs)
+    graph = _cluster(cluster)
+    opt = optimizer if optimizer is not None else getattr(step, "optimizer", None)
+    slots = DEFAULT_SLOTS if opt is None else optimizer_slots(opt)
+    if config is None:
+        config = _kept_keys(state.config().to_dict()) if state.is_initialized() else {}
+    layout_map = (config or {}).get("layout_map")
+    if dims.get("replicas") is None and state.is_initialized() and cluster is None:
+        # This process's devices: data parallelism is a process per replica.
+        dims["replicas"] = [1]
+    cands, skipped = candidates(len(graph.devices), batch, **dims)
+    tracer = _Tracer(step, args, kwargs, batch, layout_map)
+    if memory_budget is None and state.is_initialized() and cluster is None:
+        memory_budget = state.config().memory_budget
+    result = search(tracer, batch, graph, cands, slots=slots, memory_budget=memory_budget, fixed=config, keep=keep,
+                    skipped=skipped)
+    return Plan(result, graph, step, args, kwargs, tracer.seconds, batch)
+
+
+#: Keys of the config the planner chooses (not carried from the current config).
+_CHOSEN = ("partitions", "microbatches", "pipeline", "recompute", "virtual_stages", "tensor_parallel_degree", "auto",
+           "pipeline_parallel_degree")
+
+
+def _kept_keys(cfg: Mapping[str, Any]) -> Dict[str, Any]:
+    """The keys of a config that every planned config keeps, at their
+    non-default values."""
+    from smp_tf.config import Config
+
+    defaults = Config().to_dict()
+    return {k: v for k, v in cfg.items() if k not in _CHOSEN and defaults.get(k) != v}
+
+
+def apply_auto(step: Any, args: tuple, kwargs: dict) -> Optional[Plan]:
+    """With the config key ``auto``, plans `step` on its first call's
+    arguments and re-initialises smp_tf with the best row's config (the
+    config's other keys kept); the plan is ``step.auto_plan``. Does nothing
+    without ``auto``."""
+    from smp_tf import state
+
+    cfg = state.config()
+    if not cfg.auto:
+        return None
+    if cfg.pipeline_processes > 1 or state.size() > 1:
+        raise ValueError("The config key 'auto' plans for one process: it cannot be used with pipeline_processes or "
+                         "several processes. Use smp.plan on the cluster and give its best config instead.")
+    result = plan(step, *args, optimizer=step.optimizer, replicas=[1], **kwargs)
+    best = result.best
+    state.init({**best.config, "auto": False})
+    step.auto_plan = result
+    return result
+

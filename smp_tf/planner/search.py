@@ -1,0 +1,695 @@
+"""The planner's search: candidate configurations, each predicted on a cluster.
+
+Plain Python over the traced step's `OpGraph` (no TensorFlow): the
+TensorFlow side (`smp_tf.planner.plan`) traces the step once per
+micro-batch size and hands the graphs here.
+
+For every candidate (partitions ``P``, tensor-parallel degree ``t``,
+data-parallel replicas ``R``, micro-batches ``M``, schedule, virtual stages
+``v`` and recompute mode) `predict` does what `smp.init` and the first step
+would do, without running anything:
+
+1. **Devices.** Stage ``p`` of replica ``r`` gets ``t`` devices of one host
+   (`smp_tf.planner.mapping.map_ranks`: exact on small clusters, a stated
+   heuristic beyond).
+2. **Split.** `assign_partitions` with ``optimize="speed"``, each stage
+   weighted by its device's speed on the step's mix of work.
+3. **Tasks.** `rewrite.build_tasks` with the candidate's recompute mode.
+4. **Time.** Each task's seconds on its device: every op it runs (its
+   members and what it recomputes) at the device's speed for the op's cost
+   class plus the device's per-op overhead; with ``t > 1`` the slowest of
+   the stage's devices plus the bytes its devices exchange; plus the time
+   its boundary inputs take over the link from their producer. The
+   schedule is simulated on those seconds; CPU devices that share a host's
+   cores (`ResourceGraph.cores`) slow down while more of them run than
+   there are cores (`simulate_shared`). To the pipeline's span the step
+   adds the optimizer update (element-wise work per trainable element) and,
+   with ``R > 1``, each stage's gradient all-reduce as a ring over the
+   replicas' links (after the pipeline, as smp_tf runs it), and the
+   runtime's cost of a step (`ResourceGraph.runtime`; each action also
+   pays its ``"action"`` cost). Products and convolutions pay their
+   operands' bytes at the device's ``bandwidth`` besides their operations
+   (a product of a few rows by a large weight streams the weight).
+5. **Memory.** `smp_tf.memory.predict_assignment` gives every device's
+   predicted peak; a candidate fits when every device's peak is within its
+   memory (the cluster's ``memory`` per device, lowered by
+   ``memory_budget``).
+
+`search` enumerates candidates, predicts their times first (cheap), then
+their memory in order of time until ``keep`` fitting rows are found; what
+it does not predict, and why, is listed in ``skipped``.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
+
+from smp_tf.graph_view import OpGraph
+from smp_tf.planner.resources import ResourceGraph, cost_class, effective_speeds, graph_flops_by_class
+
+__all__ = [
+    "Candidate",
+    "GraphInfo",
+    "PlanRow",
+    "Skipped",
+    "SearchResult",
+    "candidates",
+    "predict_memory",
+    "predict_time",
+    "search",
+    "simulate_shared",
+    "APPLY_FLOPS_PER_ELEMENT",
+]
+
+RECOMPUTE_MODES = ("never", "selective", "full")
+#: Element-wise operations of the optimizer update per trainable element and
+#: optimizer slot (a read, an update and a write of each), plus the
+#: variable's own update.
+APPLY_FLOPS_PER_ELEMENT = 4.0
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One configuration the planner predicts.
+
+    Attributes:
+        partitions: pipeline stages' devices ``P``.
+        tensor_parallel_degree: devices per stage ``t``.
+        replicas: data-parallel replicas ``R`` (one process each).
+        microbatches: micro-batches per step and replica ``M``.
+        pipeline: the schedule kind.
+        virtual_stages: model chunks per device ``v``.
+        recompute: the recompute mode.
+    """
+
+    partitions: int = 1
+    tensor_parallel_degree: int = 1
+    replicas: int = 1
+    microbatches: int = 1
+    pipeline: str = "interleaved"
+    virtual_stages: int = 1
+    recompute: str = "never"
+
+    @property
+    def devices(self) -> int:
+        """Devices the candidate uses: ``P * t * R``."""
+        return self.partitions * self.tensor_parallel_degree * self.replicas
+
+    @property
+    def stages(self) -> int:
+        """Model chunks ``P * v``."""
+        return self.partitions * self.virtual_stages
+
+    def config(self) -> Dict[str, Any]:
+        """The keys of this candidate for `smp.init` (replicas are processes,
+        not a key: see `PlanRow.replicas`)."""
+        out: Dict[str, Any] = {"partitions": self.partitions, "microbatches": self.microbatches,
+                               "pipeline": self.pipeline, "recompute": self.recompute}
+        if self.virtual_stages > 1:
+            out["virtual_stages"] = self.virtual_stages
+        if self.tensor_parallel_degree > 1:
+            out["tensor_parallel_degree"] = self.tensor_parallel_degree
+        return out
+
+    def label(self) -> str:
+        """``P2 t1 R1 M8 interleaved v1 never``: the table's columns in one word each."""
+        return (f"P{self.partitions} t{self.tensor_parallel_degree} R{self.replicas} M{self.microbatches} "
+                f"{self.pipeline} v{self.virtual_stages} {self.recompute}")
+
+
+@dataclass
+class GraphInfo:
+    """The traced step at one micro-batch size (and tensor-parallel degree).
+
+    Attributes:
+        graph: the op graph (sharded when ``t > 1``).
+        outputs: the step's output tensor ids.
+        shard_of_op: with ``t > 1``, each op's device within its stage.
+        split_variables: with ``t > 1``, the variables stored in pieces.
+    """
+
+    graph: OpGraph
+    outputs: List[int]
+    shard_of_op: Optional[List[int]] = None
+    split_variables: Sequence[str] = ()
+
+
+@dataclass
+class PlanRow:
+    """One predicted candidate.
+
+    Attributes:
+        candidate: the `Candidate`.
+        config: the dict to give `smp.init` (with the keys the caller fixed).
+        step_time: predicted seconds per step.
+        peak: predicted peak bytes of every device the candidate uses
+            (device name -> bytes); empty when memory was not predicted.
+        capacity: each of those devices' memory (bytes; 0: unknown).
+        fits: every device's peak is within its capacity.
+        devices: ``(replica, stage)`` -> that stage's device names.
+        times: the parts of ``step_time``: ``pipeline`` (the schedule's
+            span), ``update`` (the optimizer), ``allreduce`` (data
+            parallelism), ``step`` (the runtime's cost of a step).
+        measured: seconds per step measured by `Plan.measure` (None until).
+        task_seconds: ``(partition, wave)`` -> the predicted seconds of
+            one action of that task (one micro-batch) on its device alone.
+        task_elapsed: the same, as the simulation ran it: stretched while
+            devices shared cores (the mean over micro-batches); what a
+            profile of the run measures.
+    """
+
+    candidate: Candidate
+    config: Dict[str, Any]
+    step_time: float
+    peak: Dict[str, int] = field(default_factory=dict)
+    capacity: Dict[str, int] = field(default_factory=dict)
+    fits: bool = True
+    devices: Dict[Tuple[int, int], Tuple[str, ...]] = field(default_factory=dict)
+    times: Dict[str, float] = field(default_factory=dict)
+    measured: Optional[float] = None
+    task_seconds: Dict[Tuple[int, int], float] = field(default_factory=dict)
+    task_elapsed: Dict[Tuple[int, int], float] = field(default_factory=dict)
+
+    @property
+    def replicas(self) -> int:
+        """Data-parallel replicas: launch this many copies of the job."""
+        return self.candidate.replicas
+
+    @property
+    def max_peak(self) -> int:
+        """The largest device peak."""
+        return max(self.peak.values(), default=0)
+
+
+@dataclass(frozen=True)
+class Skipped:
+    """A candidate the search did not rank, and why.
+
+    Attributes:
+        candidate: the candidate.
+        reason: why, in words.
+        kind: the reason's class: ``"slower"`` (predicted slower than the
+            ranked rows; its memory was not predicted), ``"memory"``
+            (cannot fit), ``"devices"``, ``"batch"``, ``"trace"`` or
+            ``"invalid"`` (the graph or schedule cannot take it).
+    """
+
+    candidate: Candidate
+    reason: str
+    kind: str = "invalid"
+
+
+@dataclass
+class SearchResult:
+    """What `search` found: ``rows`` (memory predicted, best first),
+    ``skipped`` and the time the search took."""
+
+    rows: List[PlanRow]
+    skipped: List[Skipped]
+    seconds: float
+    evaluated: int
+
+
+# ---------------------------------------------------------------------------
+# Candidates
+
+
+def _divisors(n: int) -> List[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def candidates(
+    num_devices: int,
+    batch_size: int,
+    *,
+    partitions: Optional[Sequence[int]] = None,
+    tensor_parallel_degrees: Sequence[int] = (1, 2, 4, 8),
+    replicas: Optional[Sequence[int]] = None,
+    microbatches: Optional[Sequence[int]] = None,
+    pipelines: Sequence[str] = ("interleaved", "simple", "zero_bubble"),
+    virtual_stages: Sequence[int] = (1, 2),
+    recompute: Sequence[str] = RECOMPUTE_MODES,
+    max_stages: Optional[int] = None,
+) -> Tuple[List[Candidate], List[Skipped]]:
+    """Every candidate on `num_devices` devices for a batch of `batch_size`.
+
+    Each search dimension may be fixed by passing its values. By default
+    ``P`` and ``R`` are the powers of two (and `num_devices` itself) up to
+    `num_devices`, ``P * t * R <= num_devices``; ``M`` divides the replica's
+    batch, is a power of two and at least ``P`` when ``P > 1`` (fewer
+    micro-batches than stages leave stages idle); the schedule, virtual
+    stages and recompute mode only vary when ``P > 1``; ``v > 1`` needs
+    ``M`` a multiple of ``P``.
+
+    Returns:
+        (the candidates, the combinations left out and why).
+    """
+    if num_devices < 1:
+        raise ValueError(f"num_devices must be at least 1. Received: {num_devices}")
+    if batch_size < 1:
+        raise ValueError(f"batch_size must be at least 1. Received: {batch_size}")
+    powers = sorted({2 ** k for k in range(int(math.log2(num_devices)) + 1)} | {num_devices})
+    ps = sorted(set(partitions)) if partitions is not None else powers
+    rs = sorted(set(replicas)) if replicas is not None else powers
+    out: List[Candidate] = []
+    skipped: List[Skipped] = []
+    for p, t, r in itertools.product(ps, sorted(set(tensor_parallel_degrees)), rs):
+        if p * t * r > num_devices:
+            continue
+        if batch_size % r:
+            skipped.append(Skipped(Candidate(p, t, r), f"batch {batch_size} is not a multiple of R={r}", "batch"))
+            continue
+        per_replica = batch_size // r
+        if microbatches is not None:
+            ms = [m for m in sorted(set(microbatches)) if per_replica % m == 0]
+        else:
+            ms = [m for m in _divisors(per_replica) if m & (m - 1) == 0 and (p == 1 or m >= p)]
+            if p == 1:
+                ms = ms[:1]  # without a pipeline, splitting the batch only adds steps
+        for m in ms:
+            for kind in (pipelines if p > 1 else pipelines[:1]):
+                for v in (virtual_stages if p > 1 else (1,)):
+                    if max_stages is not None and p * v > max_stages:
+                        continue
+                    if v > 1 and m % p:
+                        continue
+                    # One partition runs each micro-batch's forward and backward as one
+                    # task: there is nothing to recompute.
+                    for rc in (recompute if p > 1 else list(recompute)[:1]):
+                        out.append(Candidate(p, t, r, m, kind, v, rc))
+    return out, skipped
+
+
+# ---------------------------------------------------------------------------
+# Time
+
+
+def simulate_shared(
+    order: Mapping[int, Sequence[Any]],
+    deps: Mapping[Tuple[int, int], Sequence[Tuple[int, int]]],
+    cost: Callable[[Any], float],
+    host_of_device: Mapping[int, Optional[str]],
+    cores: Mapping[str, float],
+    elapsed: Optional[Dict[Any, float]] = None,
+) -> float:
+    """The makespan of per-device orders when devices of a host share cores.
+
+    Each device runs its actions in order; an action starts when its device
+    is free and the same micro-batch's actions of the tasks it depends on
+    have ended. While ``n`` actions run on devices of a host with ``c``
+    cores, each progresses at ``min(1, c / n)`` of its device's speed
+    (processor sharing). Devices whose host is not in `cores` (or is None)
+    always run at full speed: this is `Schedule.simulate` for them.
+
+    Args:
+        order: device -> its actions (each with ``.task`` = (partition,
+            wave) and ``.microbatch``).
+        deps: task -> the tasks it depends on.
+        cost: action -> seconds at full speed.
+        host_of_device: device -> its host.
+        cores: host -> cores shared by its devices.
+        elapsed: if given, filled with action -> its seconds from start to
+            end (its cost, stretched while it shared cores).
+    """
+    position = {d: 0 for d in order}
+    started: Dict[int, float] = {}
+    done: set = set()
+    remaining: Dict[int, float] = {}
+    now = 0.0
+    total = sum(len(a) for a in order.values())
+    finished = 0
+    while finished < total:
+        # Start every action whose device is free and whose inputs are done.
+        for d, acts in order.items():
+            if d in remaining or position[d] >= len(acts):
+                continue
+            a = acts[position[d]]
+            if all((dep, a.microbatch) in done for dep in deps.get(a.task, ())):
+                remaining[d] = max(cost(a), 0.0)
+                started[d] = now
+        if not remaining:
+            raise ValueError("the orders deadlock (an action waits for one that never runs)")
+        running: Dict[str, int] = {}
+        for d in remaining:
+            h = host_of_device.get(d)
+            if h is not None and h in cores:
+                running[h] = running.get(h, 0) + 1
+
+        def rate(d: int) -> float:
+            h = host_of_device.get(d)
+            if h is None or h not in cores:
+                return 1.0
+            return min(1.0, cores[h] / running[h])
+
+        step = min(remaining[d] / rate(d) for d in remaining)
+        now += step
+        for d in list(remaining):
+            remaining[d] -= step * rate(d)
+            if remaining[d] <= 1e-15:
+                a = order[d][position[d]]
+                done.add((a.task, a.microbatch))
+                if elapsed is not None:
+                    elapsed[a] = now - started[d]
+                position[d] += 1
+                finished += 1
+                del remaining[d]
+    return now
+
+
+def _op_seconds(graph: OpGraph, device: Any) -> Callable[[int], float]:
+    memo: Dict[int, float] = {}
+
+    def seconds(i: int) -> float:
+        s = memo.get(i)
+        if s is None:
+            op = graph.ops[i]
+            s = 0.0
+            if op.kind == "op":
+                cls = cost_class(op.type)
+                s = op.flops / device.flops[cls] + device.overhead
+                if device.bandwidth and cls != "elementwise":
+                    # Products and convolutions also stream their operands.
+                    moved = sum(graph.tensors[t].bytes for t in list(op.inputs) + list(op.outputs))
+                    s += moved / device.bandwidth
+            memo[i] = s
+        return s
+
+    return seconds
+
+
+class _Timer:
+    """Seconds of each task of a candidate on its devices."""
+
+    def __init__(self, info: GraphInfo, cluster: ResourceGraph, stage_devices: Sequence[Sequence[str]]):
+        self.info = info
+        self.cluster = cluster
+        self.stage_devices = stage_devices
+        self._seconds: Dict[str, Callable[[int], float]] = {}
+
+    def _on(self, name: str) -> Callable[[int], float]:
+        f = self._seconds.get(name)
+        if f is None:
+            f = self._seconds[name] = _op_seconds(self.info.graph, self.cluster.device(name))
+        return f
+
+    def task_seconds(self, task: Any, partition_of_op: Sequence[int]) -> float:
+        graph = self.info.graph
+        devices = self.stage_devices[task.partition]
+        shard = self.info.shard_of_op
+        ops = list(task.members) + list(task.recomputed)
+        per_shard: Dict[int, float] = {}
+        exchange = 0.0
+        for i in ops:
+            k = shard[i] if shard is not None else 0
+            k = min(k, len(devices) - 1)
+            per_shard[k] = per_shard.get(k, 0.0) + self._on(devices[k])(i)
+            if shard is not None and len(devices) > 1:
+                # Bytes a device of the stage reads from another of its devices.
+                for tid in graph.ops[i].inputs:
+                    j = graph.tensors[tid].producer
+                    kj = min(shard[j], len(devices) - 1)
+                    if kj != k and partition_of_op[j] == task.partition:
+                        exchange += self.cluster.link(devices[kj], devices[k]).seconds(graph.tensors[tid].bytes)
+        compute = max(per_shard.values(), default=0.0)
+        receive = 0.0
+        for tid in task.boundary_inputs():
+            src = self.stage_devices[task.producer_of_input[tid][0]][0]
+            receive += self.cluster.link(src, devices[0]).seconds(graph.tensors[tid].bytes)
+        return compute + exchange + receive + self.cluster.runtime.get("action", 0.0)
+
+
+# ---------------------------------------------------------------------------
+# One candidate
+
+
+def _stage_groups(cluster: ResourceGraph, cand: Candidate, info: GraphInfo, partition_of_op: Optional[Sequence[int]]):
+    """``(replica, stage)`` -> device names: the devices in the cluster's
+    order (host-aligned blocks of ``t``), then, on a cluster of several
+    hosts or unequal devices, `map_ranks` on the split's stage work."""
+    from smp_tf.planner.mapping import Mapping as RankMapping, MappingProblem, _blocks, map_ranks
+
+    blocks = _blocks(cluster, cand.tensor_parallel_degree)
+    need = cand.replicas * cand.partitions
+    if len(blocks) < need:
+        raise ValueError(f"needs {need} groups of {cand.tensor_parallel_degree} device(s) on one host; "
+                         f"the cluster has {len(blocks)}")
+    default = {(r, p): blocks[r * cand.partitions + p] for r in range(cand.replicas) for p in range(cand.partitions)}
+    if partition_of_op is None or (len(cluster.hosts) == 1 and _equal(cluster)):
+        return default
+    graph = info.graph
+    flops: List[Dict[str, float]] = [dict() for _ in range(cand.partitions)]
+    for op, c in zip(graph.ops, partition_of_op):
+        cls = cost_class(op.type)
+        f = flops[c % cand.partitions]
+        f[cls] = f.get(cls, 0.0) + op.flops / cand.tensor_parallel_degree
+    boundary = [0.0] * max(cand.partitions - 1, 0)
+    for t in graph.tensors:
+        a = partition_of_op[t.producer] % cand.partitions
+        for c in t.consumers:
+            b = partition_of_op[c] % cand.partitions
+            if b == a + 1:
+                boundary[a] += 2 * t.bytes  # forward and its gradient
+                break
+    grads = _gradient_bytes(info, partition_of_op, cand)
+    problem = MappingProblem(cand.replicas, cand.partitions, cand.tensor_parallel_degree, flops, boundary,
+                             grads, cand.microbatches)
+    mapping = map_ranks(problem, cluster)
+    if problem.score(cluster, mapping) < problem.score(cluster, RankMapping(default)):
+        return dict(mapping.devices)
+    return default
+
+
+def _equal(cluster: ResourceGraph) -> bool:
+    first = cluster.devices[0]
+    return all(dict(d.flops) == dict(first.flops) and d.overhead == first.overhead for d in cluster.devices)
+
+
+def _gradient_bytes(info: GraphInfo, partition_of_op: Sequence[int], cand: Candidate) -> List[float]:
+    from smp_tf.memory import is_gradient_output
+
+    out = [0.0] * cand.partitions
+    graph = info.graph
+    for t in set(info.outputs):
+        producer = graph.tensors[t].producer
+        if is_gradient_output(graph, producer, t):
+            out[partition_of_op[producer] % cand.partitions] += graph.tensors[t].bytes
+    return out
+
+
+def _capacity(cluster: ResourceGraph, name: str, memory_budget: Optional[int]) -> int:
+    own = cluster.device(name).memory
+    limits = [x for x in (own, memory_budget) if x]
+    return int(min(limits)) if limits else 0
+
+
+def predict_time(info: GraphInfo, cand: Candidate, cluster: ResourceGraph, *, slots: float = 2.0,
+                 fixed: Optional[Mapping[str, Any]] = None) -> Tuple[PlanRow, Any]:
+    """The predicted step time of one candidate (module doc, steps 1 to 4).
+
+    Returns:
+        (the `PlanRow` without memory, the state `predict_memory` needs).
+
+    Raises:
+        ValueError: the candidate cannot be built on this graph or cluster
+            (the message says why).
+    """
+    from smp_tf.partitioner.plan import assign_partitions
+    from smp_tf.rewrite import build_tasks, task_specs
+    from smp_tf.schedules import make_schedule, schedule_builder
+
+    graph = info.graph
+    P, S = cand.partitions, cand.stages
+    groups = _stage_groups(cluster, cand, info, None)
+    mix = graph_flops_by_class([op.type for op in graph.ops], [op.flops for op in graph.ops])
+
+    def split(groups):
+        devices = [cluster.device(groups[(0, c % P)][0]) for c in range(S)]
+        speeds = effective_speeds(devices, mix)
+        unequal = max(speeds) > min(speeds) * (1 + 1e-9)
+        return assign_partitions(graph, S, optimize="speed", recompute=cand.recompute, slots=slots,
+                                 stage_speeds=speeds if unequal else None)
+
+    assignment = split(groups)
+    mapped = _stage_groups(cluster, cand, info, assignment)
+    if mapped != groups:
+        groups, assignment = mapped, split(mapped)
+    builder = schedule_builder(cand.pipeline)
+    tasks = build_tasks(graph, assignment, sorted(set(info.outputs)), recompute=cand.recompute,
+                        split_weight=builder.split_weight)
+    device_of = [c % P for c in range(S)] if cand.virtual_stages > 1 else None
+    specs = task_specs(tasks, device_of)
+    schedule = make_schedule(specs, cand.microbatches, cand.pipeline)
+    stage_devices = [groups[(0, c % P)] for c in range(S)]
+    timer = _Timer(info, cluster, stage_devices)
+    seconds = {t.key: timer.task_seconds(t, assignment) for t in tasks}
+    # Gradients are summed over the micro-batches as each task makes them.
+    grads = _gradient_bytes(info, assignment, cand)
+    order = schedule.simulate().order
+    host_of = {d: cluster.device(groups[(0, d)][0]).host if cluster.device(groups[(0, d)][0]).kind == "CPU" else None
+               for d in order}
+    shared = {h: c for h, c in cluster.cores.items()
+              if sum(1 for d in host_of.values() if d == h) * cand.tensor_parallel_degree > c}
+    deps = {s.key: s.deps for s in specs}
+    elapsed: Dict[Any, float] = {}
+    if shared:
+        span = simulate_shared(order, deps, lambda a: seconds[a.task], host_of, shared, elapsed)
+    else:
+        span = schedule.simulate(costs=seconds).makespan
+    by_task: Dict[Tuple[int, int], List[float]] = {}
+    for a, e in elapsed.items():
+        by_task.setdefault(a.task, []).append(e)
+    # The optimizer: element-wise work per trainable element on the stage's devices.
+    update = 0.0
+    for p in range(P):
+        device = cluster.device(groups[(0, p)][0])
+        elements = grads[p] / 4.0
+        work = elements * (APPLY_FLOPS_PER_ELEMENT * (1 + slots)) / cand.tensor_parallel_degree
+        accumulate = elements * max(cand.microbatches - 1, 0) / cand.tensor_parallel_degree
+        update = max(update, (work + accumulate) / device.flops["elementwise"])
+    allreduce = 0.0
+    if cand.replicas > 1:
+        R = cand.replicas
+        for p in range(P):
+            ring = [groups[(r, p)][0] for r in range(R)]
+            links = [cluster.link(ring[i], ring[(i + 1) % R]) for i in range(R)]
+            bandwidth = min(l.bandwidth for l in links)
+            latency = max(l.latency for l in links)
+            allreduce = max(allreduce, 2 * (R - 1) / R * grads[p] / bandwidth + 2 * (R - 1) * latency)
+    overhead = cluster.runtime.get("step", 0.0)
+    row = PlanRow(
+        candidate=cand, config={**dict(fixed or {}), **cand.config()},
+        step_time=span + update + allreduce + overhead,
+        devices=dict(groups), times={"pipeline": span, "update": update, "allreduce": allreduce, "step": overhead},
+    )
+    row.task_seconds = seconds
+    # What each action takes as it runs, sharing cores: what a profile measures.
+    row.task_elapsed = {k: (sum(by_task[k]) / len(by_task[k]) if k in by_task else v) for k, v in seconds.items()}
+    return row, (assignment, groups)
+
+
+def predict_memory(row: PlanRow, state: Any, info: GraphInfo, cluster: ResourceGraph, *, slots: float = 2.0,
+                   memory_budget: Optional[int] = None) -> PlanRow:
+    """Fills in `row`'s per-device peaks and whether it fits (module doc, step 5)."""
+    from smp_tf.memory import predict_assignment
+
+    assignment, groups = state
+    cand = row.candidate
+    P, S, t = cand.partitions, cand.stages, cand.tensor_parallel_degree
+    cpu = cluster.device(groups[(0, 0)][0]).kind == "CPU"
+    sharding: Dict[str, Any] = {}
+    if t > 1 and info.shard_of_op is not None:
+        sharding = dict(shard_of_op=info.shard_of_op, tensor_degree=t, split_variables=sorted(info.split_variables))
+    report = predict_assignment(
+        info.graph, assignment, [x for x in info.outputs if x is not None], num_partitions=S,
+        num_microbatches=cand.microbatches, kind=cand.pipeline, recompute=cand.recompute, slots=slots,
+        device_of_partition=[c % P for c in range(S)] if cand.virtual_stages > 1 else None,
+        cpu_kernel_scratch=cpu, **sharding,
+    )
+    peak: Dict[str, int] = {}
+    rows = report.devices if (t > 1 and report.devices) else report.partitions
+    for r in rows:
+        k = r.shard or 0
+        for rep in range(cand.replicas):
+            name = groups[(rep, r.partition % P)][min(k, len(groups[(rep, r.partition % P)]) - 1)]
+            peak[name] = peak.get(name, 0) + int(r.total)
+    row.peak = peak
+    row.capacity = {n: _capacity(cluster, n, memory_budget) for n in peak}
+    row.fits = all(not row.capacity[n] or peak[n] <= row.capacity[n] for n in peak)
+    return row
+
+
+def _static_floor(info: GraphInfo, cand: Candidate, slots: float) -> float:
+    """Bytes every candidate must hold somewhere: the variables and their
+    optimizer state, over the candidate's ``P * t`` devices (a lower bound
+    of the fullest device's peak)."""
+    graph = info.graph
+    total = sum(n * (1 + (slots if graph.trainable.get(k, True) else 0)) for k, n in graph.variable_bytes.items())
+    return float(total) / (cand.partitions * cand.tensor_parallel_degree)
+
+
+def search(
+    graph_for: Callable[[int, int], GraphInfo],
+    batch_size: int,
+    cluster: ResourceGraph,
+    cands: Sequence[Candidate],
+    *,
+    slots: float = 2.0,
+    memory_budget: Optional[int] = None,
+    fixed: Optional[Mapping[str, Any]] = None,
+    keep: int = 24,
+    skipped: Sequence[Skipped] = (),
+) -> SearchResult:
+    """Predicts `cands` on `cluster` and ranks them (module doc).
+
+    Args:
+        graph_for: ``(micro-batch size, t)`` -> the traced step
+            (`GraphInfo`); called once per pair, so it may trace.
+        batch_size: the step's batch (all replicas together).
+        cluster: the machines.
+        cands: the candidates (`candidates`).
+        slots: optimizer slots per trainable byte.
+        memory_budget: bytes per device, lowering every device's memory.
+        fixed: config keys every row's config carries (the caller's).
+        keep: rows whose memory is predicted: the fastest candidates by
+            predicted time, until this many fit.
+        skipped: combinations already left out (listed in the result).
+
+    Returns:
+        The `SearchResult`: rows best first (fitting rows by predicted
+        time, then the ones predicted not to fit), and every skipped
+        candidate with its reason.
+    """
+    start = time.perf_counter()
+    skip: List[Skipped] = list(skipped)
+    timed: List[Tuple[PlanRow, Any, GraphInfo]] = []
+    infos: Dict[Tuple[int, int], Any] = {}
+    for cand in cands:
+        if cand.devices > len(cluster.devices):
+            skip.append(Skipped(cand, f"needs {cand.devices} devices; the cluster has {len(cluster.devices)}",
+                                "devices"))
+            continue
+        b = batch_size // (cand.replicas * cand.microbatches)
+        key = (b, cand.tensor_parallel_degree)
+        if key not in infos:
+            try:
+                infos[key] = graph_for(*key)
+            except (ValueError, RuntimeError, NotImplementedError) as e:
+                infos[key] = e
+        info = infos[key]
+        if isinstance(info, Exception):
+            skip.append(Skipped(cand, f"tracing at micro-batch {b}, t={cand.tensor_parallel_degree} failed: {info}",
+                                "trace"))
+            continue
+        try:
+            row, st = predict_time(info, cand, cluster, slots=slots, fixed=fixed)
+        except Exception as e:  # a candidate this graph cannot take; the reason is listed
+            skip.append(Skipped(cand, f"{type(e).__name__}: {str(e).splitlines()[0][:160]}"))
+            continue
+        timed.append((row, st, info))
+    timed.sort(key=lambda x: x[0].step_time)
+    rows: List[PlanRow] = []
+    misfits: List[PlanRow] = []
+    for n, (row, st, info) in enumerate(timed):
+        if len(rows) >= keep:
+            skip.extend(Skipped(r.candidate, f"predicted {r.step_time * 1e3:.1f} ms, slower than the {keep} "
+                                             "fitting plans ranked (memory not predicted)", "slower")
+                        for r, _, _ in timed[n:])
+            break
+        floor = _static_floor(info, row.candidate, slots)
+        caps = [_capacity(cluster, d.name, memory_budget) for d in cluster.devices]
+        if caps and all(caps) and floor > max(caps):
+            row.fits = False
+            skip.append(Skipped(row.candidate, f"the variables and optimizer state alone ({floor / 2**20:.1f} MiB "
+                                               "per device) exceed every device's memory", "memory"))
+            continue
+        try:
+            predict_memory(row, st, info, cluster, slots=slots, memory_budget=memory_budget)
+        except Exception as e:  # noqa: BLE001 - the reason is listed
+            skip.append(Skipped(row.candidate, f"memory prediction failed: {type(e).__name__}: {e}"))
+            continue
+        (rows if row.fits else misfits).append(row)
+    return SearchResult(rows + misfits, skip, time.perf_counter() - start, len(timed))
