@@ -25,7 +25,9 @@ Flop model (an estimate used only to balance partitions):
 * ``Conv*D`` and both of their back-propagation ops: ``2 * prod(out) * kh * kw * cin``,
   where ``out`` is the forward output (the back-prop ops cost what the
   forward costs); depthwise: ``2 * prod(out) * kh * kw``.
-* ``Einsum``: ``2 * prod(output) * sqrt(prod(a) * prod(b) / prod(output))``.
+* ``Einsum``: ``2 * prod(output) * prod(contracted sizes)`` from its
+  equation; without one (or with an ellipsis)
+  ``2 * prod(output) * sqrt(prod(a) * prod(b) / prod(output))``.
 * Reductions (``Sum``, ``Mean``, ``Max``, ...): ``prod(input)``.
 * Ops that only move or name data (``Identity``, ``Reshape``, ``ReadVariableOp``,
   ``Const``, ``Placeholder``, ``Shape``, ...): 0.
@@ -87,9 +89,10 @@ def _prod(shape: Shape) -> int:
 
 
 def estimate_flops(
-    op_type: str, input_shapes: Sequence[Shape], output_shapes: Sequence[Shape]
+    op_type: str, input_shapes: Sequence[Shape], output_shapes: Sequence[Shape], equation: Optional[str] = None
 ) -> float:
-    """Estimated floating point operations of one op (see the module doc)."""
+    """Estimated floating point operations of one op (see the module doc);
+    `equation`: an ``Einsum``'s, which gives its exact count."""
     if op_type in _ZERO_COST:
         return 0.0
     out = output_shapes[0] if output_shapes else None
@@ -121,12 +124,47 @@ def estimate_flops(
             f, o = output_shapes[0], (input_shapes[2] if len(input_shapes) > 2 else None)
         per_out = _prod(f[:2]) if f else 1
         return 2.0 * _prod(o) * per_out
+    if op_type == "Einsum" and len(input_shapes) >= 2 and equation:
+        exact = _einsum_flops(equation, input_shapes, out)
+        if exact is not None:
+            return exact
     if op_type == "Einsum" and len(input_shapes) >= 2:
         k = math.sqrt(max(_prod(input_shapes[0]) * _prod(input_shapes[1]) / max(_prod(out), 1), 1.0))
         return 2.0 * _prod(out) * k
     if op_type in _REDUCTIONS:
         return float(_prod(input_shapes[0])) if input_shapes else 0.0
     return float(sum(_prod(s) for s in output_shapes))
+
+
+def _einsum_equation(op: Any) -> Optional[str]:
+    """An ``Einsum`` op's equation (None for other ops)."""
+    if op.type != "Einsum":
+        return None
+    try:
+        eq = op.get_attr("equation")
+    except (ValueError, AttributeError):
+        return None
+    return eq.decode() if isinstance(eq, bytes) else eq
+
+
+def _einsum_flops(equation: str, input_shapes: Sequence[Shape], out: Shape) -> Optional[float]:
+    """``2 * prod(output) * prod(contracted sizes)`` of an einsum of two
+    operands whose shapes are known; None otherwise (an ellipsis, a shape
+    not known, or labels that do not match the shapes)."""
+    if "..." in equation or "->" not in equation or out is None:
+        return None
+    lhs, result = equation.replace(" ", "").split("->")
+    operands = lhs.split(",")
+    if len(operands) != len(input_shapes):
+        return None
+    size: Dict[str, int] = {}
+    for labels, shape in zip(operands, input_shapes):
+        if shape is None or len(labels) != len(shape) or any(d is None for d in shape):
+            return None
+        for label, d in zip(labels, shape):
+            size[label] = max(size.get(label, 1), int(d))
+    contracted = [size[c] for c in size if c not in result]
+    return 2.0 * _prod(out) * float(_prod(contracted) if contracted else 1)
 
 
 @dataclass
@@ -926,7 +964,8 @@ def from_tf_graph(
                 inputs=in_ids,
                 outputs=out_ids,
                 control_inputs=[op_index[c.name] for c in op.control_inputs if c.name in op_index],
-                flops=estimate_flops(op.type, [tensors[t].shape for t in in_ids], out_shapes),
+                flops=estimate_flops(op.type, [tensors[t].shape for t in in_ids], out_shapes,
+                                     _einsum_equation(op)),
                 variables=tuple(variables),
                 writes=tuple(writes),
                 layer=layer_of(op) if layer_of else None,

@@ -13,13 +13,14 @@ from __future__ import annotations
 import statistics
 import time
 import types
-from typing import Any, Dict, List, Mapping, Optional, Tuple, Union
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
 import tensorflow as tf
 
 from smp_tf.planner.resources import ResourceGraph
 from smp_tf.planner.search import (
     GraphInfo,
+    interpolate_graph,
     PlanRow,
     SearchResult,
     Skipped,
@@ -32,7 +33,7 @@ __all__ = ["Plan", "plan", "apply_auto", "profile_run", "time_step"]
 #: Search dimensions `plan` accepts as keyword arguments (each a sequence of
 #: values to try), passed to `smp_tf.planner.search.candidates`.
 SEARCH_DIMENSIONS = ("partitions", "tensor_parallel_degrees", "replicas", "microbatches", "pipelines",
-                     "virtual_stages", "recompute", "max_stages")
+                     "virtual_stages", "recompute", "max_stages", "use_all")
 
 
 class Plan:
@@ -93,7 +94,8 @@ class Plan:
         `steps` timed times on the planned arguments, and ``row.measured``
         is the median. With `profile`, two more steps run inside
         `smp.profile` and their timeline is kept in ``plan.runs``, for
-        `learned`. The step's gradients are not applied; state the step
+        `learned` (not under op determinism, where the profile's clock
+        cannot run). The step's gradients are not applied; state the step
         itself writes (BatchNorm statistics) does change. Afterwards
         `smp.init` is left with the chosen row's config.
 
@@ -113,8 +115,9 @@ class Plan:
         for row in rows:
             state.init(row.config)
             row.measured = time_step(self._step, self._args, self._kwargs, steps, warmup)
-            if profile:
-                self.runs.append(profile_run(row, self._step, self._args, self._kwargs))
+            run = profile_run(row, self._step, self._args, self._kwargs) if profile else None
+            if run is not None:
+                self.runs.append(run)
         self.chosen = min(rows, key=lambda r: r.measured)
         state.init(self.chosen.config)
         return self.chosen
@@ -205,9 +208,15 @@ def profile_run(row: PlanRow, step: Any, args: tuple, kwargs: dict, steps: int =
     """Runs `steps` steps of the current config inside `smp.profile` and
     returns the `smp_tf.planner.learn.Run` of `row`: its tasks' measured
     durations, the gap between actions, the pipeline's span and (from
-    ``row.measured``) the step's wall time."""
+    ``row.measured``) the step's wall time. None under op determinism,
+    where TensorFlow's clock op (which the profile reads) refuses to run."""
+    from tensorflow.python.framework import config as tf_config
+
     from smp_tf.planner.learn import Run
     from smp_tf.profiling.timeline import profile
+
+    if tf_config.is_op_determinism_enabled():
+        return None
 
     with profile() as prof:
         for _ in range(steps):
@@ -228,14 +237,28 @@ def profile_run(row: PlanRow, step: Any, args: tuple, kwargs: dict, steps: int =
 
 
 class _Tracer:
-    """The step traced at each micro-batch size (and tensor-parallel degree)
-    a candidate needs, each once."""
+    """The step's graph at each micro-batch size (and tensor-parallel
+    degree) a candidate needs.
 
-    def __init__(self, step: Any, args: tuple, kwargs: dict, batch_size: int, layout_map: Any):
+    The step is traced at two anchor sizes, the two largest needed; every
+    other size is extrapolated from them
+    (`smp_tf.planner.search.interpolate_graph`), or traced where that is
+    not possible. (At the largest sizes a graph is most alike to others: at
+    a micro-batch of 1 or 2 TensorFlow may fold a constant it keeps at 32,
+    which costs nothing.) With ``t > 1`` the anchors are sharded and
+    extrapolated likewise.
+    """
+
+    def __init__(self, step: Any, args: tuple, kwargs: dict, batch_size: int, layout_map: Any,
+                 sizes: Sequence[int] = ()):
         self.step, self.args, self.kwargs, self.batch_size = step, args, kwargs, batch_size
         self.layout_map = layout_map
         self.seconds = 0.0
+        self.traces = 0
         self._traced: Dict[int, Any] = {}
+        self._infos: Dict[Tuple[int, int], GraphInfo] = {}
+        sizes = sorted(set(sizes))
+        self.anchors = (sizes[-2], sizes[-1]) if len(sizes) > 1 else None
 
     def _trace(self, b: int) -> Any:
         from smp_tf.trace import trace_microbatch
@@ -246,23 +269,42 @@ class _Tracer:
             traced = self._traced[b] = trace_microbatch(
                 self.step._fn, mbs[0][0], mbs[0][1], shapes=self.step._trace_shapes(mbs),
                 tf_function_kwargs=self.step._tf_kwargs)
+            self.traces += 1
         return traced
 
-    def __call__(self, b: int, t: int) -> GraphInfo:
-        t0 = time.perf_counter()
-        try:
-            traced = self._trace(b)
-            if t == 1:
-                return GraphInfo(traced.op_graph, [x for x in traced.output_tensors() if x is not None])
-            from smp_tf.sharding.api import shard_step
-            from smp_tf.sharding.lower import shard_of_ops
+    def _traced_info(self, b: int, t: int) -> GraphInfo:
+        traced = self._trace(b)
+        if t == 1:
+            return GraphInfo(traced.op_graph, [x for x in traced.output_tensors() if x is not None])
+        from smp_tf.sharding.api import shard_step
+        from smp_tf.sharding.lower import shard_of_ops
 
-            cfg = types.SimpleNamespace(tensor_parallel_degree=t, layout_map=self.layout_map)
-            sharded, shard_plan = shard_step(traced, cfg, None)
-            return GraphInfo(sharded.op_graph, [x for x in sharded.output_tensors() if x is not None],
-                             shard_of_ops(sharded.graph_def, sharded.op_graph), sorted(shard_plan.stored_split))
+        cfg = types.SimpleNamespace(tensor_parallel_degree=t, layout_map=self.layout_map)
+        sharded, shard_plan = shard_step(traced, cfg, None)
+        return GraphInfo(sharded.op_graph, [x for x in sharded.output_tensors() if x is not None],
+                         shard_of_ops(sharded.graph_def, sharded.op_graph), sorted(shard_plan.stored_split))
+
+    def __call__(self, b: int, t: int) -> GraphInfo:
+        key = (b, t)
+        if key in self._infos:
+            return self._infos[key]
+        t0 = time.perf_counter()
+        self._depth = getattr(self, "_depth", 0) + 1
+        try:
+            info = None
+            if self.anchors is not None and b not in self.anchors:
+                lo, hi = (self(a, t) for a in self.anchors)
+                graph = interpolate_graph(lo.graph, self.anchors[0], hi.graph, self.anchors[1], b)
+                if graph is not None and lo.outputs == hi.outputs and lo.shard_of_op == hi.shard_of_op:
+                    info = GraphInfo(graph, lo.outputs, lo.shard_of_op, lo.split_variables)
+            if info is None:
+                info = self._traced_info(b, t)
+            self._infos[key] = info
+            return info
         finally:
-            self.seconds += time.perf_counter() - t0
+            self._depth -= 1
+            if not self._depth:  # the anchors' own calls are inside this one
+                self.seconds += time.perf_counter() - t0
 
 
 def _batch_size(step: Any, args: tuple, kwargs: dict) -> int:
@@ -283,7 +325,7 @@ def _batch_size(step: Any, args: tuple, kwargs: dict) -> int:
 def _model_step(model: Any, x: Any, y: Any) -> Tuple[Any, tuple]:
     """The training step ``fit`` runs for a compiled `DistributedModel`, and
     its arguments for a batch ``(x, y)``."""
-    from smp_tf.keras.loss_scale import loss_scale_of
+    from smp_tf.keras.steps import loss_scale_of
 
     if getattr(model, "optimizer", None) is None or not getattr(model, "compiled", False):
         raise ValueError("smp.plan(model, x, y) needs a compiled model: call model.compile(optimizer=..., loss=...) "
@@ -295,7 +337,7 @@ def _model_step(model: Any, x: Any, y: Any) -> Tuple[Any, tuple]:
     x = tf.nest.map_structure(tf.convert_to_tensor, x)
     y = tf.nest.map_structure(tf.convert_to_tensor, y)
     batch = int(tf.nest.flatten(x)[0].shape[0])
-    return steps.train, (x, y, None, tf.constant(batch), tf.constant(1, tf.int64), loss_scale_of(model))
+    return steps.train, (x, y, None, tf.constant(batch, tf.int64), tf.constant(1, tf.int64), loss_scale_of(model))
 
 
 def _cluster(cluster: Union[None, ResourceGraph, Mapping[str, Any], str]) -> ResourceGraph:
@@ -366,7 +408,7 @@ def plan(
     if not isinstance(target, StepFunction) and hasattr(target, "step_functions"):
         if len(args) != 2 or kwargs:
             raise ValueError("smp.plan(model, x, y): give the model's inputs and targets of one batch.")
-        optimizer = optimizer if optimizer is not None else target.optimizer
+        optimizer = optimizer if optimizer is not None else getattr(target, "optimizer", None)
         step, args = _model_step(target, *args)
     else:
         step = target
@@ -381,7 +423,8 @@ def plan(
         # This process's devices: data parallelism is a process per replica.
         dims["replicas"] = [1]
     cands, skipped = candidates(len(graph.devices), batch, **dims)
-    tracer = _Tracer(step, args, kwargs, batch, layout_map)
+    tracer = _Tracer(step, args, kwargs, batch, layout_map,
+                     sorted({batch // (c.replicas * c.microbatches) for c in cands}))
     if memory_budget is None and state.is_initialized() and cluster is None:
         memory_budget = state.config().memory_budget
     result = search(tracer, batch, graph, cands, slots=slots, memory_budget=memory_budget, fixed=config, keep=keep,

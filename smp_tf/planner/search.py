@@ -42,6 +42,7 @@ it does not predict, and why, is listed in ``skipped``.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
 import time
@@ -58,6 +59,7 @@ __all__ = [
     "Skipped",
     "SearchResult",
     "candidates",
+    "interpolate_graph",
     "predict_memory",
     "predict_time",
     "search",
@@ -234,6 +236,7 @@ def candidates(
     virtual_stages: Sequence[int] = (1, 2),
     recompute: Sequence[str] = RECOMPUTE_MODES,
     max_stages: Optional[int] = None,
+    use_all: Optional[bool] = None,
 ) -> Tuple[List[Candidate], List[Skipped]]:
     """Every candidate on `num_devices` devices for a batch of `batch_size`.
 
@@ -243,7 +246,9 @@ def candidates(
     batch, is a power of two and at least ``P`` when ``P > 1`` (fewer
     micro-batches than stages leave stages idle); the schedule, virtual
     stages and recompute mode only vary when ``P > 1``; ``v > 1`` needs
-    ``M`` a multiple of ``P``.
+    ``M`` a multiple of ``P``. With `use_all` (the default on more than 8
+    devices) only candidates that use every device (``P * t * R ==
+    num_devices``); on up to 8, also those that leave some idle.
 
     Returns:
         (the candidates, the combinations left out and why).
@@ -257,8 +262,9 @@ def candidates(
     rs = sorted(set(replicas)) if replicas is not None else powers
     out: List[Candidate] = []
     skipped: List[Skipped] = []
+    use_all = num_devices > 8 if use_all is None else use_all
     for p, t, r in itertools.product(ps, sorted(set(tensor_parallel_degrees)), rs):
-        if p * t * r > num_devices:
+        if p * t * r > num_devices or (use_all and p * t * r != num_devices):
             continue
         if batch_size % r:
             skipped.append(Skipped(Candidate(p, t, r), f"batch {batch_size} is not a multiple of R={r}", "batch"))
@@ -282,6 +288,67 @@ def candidates(
                     for rc in (recompute if p > 1 else list(recompute)[:1]):
                         out.append(Candidate(p, t, r, m, kind, v, rc))
     return out, skipped
+
+
+# ---------------------------------------------------------------------------
+# Graphs at other micro-batch sizes
+
+
+def _between(a: Any, b: Any, w: float) -> Any:
+    """`a` + (`b` - `a`) * `w` for ints and nested tuples of ints; None where
+    the result is not a whole number or the structures differ."""
+    if a is None or b is None:
+        return a if a == b else _MISMATCH
+    if isinstance(a, (tuple, list)):
+        if not isinstance(b, (tuple, list)) or len(a) != len(b):
+            return _MISMATCH
+        out = [_between(x, y, w) for x, y in zip(a, b)]
+        return _MISMATCH if any(o is _MISMATCH for o in out) else type(a)(out)
+    if isinstance(a, bool) or not isinstance(a, int) or not isinstance(b, int):
+        return a if a == b else _MISMATCH
+    v = a + (b - a) * w
+    return int(round(v)) if abs(v - round(v)) < 1e-6 and v >= 0 else _MISMATCH
+
+
+_MISMATCH = object()
+
+
+def interpolate_graph(g1: OpGraph, b1: int, g2: OpGraph, b2: int, b: int) -> Optional[OpGraph]:
+    """The step's graph at micro-batch size `b` from its graphs at `b1` and
+    `b2`, or None where they differ in anything but sizes.
+
+    A step's ops are the same at every batch size; what changes is linear
+    in it: each tensor's batch-sized dimensions and bytes, each op's flops.
+    So two traces give every other size without tracing again (the planner
+    needs one graph per micro-batch size of its candidates). None (trace
+    instead) when the graphs differ in structure (ops, types, tensors,
+    ranks) or a size would not be a whole number.
+    """
+    if b1 == b2 or len(g1.ops) != len(g2.ops) or len(g1.tensors) != len(g2.tensors):
+        return None
+    if b == b1:
+        return g1
+    if b == b2:
+        return g2
+    w = (b - b1) / (b2 - b1)
+    tensors: List[Any] = []
+    for t1, t2 in zip(g1.tensors, g2.tensors):
+        if t1.producer != t2.producer or t1.dtype != t2.dtype:
+            return None
+        shape = _between(t1.shape, t2.shape, w)
+        nbytes = _between(t1.bytes, t2.bytes, w)
+        if shape is _MISMATCH or nbytes is _MISMATCH:
+            return None
+        tensors.append(dataclasses.replace(t1, shape=shape, bytes=nbytes, consumers=list(t1.consumers)))
+    ops: List[Any] = []
+    for o1, o2 in zip(g1.ops, g2.ops):
+        if o1.type != o2.type or o1.name != o2.name or o1.inputs != o2.inputs:
+            return None
+        static = _between(o1.static_value, o2.static_value, w)
+        if static is _MISMATCH:
+            return None
+        ops.append(dataclasses.replace(o1, flops=max(o1.flops + (o2.flops - o1.flops) * w, 0.0), static_value=static))
+    return OpGraph(ops, tensors, g1.variable_bytes, g1.trainable)
 
 
 # ---------------------------------------------------------------------------
@@ -487,8 +554,13 @@ def _capacity(cluster: ResourceGraph, name: str, memory_budget: Optional[int]) -
 
 
 def predict_time(info: GraphInfo, cand: Candidate, cluster: ResourceGraph, *, slots: float = 2.0,
-                 fixed: Optional[Mapping[str, Any]] = None) -> Tuple[PlanRow, Any]:
+                 fixed: Optional[Mapping[str, Any]] = None, cache: Optional[Dict[Any, Any]] = None
+                 ) -> Tuple[PlanRow, Any]:
     """The predicted step time of one candidate (module doc, steps 1 to 4).
+
+    `cache` (a dict kept across calls on the same graphs) keeps the
+    colocation groups, splits, tasks, schedules and task seconds that
+    candidates share.
 
     Returns:
         (the `PlanRow` without memory, the state `predict_memory` needs).
@@ -497,38 +569,59 @@ def predict_time(info: GraphInfo, cand: Candidate, cluster: ResourceGraph, *, sl
         ValueError: the candidate cannot be built on this graph or cluster
             (the message says why).
     """
+    from smp_tf.partitioner.groups import colocation_groups
     from smp_tf.partitioner.plan import assign_partitions
     from smp_tf.rewrite import build_tasks, task_specs
     from smp_tf.schedules import make_schedule, schedule_builder
 
     graph = info.graph
     P, S = cand.partitions, cand.stages
+    cache = {} if cache is None else cache
     groups = _stage_groups(cluster, cand, info, None)
-    mix = graph_flops_by_class([op.type for op in graph.ops], [op.flops for op in graph.ops])
+    if "mix" not in cache.setdefault(id(graph), {}):
+        cache[id(graph)]["mix"] = graph_flops_by_class([op.type for op in graph.ops], [op.flops for op in graph.ops])
+        cache[id(graph)]["groups"] = colocation_groups(graph)
+    mine = cache[id(graph)]
 
     def split(groups):
         devices = [cluster.device(groups[(0, c % P)][0]) for c in range(S)]
-        speeds = effective_speeds(devices, mix)
+        speeds = effective_speeds(devices, mine["mix"])
         unequal = max(speeds) > min(speeds) * (1 + 1e-9)
-        return assign_partitions(graph, S, optimize="speed", recompute=cand.recompute, slots=slots,
-                                 stage_speeds=speeds if unequal else None)
+        key = ("split", S, tuple(speeds) if unequal else None)
+        if key not in mine:
+            # With optimize="speed" the split does not depend on the recompute mode.
+            mine[key] = assign_partitions(graph, S, optimize="speed", slots=slots, groups=mine["groups"],
+                                          stage_speeds=speeds if unequal else None)
+        return mine[key]
 
     assignment = split(groups)
     mapped = _stage_groups(cluster, cand, info, assignment)
     if mapped != groups:
         groups, assignment = mapped, split(mapped)
     builder = schedule_builder(cand.pipeline)
-    tasks = build_tasks(graph, assignment, sorted(set(info.outputs)), recompute=cand.recompute,
-                        split_weight=builder.split_weight)
     device_of = [c % P for c in range(S)] if cand.virtual_stages > 1 else None
-    specs = task_specs(tasks, device_of)
-    schedule = make_schedule(specs, cand.microbatches, cand.pipeline)
+    tkey = ("tasks", id(assignment), cand.recompute, builder.split_weight, P)
+    if tkey not in mine:
+        tasks = build_tasks(graph, assignment, sorted(set(info.outputs)), recompute=cand.recompute,
+                            split_weight=builder.split_weight)
+        mine[tkey] = (tasks, task_specs(tasks, device_of))
+    tasks, specs = mine[tkey]
+    skey = ("schedule", tkey, cand.microbatches, cand.pipeline)
+    if skey not in mine:
+        mine[skey] = make_schedule(specs, cand.microbatches, cand.pipeline)
+    schedule = mine[skey]
     stage_devices = [groups[(0, c % P)] for c in range(S)]
-    timer = _Timer(info, cluster, stage_devices)
-    seconds = {t.key: timer.task_seconds(t, assignment) for t in tasks}
+    ckey = ("seconds", tkey, tuple(stage_devices))
+    if ckey not in mine:
+        timer = _Timer(info, cluster, stage_devices)
+        mine[ckey] = {t.key: timer.task_seconds(t, assignment) for t in tasks}
+    seconds = mine[ckey]
     # Gradients are summed over the micro-batches as each task makes them.
-    grads = _gradient_bytes(info, assignment, cand)
-    order = schedule.simulate().order
+    gkey = ("grads", id(assignment), P)
+    if gkey not in mine:
+        mine[gkey] = _gradient_bytes(info, assignment, cand)
+    grads = mine[gkey]
+    order = schedule.order
     host_of = {d: cluster.device(groups[(0, d)][0]).host if cluster.device(groups[(0, d)][0]).kind == "CPU" else None
                for d in order}
     shared = {h: c for h, c in cluster.cores.items()
@@ -647,6 +740,7 @@ def search(
     skip: List[Skipped] = list(skipped)
     timed: List[Tuple[PlanRow, Any, GraphInfo]] = []
     infos: Dict[Tuple[int, int], Any] = {}
+    cache: Dict[Any, Any] = {}
     for cand in cands:
         if cand.devices > len(cluster.devices):
             skip.append(Skipped(cand, f"needs {cand.devices} devices; the cluster has {len(cluster.devices)}",
@@ -665,7 +759,7 @@ def search(
                                 "trace"))
             continue
         try:
-            row, st = predict_time(info, cand, cluster, slots=slots, fixed=fixed)
+            row, st = predict_time(info, cand, cluster, slots=slots, fixed=fixed, cache=cache)
         except Exception as e:  # a candidate this graph cannot take; the reason is listed
             skip.append(Skipped(cand, f"{type(e).__name__}: {str(e).splitlines()[0][:160]}"))
             continue

@@ -1,0 +1,328 @@
+"""`smp.plan`: candidates, their predicted times and peaks, the ranking,
+measuring the best, learning from the run, and the config key ``auto``."""
+
+import numpy as np
+import pytest
+
+import smp_tf as smp
+from smp_tf.planner.resources import ResourceGraph
+from smp_tf.planner.search import Candidate, candidates, interpolate_graph, simulate_shared
+
+
+def _cluster(devices=4, memory=2**30, hosts=1, cores=None, speed=1e11):
+    def cpu(name):
+        return {"name": name, "kind": "CPU", "memory": memory, "overhead": 2e-6,
+                "flops": {"matmul": speed, "conv": speed, "elementwise": speed / 20}}
+
+    spec = {"hosts": {f"h{h}": {"devices": [cpu(f"CPU:{i}") for i in range(devices // hosts)]} for h in range(hosts)},
+            "links": {"host": {"bandwidth": 1e10, "latency": 1e-5}, "network": {"bandwidth": 1e9, "latency": 5e-5}}}
+    if cores is not None:
+        for h in spec["hosts"].values():
+            h["cores"] = cores
+    return spec
+
+
+def _mlp(width=64, layers=8, batch=16):
+    import keras
+    import tensorflow as tf
+
+    keras.utils.set_random_seed(0)
+    inp = keras.Input((width,))
+    h = inp
+    for i in range(layers):
+        h = keras.layers.Dense(width, activation="relu", name=f"d{i}")(h)
+    model = smp.DistributedModel(inp, keras.layers.Dense(width, name="out")(h))
+
+    @smp.step
+    def step(x, y):
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_mean((model(x) - y) ** 2)
+        return loss, tape.gradient(loss, model.trainable_variables)
+
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(batch, width)).astype("float32")
+    y = rng.normal(size=(batch, width)).astype("float32")
+    return model, step, x, y
+
+
+def _single_device(model, x, y):
+    import tensorflow as tf
+
+    with tf.GradientTape() as tape:
+        loss = tf.reduce_mean((model(x) - y) ** 2)
+    return float(loss), [g.numpy() for g in tape.gradient(loss, model.trainable_variables)]
+
+
+# -- candidates and the simulation (plain Python) ------------------------------------------
+
+def test_candidates_cover_the_dimensions_within_the_devices():
+    cands, skipped = candidates(4, 16)
+    assert cands and all(c.devices <= 4 for c in cands)
+    assert {c.partitions for c in cands} == {1, 2, 4} and {c.tensor_parallel_degree for c in cands} == {1, 2, 4}
+    assert {c.replicas for c in cands} == {1, 2, 4}
+    assert {c.pipeline for c in cands if c.partitions > 1} == {"interleaved", "simple", "zero_bubble"}
+    assert {c.recompute for c in cands if c.partitions > 1} == {"never", "selective", "full"}
+    for c in cands:
+        assert (16 // c.replicas) % c.microbatches == 0
+        assert c.partitions == 1 or c.microbatches >= c.partitions
+        assert c.virtual_stages == 1 or c.microbatches % c.partitions == 0
+        # One partition: one task per micro-batch, nothing to recompute or schedule.
+        assert c.partitions > 1 or (c.recompute == "never" and c.microbatches == 1 and c.virtual_stages == 1)
+    assert Candidate(2, 1, 1, 4, "interleaved", 2).config() == {
+        "partitions": 2, "microbatches": 4, "pipeline": "interleaved", "recompute": "never", "virtual_stages": 2}
+    # A batch that the replicas cannot share is listed with its reason.
+    _, skipped = candidates(4, 6, replicas=[4])
+    assert skipped and skipped[0].kind == "batch" and "not a multiple of R=4" in skipped[0].reason
+    # On more than 8 devices every candidate uses them all.
+    assert all(c.devices == 16 for c in candidates(16, 64)[0])
+    with pytest.raises(ValueError, match="num_devices must be at least 1"):
+        candidates(0, 8)
+
+
+def test_devices_sharing_cores_slow_down_while_they_run_at_once():
+    from smp_tf.schedules import Action
+
+    order = {0: [Action(0, 0, 0)], 1: [Action(1, 0, 0)]}
+    cost = lambda a: 1.0  # noqa: E731
+    # Two devices, two cores: side by side in 1 s; on one core: 2 s.
+    assert simulate_shared(order, {}, cost, {0: "h", 1: "h"}, {"h": 2}) == pytest.approx(1.0)
+    elapsed = {}
+    assert simulate_shared(order, {}, cost, {0: "h", 1: "h"}, {"h": 1}, elapsed) == pytest.approx(2.0)
+    assert elapsed[Action(0, 0, 0)] == pytest.approx(2.0)
+    # A dependency: the second waits for the first, which then runs alone at full speed.
+    chained = {0: [Action(0, 0, 0)], 1: [Action(1, 0, 0)]}
+    assert simulate_shared(chained, {(1, 0): [(0, 0)]}, cost, {0: "h", 1: "h"}, {"h": 1}) == pytest.approx(2.0)
+    # Uneven: 1 s and 3 s on one core: both at half speed for 2 s, then the long one alone.
+    costs = {0: 1.0, 1: 3.0}
+    assert simulate_shared(order, {}, lambda a: costs[a.partition], {0: "h", 1: "h"}, {"h": 1}) == pytest.approx(4.0)
+
+
+def test_a_graph_at_another_micro_batch_size_is_interpolated_exactly():
+    """Every op's flops and every tensor's shape and bytes of the graph
+    extrapolated from two traces equal a third trace's (an MLP and a GPT-2
+    block, whose attention products are batched einsums)."""
+    import keras
+    import keras_hub
+    import tensorflow as tf
+
+    from smp_tf.planner.plan import _Tracer
+
+    _, step, x, y = _mlp(batch=32)
+    keras.utils.set_random_seed(0)
+    backbone = keras_hub.models.GPT2Backbone(vocabulary_size=64, num_layers=1, num_heads=2, hidden_dim=16,
+                                             intermediate_dim=32, dropout=0.0, max_sequence_length=8)
+    inputs = {"token_ids": keras.Input((8,), dtype="int32", name="token_ids"),
+              "padding_mask": keras.Input((8,), dtype="int32", name="padding_mask")}
+    gpt = smp.DistributedModel(inputs, backbone.token_embedding(backbone(inputs), reverse=True))
+
+    @smp.step
+    def lm(x, y):
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_mean(keras.losses.sparse_categorical_crossentropy(y, gpt(x), from_logits=True))
+        return loss, tape.gradient(loss, gpt.trainable_variables)
+
+    tokens = {"token_ids": np.zeros((32, 8), "int32"), "padding_mask": np.ones((32, 8), "int32")}
+    for fn, args in ((step, (x, y)), (lm, (tokens, np.zeros((32, 8), "int32")))):
+        tracer = _Tracer(fn, args, {}, 32, None)
+        mid, lo, hi = (tracer._traced_info(b, 1).graph for b in (4, 8, 32))
+        got = interpolate_graph(lo, 8, hi, 32, 4)
+        assert got is not None
+        # Op by op (by name: at a small size TensorFlow may fold a constant
+        # that a larger trace keeps, e.g. an attention mask's ones_like).
+        traced = {op.name: op for op in mid.ops}
+        common = [op for op in got.ops if op.name in traced and traced[op.name].type == op.type]
+        assert len(common) >= len(mid.ops) - 4
+        assert [op.flops for op in common] == pytest.approx([traced[op.name].flops for op in common], rel=1e-9)
+        assert got.total_flops == pytest.approx(mid.total_flops, rel=1e-3)  # the folded ones_like
+        for op in common:
+            want = traced[op.name]
+            assert [(got.tensors[t].shape, got.tensors[t].bytes) for t in op.outputs] == [
+                (mid.tensors[t].shape, mid.tensors[t].bytes) for t in want.outputs], op.name
+    # Graphs that differ in structure are not interpolated.
+    assert interpolate_graph(lo, 8, mid.__class__(mid.ops[:-1], mid.tensors, {}), 4, 2) is None
+
+
+def test_einsum_flops_come_from_its_equation():
+    from smp_tf.graph_view import estimate_flops
+
+    # Attention scores: (b, h, s, d) x (b, h, t, d) -> (b, h, s, t): 2 * b*h*s*t * d.
+    shapes = [(4, 2, 8, 16), (4, 2, 8, 16)]
+    assert estimate_flops("Einsum", shapes, [(4, 2, 8, 8)], "bhsd,bhtd->bhst") == 2 * 4 * 2 * 8 * 8 * 16
+    # A projection: (b, s, m) x (m, h, d) -> (b, s, h, d): 2 * out * m.
+    assert estimate_flops("Einsum", [(4, 8, 32), (32, 2, 16)], [(4, 8, 2, 16)], "bsm,mhd->bshd") == 2 * 4 * 8 * 32 * 32
+    # Without an equation (or with an ellipsis) the estimate from the sizes alone.
+    assert estimate_flops("Einsum", shapes, [(4, 2, 8, 8)], "...d,...d->...") == estimate_flops(
+        "Einsum", shapes, [(4, 2, 8, 8)])
+
+
+def test_the_resource_graph_keeps_cores_runtime_and_bandwidth():
+    spec = _cluster(cores=2)
+    spec["hosts"]["h0"]["devices"][0]["bandwidth"] = 2e10
+    spec["runtime"] = {"step": 1e-4, "action": 2e-5}
+    g = ResourceGraph.from_dict(spec)
+    assert g.cores == {"h0": 2} and g.runtime == {"step": 1e-4, "action": 2e-5}
+    assert g.device("h0/CPU:0").bandwidth == 2e10 and g.device("h0/CPU:1").bandwidth == 0
+    assert ResourceGraph.from_dict(g.to_dict()).to_dict() == g.to_dict()
+    assert "share 2 core(s)" in str(g) and "step 100.0 us" in str(g)
+    bad = _cluster()
+    bad["runtime"] = {"steps": 1.0}
+    with pytest.raises(ValueError, match="runtime has unknown key 'steps'"):
+        ResourceGraph.from_dict(bad)
+    bad = _cluster(cores=0)
+    with pytest.raises(ValueError, match=r"hosts\['h0'\].cores must be positive"):
+        ResourceGraph.from_dict(bad)
+
+
+# -- the planner on declared clusters -----------------------------------------------------
+
+def test_the_plan_ranks_by_predicted_time_and_never_puts_a_misfit_first():
+    model, step, x, y = _mlp(width=128, layers=8, batch=16)
+    smp.init({"partitions": 1})
+    plan = smp.plan(step, x, y, cluster=_cluster(), pipelines=["interleaved"], virtual_stages=[1])
+    rows = plan.rows
+    assert rows and rows[0].fits and plan.best is rows[0]
+    fitting = [r for r in rows if r.fits]
+    assert [r.step_time for r in fitting] == sorted(r.step_time for r in fitting)
+    for r in rows:
+        assert r.peak and all(r.peak[n] <= r.capacity[n] for n in r.peak) == r.fits
+        assert r.config["partitions"] == r.candidate.partitions and len(r.peak) == r.candidate.devices
+    text = str(plan)
+    assert "rank" in text and "step ms" in text and "fits" in text and "Plan: 4 device(s)" in text
+
+    # Memory so small that one device cannot hold the model with Adam's state:
+    # every fitting row splits it, and the rows predicted not to fit come last.
+    need = rows[0].max_peak
+    tight = smp.plan(step, x, y, cluster=_cluster(memory=int(need * 0.6)), pipelines=["interleaved"],
+                     virtual_stages=[1], replicas=[1])
+    assert tight.best.fits and tight.best.max_peak <= need * 0.6
+    assert all(r.candidate.partitions * r.candidate.tensor_parallel_degree > 1 for r in tight.rows if r.fits)
+    firsts = [r.fits for r in tight.rows]
+    assert firsts == sorted(firsts, reverse=True)
+    # Nothing fits: a clear error.
+    none = smp.plan(step, x, y, cluster=_cluster(memory=1024), partitions=[1, 2], replicas=[1],
+                    tensor_parallel_degrees=[1])
+    with pytest.raises(ValueError, match="No candidate is predicted to fit"):
+        none.best
+
+
+def test_the_best_rows_config_runs_and_matches_one_device():
+    model, step, x, y = _mlp(width=64, layers=6, batch=16)
+    smp.init({"partitions": 1})
+    want_loss, want_grads = _single_device(model, x, y)
+    plan = smp.plan(step, x, y, cluster=_cluster(devices=4), replicas=[1], recompute=["never", "full"])
+    ran = 0
+    for row in [plan.best] + [r for r in plan.rows if r.candidate.partitions > 1][:1]:
+        smp.init(row.config)
+        loss, grads = step(x, y)
+        assert float(loss.reduce_mean()) == pytest.approx(want_loss, rel=1e-5)
+        for g, w in zip(grads, want_grads):
+            np.testing.assert_allclose(g.accumulate().numpy(), w, rtol=1e-4, atol=1e-6)
+        ran += 1
+    assert ran == 2
+
+
+def test_a_faster_device_and_a_slow_network_shape_the_plan():
+    """On two hosts joined by a slow network, with tensor parallelism
+    allowed, a stage's devices share a host; and the predicted time falls
+    when the devices are faster."""
+    _, step, x, y = _mlp(width=128, layers=8, batch=16)
+    smp.init({"partitions": 1})
+    slow = smp.plan(step, x, y, cluster=_cluster(devices=4, hosts=2), replicas=[1], keep=8)
+    for r in slow.rows:
+        for names in r.devices.values():
+            assert len({n.split("/")[0] for n in names}) == 1
+    fast = smp.plan(step, x, y, cluster=_cluster(devices=4, hosts=2, speed=4e11), replicas=[1], keep=8)
+    assert fast.best.step_time < slow.best.step_time
+
+
+def test_skipped_candidates_are_listed_with_their_reasons():
+    _, step, x, y = _mlp(batch=16)
+    smp.init({"partitions": 1})
+    plan = smp.plan(step, x, y, cluster=_cluster(devices=2), keep=2, replicas=[1], partitions=[1, 2, 4])
+    kinds = {s.kind for s in plan.skipped}
+    assert "slower" in kinds
+    assert all(s.reason for s in plan.skipped)
+    assert "skipped" in str(plan)
+
+
+# -- this host: measure, learn, auto ---------------------------------------------------------
+
+def test_measure_runs_the_best_rows_and_keeps_the_fastest():
+    _, step, x, y = _mlp(width=64, layers=4, batch=8)
+    smp.init({"partitions": 2})
+    plan = smp.plan(step, x, y, cluster=_cluster(devices=2), replicas=[1], pipelines=["interleaved"],
+                    virtual_stages=[1], recompute=["never"])
+    chosen = plan.measure(k=2, steps=2, warmup=1)
+    measured = [r for r in plan.rows if r.measured is not None]
+    assert len(measured) == 2 and chosen is min(measured, key=lambda r: r.measured) and plan.best is chosen
+    assert smp.current_config().partitions == chosen.config["partitions"]
+    assert "<" in str(plan)
+    with pytest.raises(ValueError, match="k >= 1"):
+        plan.measure(k=0)
+
+
+def test_the_cluster_learns_from_measured_runs():
+    from smp_tf.planner.learn import Run, refine
+
+    g = ResourceGraph.from_dict(_cluster(devices=2))
+    _, step, x, y = _mlp(width=64, layers=4, batch=8)
+    smp.init({"partitions": 1})
+    plan = smp.plan(step, x, y, cluster=g, partitions=[2], replicas=[1], tensor_parallel_degrees=[1],
+                    pipelines=["interleaved"], virtual_stages=[1], recompute=["never"], microbatches=[2])
+    row = plan.rows[0]
+    # Device 0 measured twice as slow as predicted, device 1 as predicted.
+    measured = {k: v * (2.0 if k[0] == 0 else 1.0) for k, v in row.task_elapsed.items()}
+    run = Run(row, measured, gap=3e-5, span=0.01, step=0.012)
+    learned = refine(g, [run])
+    d0, d1 = learned.devices
+    assert d0.flops["matmul"] == pytest.approx(g.devices[0].flops["matmul"] / 2)
+    assert d1.flops["matmul"] == pytest.approx(g.devices[1].flops["matmul"])
+    assert learned.runtime["action"] == 3e-5
+    assert learned.runtime["step"] == pytest.approx(0.012 - 0.01 - row.times["update"])
+    assert learned.source == "learned"
+    # A second plan on the learned cluster predicts the slower device.
+    again = smp.plan(step, x, y, cluster=learned, partitions=[2], replicas=[1], tensor_parallel_degrees=[1],
+                     pipelines=["interleaved"], virtual_stages=[1], recompute=["never"], microbatches=[2])
+    assert again.rows[0].step_time > row.step_time
+    with pytest.raises(ValueError, match="at least one measured run"):
+        refine(g, [])
+
+
+def test_auto_plans_at_the_first_call_and_keeps_the_numbers():
+    model, step, x, y = _mlp(width=64, layers=6, batch=16)
+    smp.init({"partitions": 1})
+    want_loss, _ = _single_device(model, x, y)
+    smp.init({"auto": True, "cluster": _cluster(devices=4)})
+    loss, grads = step(x, y)
+    assert float(loss.reduce_mean()) == pytest.approx(want_loss, rel=1e-5)
+    assert step.auto_plan is not None
+    cfg = smp.current_config()
+    assert not cfg.auto and cfg.partitions == step.auto_plan.best.candidate.partitions
+    assert cfg.microbatches == step.auto_plan.best.candidate.microbatches
+    assert cfg.cluster is not None  # the keys the planner does not choose stay
+
+
+def test_plan_takes_a_compiled_model():
+    import keras
+
+    keras.utils.set_random_seed(0)
+    inp = keras.Input((32,))
+    h = keras.layers.Dense(32, activation="relu")(inp)
+    model = smp.DistributedModel(inp, keras.layers.Dense(4)(h))
+    smp.init({"partitions": 1})
+    with pytest.raises(ValueError, match="needs a compiled model"):
+        smp.plan(model, np.zeros((8, 32), "float32"), np.zeros((8, 4), "float32"))
+    model.compile(optimizer="adam", loss="mse")
+    plan = smp.plan(model, np.zeros((8, 32), "float32"), np.zeros((8, 4), "float32"), cluster=_cluster(devices=2),
+                    replicas=[1])
+    assert plan.best.fits and plan.rows
+    smp.init(plan.best.config)
+    model.fit(np.zeros((8, 32), "float32"), np.zeros((8, 4), "float32"), epochs=1, verbose=0)
+
+
+def test_plan_rejects_what_it_cannot_plan():
+    with pytest.raises(TypeError, match="needs an `smp.step` function"):
+        smp.plan(lambda x: x, np.zeros((4, 2)))
+    _, step, x, y = _mlp()
+    with pytest.raises(TypeError, match="cluster must be a ResourceGraph"):
+        smp.plan(step, x, y, cluster=42)
