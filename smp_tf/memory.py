@@ -857,6 +857,7 @@ def predict_assignment(
     shard_of_op: Optional[Sequence[int]] = None,
     tensor_degree: int = 1,
     split_variables: Sequence[str] = (),
+    tasks: Optional[Sequence[Task]] = None,
 ) -> MemoryReport:
     """`predict_memory` for an assignment, before any lowering.
 
@@ -868,13 +869,16 @@ def predict_assignment(
     partition per device. `cpu_kernel_scratch` as for `predict_memory`.
     With tensor parallelism (`tensor_degree` devices per stage,
     `shard_of_op` and `split_variables` as for `predict_memory`) the report
-    also has its rows per device.
+    also has its rows per device. `tasks`: the tasks of this assignment
+    when the caller has already cut them (with the same `recompute` and
+    the schedule's split of the backward).
     """
     from smp_tf.rewrite import build_tasks, task_specs
     from smp_tf.schedules import make_schedule, schedule_builder
 
-    tasks = build_tasks(graph, partition_of_op, sorted(set(output_tensors)), recompute=recompute,
-                        split_weight=schedule_builder(kind).split_weight)
+    if tasks is None:
+        tasks = build_tasks(graph, partition_of_op, sorted(set(output_tensors)), recompute=recompute,
+                            split_weight=schedule_builder(kind).split_weight)
     simulation = make_schedule(task_specs(tasks, device_of_partition), num_microbatches, kind).simulate()
     partition_of_variable: Dict[str, int] = {}
     for op, p in zip(graph.ops, partition_of_op):

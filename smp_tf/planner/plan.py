@@ -182,6 +182,7 @@ _KINDS = {
     "batch": "batch not divisible",
     "trace": "tracing failed",
     "invalid": "not possible on this graph",
+    "recompute": "recompute where the same candidate fits without (recomputing only adds time)",
 }
 
 

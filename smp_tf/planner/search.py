@@ -36,13 +36,16 @@ would do, without running anything:
    ``memory_budget``).
 
 `search` enumerates candidates, predicts their times first (cheap), then
-their memory in order of time until ``keep`` fitting rows are found; what
-it does not predict, and why, is listed in ``skipped``.
+their memory in order of time until ``keep`` fitting rows are found. A
+candidate that recomputes activations is predicted only when the same
+candidate without recomputation does not fit (recomputing only adds
+time). What it does not predict, and why, is listed in ``skipped``.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import heapq
 import itertools
 import math
 import time
@@ -197,7 +200,9 @@ class Skipped:
         kind: the reason's class: ``"slower"`` (predicted slower than the
             ranked rows; its memory was not predicted), ``"memory"``
             (cannot fit), ``"devices"``, ``"batch"``, ``"trace"`` or
-            ``"invalid"`` (the graph or schedule cannot take it).
+            ``"invalid"`` (the graph or schedule cannot take it) or
+            ``"recompute"`` (the same candidate fits without recomputing,
+            which only adds time, or was not ranked).
     """
 
     candidate: Candidate
@@ -493,10 +498,22 @@ class _Timer:
 # One candidate
 
 
-def _stage_groups(cluster: ResourceGraph, cand: Candidate, info: GraphInfo, partition_of_op: Optional[Sequence[int]]):
+#: Mappings of more candidates than this are found by the heuristic of
+#: `map_ranks`, not by trying them all (the planner maps many candidates).
+EXACT_MAPPING_LIMIT = 2000
+
+
+def _stage_groups(cluster: ResourceGraph, cand: Candidate, info: GraphInfo, partition_of_op: Optional[Sequence[int]],
+                  cache: Optional[Dict[Any, Any]] = None):
     """``(replica, stage)`` -> device names: the devices in the cluster's
     order (host-aligned blocks of ``t``), then, on a cluster of several
-    hosts or unequal devices, `map_ranks` on the split's stage work."""
+    hosts or unequal devices, `map_ranks` on the split's stage work (kept
+    in `cache` per split and shape of the candidate)."""
+    if cache is not None and partition_of_op is not None:
+        key = ("mapping", id(partition_of_op), cand.partitions, cand.tensor_parallel_degree, cand.replicas)
+        if key not in cache:
+            cache[key] = _stage_groups(cluster, cand, info, partition_of_op)
+        return cache[key]
     from smp_tf.planner.mapping import Mapping as RankMapping, MappingProblem, _blocks, map_ranks
 
     blocks = _blocks(cluster, cand.tensor_parallel_degree)
@@ -524,7 +541,7 @@ def _stage_groups(cluster: ResourceGraph, cand: Candidate, info: GraphInfo, part
     grads = _gradient_bytes(info, partition_of_op, cand)
     problem = MappingProblem(cand.replicas, cand.partitions, cand.tensor_parallel_degree, flops, boundary,
                              grads, cand.microbatches)
-    mapping = map_ranks(problem, cluster)
+    mapping = map_ranks(problem, cluster, exact_limit=EXACT_MAPPING_LIMIT)
     if problem.score(cluster, mapping) < problem.score(cluster, RankMapping(default)):
         return dict(mapping.devices)
     return default
@@ -572,7 +589,8 @@ def predict_time(info: GraphInfo, cand: Candidate, cluster: ResourceGraph, *, sl
     from smp_tf.partitioner.groups import colocation_groups
     from smp_tf.partitioner.plan import assign_partitions
     from smp_tf.rewrite import build_tasks, task_specs
-    from smp_tf.schedules import make_schedule, schedule_builder
+    from smp_tf.schedules import schedule_builder
+    from smp_tf.schedules.simulation import _run
 
     graph = info.graph
     P, S = cand.partitions, cand.stages
@@ -595,7 +613,7 @@ def predict_time(info: GraphInfo, cand: Candidate, cluster: ResourceGraph, *, sl
         return mine[key]
 
     assignment = split(groups)
-    mapped = _stage_groups(cluster, cand, info, assignment)
+    mapped = _stage_groups(cluster, cand, info, assignment, mine)
     if mapped != groups:
         groups, assignment = mapped, split(mapped)
     builder = schedule_builder(cand.pipeline)
@@ -608,8 +626,13 @@ def predict_time(info: GraphInfo, cand: Candidate, cluster: ResourceGraph, *, sl
     tasks, specs = mine[tkey]
     skey = ("schedule", tkey, cand.microbatches, cand.pipeline)
     if skey not in mine:
-        mine[skey] = make_schedule(specs, cand.microbatches, cand.pipeline)
-    schedule = mine[skey]
+        # The builders' orders, without `make_schedule`'s validation (a
+        # simulation each): the schedules' own tests validate them.
+        checked = tuple(sorted(specs, key=lambda t: t.key))
+        built = {d: [] for d in range(max((t.device if t.device is not None else t.partition) for t in checked) + 1)}
+        built.update(builder.build(checked, cand.microbatches))
+        mine[skey] = built
+    order = mine[skey]
     stage_devices = [groups[(0, c % P)] for c in range(S)]
     ckey = ("seconds", tkey, tuple(stage_devices))
     if ckey not in mine:
@@ -621,7 +644,6 @@ def predict_time(info: GraphInfo, cand: Candidate, cluster: ResourceGraph, *, sl
     if gkey not in mine:
         mine[gkey] = _gradient_bytes(info, assignment, cand)
     grads = mine[gkey]
-    order = schedule.order
     host_of = {d: cluster.device(groups[(0, d)][0]).host if cluster.device(groups[(0, d)][0]).kind == "CPU" else None
                for d in order}
     shared = {h: c for h, c in cluster.cores.items()
@@ -631,7 +653,10 @@ def predict_time(info: GraphInfo, cand: Candidate, cluster: ResourceGraph, *, sl
     if shared:
         span = simulate_shared(order, deps, lambda a: seconds[a.task], host_of, shared, elapsed)
     else:
-        span = schedule.simulate(costs=seconds).makespan
+        run = _run(order, deps, lambda a: seconds[a.task])
+        if run.deadlocked:
+            raise ValueError(f"the {cand.pipeline} schedule deadlocks on these tasks")
+        span = max(run.end.values(), default=0.0)
     by_task: Dict[Tuple[int, int], List[float]] = {}
     for a, e in elapsed.items():
         by_task.setdefault(a.task, []).append(e)
@@ -659,9 +684,10 @@ def predict_time(info: GraphInfo, cand: Candidate, cluster: ResourceGraph, *, sl
         devices=dict(groups), times={"pipeline": span, "update": update, "allreduce": allreduce, "step": overhead},
     )
     row.task_seconds = seconds
+    st_tasks = tasks
     # What each action takes as it runs, sharing cores: what a profile measures.
     row.task_elapsed = {k: (sum(by_task[k]) / len(by_task[k]) if k in by_task else v) for k, v in seconds.items()}
-    return row, (assignment, groups)
+    return row, (assignment, groups, st_tasks)
 
 
 def predict_memory(row: PlanRow, state: Any, info: GraphInfo, cluster: ResourceGraph, *, slots: float = 2.0,
@@ -669,7 +695,7 @@ def predict_memory(row: PlanRow, state: Any, info: GraphInfo, cluster: ResourceG
     """Fills in `row`'s per-device peaks and whether it fits (module doc, step 5)."""
     from smp_tf.memory import predict_assignment
 
-    assignment, groups = state
+    assignment, groups, tasks = state
     cand = row.candidate
     P, S, t = cand.partitions, cand.stages, cand.tensor_parallel_degree
     cpu = cluster.device(groups[(0, 0)][0]).kind == "CPU"
@@ -680,7 +706,7 @@ def predict_memory(row: PlanRow, state: Any, info: GraphInfo, cluster: ResourceG
         info.graph, assignment, [x for x in info.outputs if x is not None], num_partitions=S,
         num_microbatches=cand.microbatches, kind=cand.pipeline, recompute=cand.recompute, slots=slots,
         device_of_partition=[c % P for c in range(S)] if cand.virtual_stages > 1 else None,
-        cpu_kernel_scratch=cpu, **sharding,
+        cpu_kernel_scratch=cpu, tasks=tasks, **sharding,
     )
     peak: Dict[str, int] = {}
     rows = report.devices if (t > 1 and report.devices) else report.partitions
@@ -738,14 +764,14 @@ def search(
     """
     start = time.perf_counter()
     skip: List[Skipped] = list(skipped)
-    timed: List[Tuple[PlanRow, Any, GraphInfo]] = []
     infos: Dict[Tuple[int, int], Any] = {}
     cache: Dict[Any, Any] = {}
-    for cand in cands:
+
+    def timed(cand: Candidate) -> Optional[Tuple[PlanRow, Any, GraphInfo]]:
         if cand.devices > len(cluster.devices):
             skip.append(Skipped(cand, f"needs {cand.devices} devices; the cluster has {len(cluster.devices)}",
                                 "devices"))
-            continue
+            return None
         b = batch_size // (cand.replicas * cand.microbatches)
         key = (b, cand.tensor_parallel_degree)
         if key not in infos:
@@ -757,24 +783,37 @@ def search(
         if isinstance(info, Exception):
             skip.append(Skipped(cand, f"tracing at micro-batch {b}, t={cand.tensor_parallel_degree} failed: {info}",
                                 "trace"))
-            continue
+            return None
         try:
             row, st = predict_time(info, cand, cluster, slots=slots, fixed=fixed, cache=cache)
         except Exception as e:  # a candidate this graph cannot take; the reason is listed
             skip.append(Skipped(cand, f"{type(e).__name__}: {str(e).splitlines()[0][:160]}"))
-            continue
-        timed.append((row, st, info))
-    timed.sort(key=lambda x: x[0].step_time)
+            return None
+        return row, st, info
+
+    # Recomputation only adds time: a candidate recomputes only where the same
+    # candidate without it does not fit (its variants wait until then).
+    variants: Dict[Candidate, List[Candidate]] = {}
+    first: List[Candidate] = []
+    plain = {dataclasses.replace(c, recompute="never") for c in cands}
+    for c in cands:
+        if c.recompute != "never" and dataclasses.replace(c, recompute="never") in plain:
+            variants.setdefault(dataclasses.replace(c, recompute="never"), []).append(c)
+        else:
+            first.append(c)
+    heap: List[Tuple[float, int, Tuple[PlanRow, Any, GraphInfo]]] = []
+    evaluated = 0
+    for c in first:
+        got = timed(c)
+        if got is not None:
+            evaluated += 1
+            heapq.heappush(heap, (got[0].step_time, evaluated, got))
     rows: List[PlanRow] = []
     misfits: List[PlanRow] = []
-    for n, (row, st, info) in enumerate(timed):
-        if len(rows) >= keep:
-            skip.extend(Skipped(r.candidate, f"predicted {r.step_time * 1e3:.1f} ms, slower than the {keep} "
-                                             "fitting plans ranked (memory not predicted)", "slower")
-                        for r, _, _ in timed[n:])
-            break
+    caps = [_capacity(cluster, d.name, memory_budget) for d in cluster.devices]
+    while heap and len(rows) < keep:
+        _, _, (row, st, info) = heapq.heappop(heap)
         floor = _static_floor(info, row.candidate, slots)
-        caps = [_capacity(cluster, d.name, memory_budget) for d in cluster.devices]
         if caps and all(caps) and floor > max(caps):
             row.fits = False
             skip.append(Skipped(row.candidate, f"the variables and optimizer state alone ({floor / 2**20:.1f} MiB "
@@ -785,5 +824,22 @@ def search(
         except Exception as e:  # noqa: BLE001 - the reason is listed
             skip.append(Skipped(row.candidate, f"memory prediction failed: {type(e).__name__}: {e}"))
             continue
-        (rows if row.fits else misfits).append(row)
-    return SearchResult(rows + misfits, skip, time.perf_counter() - start, len(timed))
+        if row.fits:
+            rows.append(row)
+            skip.extend(Skipped(v, "fits without recomputation, which only adds time", "recompute")
+                        for v in variants.pop(row.candidate, []))
+            continue
+        misfits.append(row)
+        for v in variants.pop(row.candidate, []):
+            got = timed(v)
+            if got is not None:
+                evaluated += 1
+                heapq.heappush(heap, (got[0].step_time, evaluated, got))
+    for _, _, (row, _, _) in sorted(heap, key=lambda x: x[0]):
+        skip.append(Skipped(row.candidate, f"predicted {row.step_time * 1e3:.1f} ms, slower than the {keep} "
+                                           "fitting plans ranked (memory not predicted)", "slower"))
+        skip.extend(Skipped(v, "its variant without recomputation was not ranked", "recompute")
+                    for v in variants.pop(row.candidate, []))
+    for vs in variants.values():
+        skip.extend(Skipped(v, "its variant without recomputation could not be predicted", "recompute") for v in vs)
+    return SearchResult(rows + misfits, skip, time.perf_counter() - start, evaluated)
