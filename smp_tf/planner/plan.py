@@ -297,7 +297,7 @@ class _Tracer:
                 lo, hi = (self(a, t) for a in self.anchors)
                 graph = interpolate_graph(lo.graph, self.anchors[0], hi.graph, self.anchors[1], b)
                 if graph is not None and lo.outputs == hi.outputs and lo.shard_of_op == hi.shard_of_op:
-                    info = GraphInfo(graph, lo.outputs, lo.shard_of_op, lo.split_variables)
+                    info = GraphInfo(graph, lo.outputs, lo.shard_of_op, lo.split_variables, structure=hi.graph)
             if info is None:
                 info = self._traced_info(b, t)
             self._infos[key] = info

@@ -135,12 +135,16 @@ class GraphInfo:
         outputs: the step's output tensor ids.
         shard_of_op: with ``t > 1``, each op's device within its stage.
         split_variables: with ``t > 1``, the variables stored in pieces.
+        structure: a graph with the same ops at another size (the one it was
+            extrapolated from), whose split and tasks stand for this one's;
+            None: its own.
     """
 
     graph: OpGraph
     outputs: List[int]
     shard_of_op: Optional[List[int]] = None
     split_variables: Sequence[str] = ()
+    structure: Optional[OpGraph] = None
 
 
 @dataclass
@@ -593,13 +597,17 @@ def predict_time(info: GraphInfo, cand: Candidate, cluster: ResourceGraph, *, sl
     from smp_tf.schedules.simulation import _run
 
     graph = info.graph
+    # Graphs of one structure (extrapolated from the same traces) share the
+    # split, the tasks and the schedules, made on the structure's own graph;
+    # their sizes give each its own seconds and peaks.
+    shape = info.structure if info.structure is not None else graph
     P, S = cand.partitions, cand.stages
     cache = {} if cache is None else cache
     groups = _stage_groups(cluster, cand, info, None)
-    if "mix" not in cache.setdefault(id(graph), {}):
-        cache[id(graph)]["mix"] = graph_flops_by_class([op.type for op in graph.ops], [op.flops for op in graph.ops])
-        cache[id(graph)]["groups"] = colocation_groups(graph)
-    mine = cache[id(graph)]
+    if "mix" not in cache.setdefault(id(shape), {}):
+        cache[id(shape)]["mix"] = graph_flops_by_class([op.type for op in shape.ops], [op.flops for op in shape.ops])
+        cache[id(shape)]["groups"] = colocation_groups(shape)
+    mine = cache[id(shape)]
 
     def split(groups):
         devices = [cluster.device(groups[(0, c % P)][0]) for c in range(S)]
@@ -608,7 +616,7 @@ def predict_time(info: GraphInfo, cand: Candidate, cluster: ResourceGraph, *, sl
         key = ("split", S, tuple(speeds) if unequal else None)
         if key not in mine:
             # With optimize="speed" the split does not depend on the recompute mode.
-            mine[key] = assign_partitions(graph, S, optimize="speed", slots=slots, groups=mine["groups"],
+            mine[key] = assign_partitions(shape, S, optimize="speed", slots=slots, groups=mine["groups"],
                                           stage_speeds=speeds if unequal else None)
         return mine[key]
 
@@ -620,7 +628,7 @@ def predict_time(info: GraphInfo, cand: Candidate, cluster: ResourceGraph, *, sl
     device_of = [c % P for c in range(S)] if cand.virtual_stages > 1 else None
     tkey = ("tasks", id(assignment), cand.recompute, builder.split_weight, P)
     if tkey not in mine:
-        tasks = build_tasks(graph, assignment, sorted(set(info.outputs)), recompute=cand.recompute,
+        tasks = build_tasks(shape, assignment, sorted(set(info.outputs)), recompute=cand.recompute,
                             split_weight=builder.split_weight)
         mine[tkey] = (tasks, task_specs(tasks, device_of))
     tasks, specs = mine[tkey]
@@ -634,13 +642,13 @@ def predict_time(info: GraphInfo, cand: Candidate, cluster: ResourceGraph, *, sl
         mine[skey] = built
     order = mine[skey]
     stage_devices = [groups[(0, c % P)] for c in range(S)]
-    ckey = ("seconds", tkey, tuple(stage_devices))
+    ckey = ("seconds", tkey, tuple(stage_devices), id(graph))
     if ckey not in mine:
         timer = _Timer(info, cluster, stage_devices)
         mine[ckey] = {t.key: timer.task_seconds(t, assignment) for t in tasks}
     seconds = mine[ckey]
     # Gradients are summed over the micro-batches as each task makes them.
-    gkey = ("grads", id(assignment), P)
+    gkey = ("grads", id(assignment), P, id(graph))
     if gkey not in mine:
         mine[gkey] = _gradient_bytes(info, assignment, cand)
     grads = mine[gkey]
