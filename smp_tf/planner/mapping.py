@@ -102,6 +102,16 @@ class MappingProblem:
         all-reduce takes longest."""
         return self._times(graph, mapping)[2]
 
+    def _seconds(self, graph: ResourceGraph, name: str, p: int) -> float:
+        """Stage `p`'s compute on device `name`, remembered: a search scores
+        many mappings of the same stages and devices."""
+        memo = self.__dict__.setdefault("_memo", {})
+        key = (id(graph), name, p)
+        found = memo.get(key)
+        if found is None:
+            found = memo[key] = graph.device(name).seconds(self.stage_flops[p])
+        return found
+
     def _times(self, graph: ResourceGraph, mapping: "Mapping"):
         slowest = 0.0
         total = 0.0
@@ -109,8 +119,7 @@ class MappingProblem:
         per_stage: Dict[int, float] = {}
         for r in range(self.replicas):
             for p in range(self.stages):
-                devices = [graph.device(n) for n in mapping.devices[(r, p)]]
-                compute = max(d.seconds(self.stage_flops[p]) for d in devices)
+                compute = max(self._seconds(graph, n, p) for n in mapping.devices[(r, p)])
                 send = 0.0
                 if p + 1 < self.stages:
                     a, b = mapping.devices[(r, p)][0], mapping.devices[(r, p + 1)][0]
@@ -206,14 +215,16 @@ def brute_force(problem: MappingProblem, graph: ResourceGraph, limit: int = 200_
     return best
 
 
-def map_ranks(problem: MappingProblem, graph: ResourceGraph, exact_limit: int = 50_000) -> Mapping:
+def map_ranks(problem: MappingProblem, graph: ResourceGraph, exact_limit: int = 50_000,
+              max_tries: int = 5_000) -> Mapping:
     """A good mapping: exact (`brute_force`) when at most `exact_limit`
-    assignments exist, else the heuristic of the module doc."""
+    assignments exist, else the heuristic of the module doc, trying at most
+    `max_tries` mappings from each of its starting orders."""
     blocks = _blocks(graph, problem.tensor_degree)
     _check_fits(problem, blocks, graph)
     if math.perm(len(blocks), len(problem.groups)) <= exact_limit:
         return brute_force(problem, graph, limit=exact_limit)
-    return _heuristic(problem, graph, blocks)
+    return _heuristic(problem, graph, blocks, max_tries)
 
 
 def _orders(problem: MappingProblem, hosts: int) -> List[List[Tuple[int, int]]]:
@@ -234,7 +245,8 @@ def _orders(problem: MappingProblem, hosts: int) -> List[List[Tuple[int, int]]]:
     return orders
 
 
-def _heuristic(problem: MappingProblem, graph: ResourceGraph, blocks: List[Tuple[str, ...]]) -> Mapping:
+def _heuristic(problem: MappingProblem, graph: ResourceGraph, blocks: List[Tuple[str, ...]],
+               max_tries: int = 5_000) -> Mapping:
     # Blocks host by host (the hosts with the most speed first, each host's
     # fastest blocks first), taken in each order of `_orders`; from each,
     # local moves (`_descend`); the best result.
@@ -249,7 +261,7 @@ def _heuristic(problem: MappingProblem, graph: ResourceGraph, blocks: List[Tuple
     n = len(problem.groups)
     for order in _orders(problem, len(by_host)):
         m = Mapping(dict(zip(order, ordered[:n])))
-        score, count = _descend(problem, graph, m, list(ordered[n:]))
+        score, count = _descend(problem, graph, m, list(ordered[n:]), max_tries)
         tried += count
         if best is None or _better(score, best[0]):
             best = (score, m)

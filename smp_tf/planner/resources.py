@@ -221,6 +221,14 @@ class ResourceGraph:
 
     def link(self, a: str, b: str) -> Link:
         """The link between devices `a` and `b`."""
+        # Planning asks for the same pairs very often: remember them.
+        memo = self.__dict__.setdefault("_link_memo", {})
+        found = memo.get((a, b))
+        if found is None:
+            found = memo[(a, b)] = self._link(a, b)
+        return found
+
+    def _link(self, a: str, b: str) -> Link:
         da, db = self.device(a), self.device(b)
         kind = self._kind(da, db)
         if kind == "device":

@@ -505,6 +505,8 @@ class _Timer:
 #: Mappings of more candidates than this are found by the heuristic of
 #: `map_ranks`, not by trying them all (the planner maps many candidates).
 EXACT_MAPPING_LIMIT = 2000
+#: Mappings the heuristic tries from each starting order, per candidate shape.
+MAPPING_TRIES = 300
 
 
 def _stage_groups(cluster: ResourceGraph, cand: Candidate, info: GraphInfo, partition_of_op: Optional[Sequence[int]],
@@ -514,7 +516,9 @@ def _stage_groups(cluster: ResourceGraph, cand: Candidate, info: GraphInfo, part
     hosts or unequal devices, `map_ranks` on the split's stage work (kept
     in `cache` per split and shape of the candidate)."""
     if cache is not None and partition_of_op is not None:
-        key = ("mapping", id(partition_of_op), cand.partitions, cand.tensor_parallel_degree, cand.replicas)
+        # One mapping per shape of candidate on a structure: the splits of its
+        # stages balance their work, so their mappings are alike.
+        key = ("mapping", cand.partitions, cand.virtual_stages, cand.tensor_parallel_degree, cand.replicas)
         if key not in cache:
             cache[key] = _stage_groups(cluster, cand, info, partition_of_op)
         return cache[key]
@@ -545,7 +549,7 @@ def _stage_groups(cluster: ResourceGraph, cand: Candidate, info: GraphInfo, part
     grads = _gradient_bytes(info, partition_of_op, cand)
     problem = MappingProblem(cand.replicas, cand.partitions, cand.tensor_parallel_degree, flops, boundary,
                              grads, cand.microbatches)
-    mapping = map_ranks(problem, cluster, exact_limit=EXACT_MAPPING_LIMIT)
+    mapping = map_ranks(problem, cluster, exact_limit=EXACT_MAPPING_LIMIT, max_tries=MAPPING_TRIES)
     if problem.score(cluster, mapping) < problem.score(cluster, RankMapping(default)):
         return dict(mapping.devices)
     return default
