@@ -10,6 +10,7 @@ a step's first call (`apply_auto`).
 
 from __future__ import annotations
 
+import dataclasses
 import statistics
 import time
 import types
@@ -293,7 +294,14 @@ class _Tracer:
         self._depth = getattr(self, "_depth", 0) + 1
         try:
             info = None
-            if self.anchors is not None and b not in self.anchors:
+            if self.anchors is not None and b == self.anchors[0]:
+                # The smaller anchor shares the larger one's split and tasks
+                # when their ops are the same.
+                lo, hi = self._traced_info(b, t), self(self.anchors[1], t)
+                same = len(lo.graph.ops) == len(hi.graph.ops) and all(
+                    x.name == y.name and x.type == y.type for x, y in zip(lo.graph.ops, hi.graph.ops))
+                info = dataclasses.replace(lo, structure=hi.graph) if same and lo.outputs == hi.outputs else lo
+            elif self.anchors is not None and b not in self.anchors:
                 lo, hi = (self(a, t) for a in self.anchors)
                 graph = interpolate_graph(lo.graph, self.anchors[0], hi.graph, self.anchors[1], b)
                 if graph is not None and lo.outputs == hi.outputs and lo.shard_of_op == hi.shard_of_op:

@@ -506,7 +506,7 @@ class _Timer:
 #: `map_ranks`, not by trying them all (the planner maps many candidates).
 EXACT_MAPPING_LIMIT = 2000
 #: Mappings the heuristic tries from each starting order, per candidate shape.
-MAPPING_TRIES = 300
+MAPPING_TRIES = 50
 
 
 def _stage_groups(cluster: ResourceGraph, cand: Candidate, info: GraphInfo, partition_of_op: Optional[Sequence[int]],
