@@ -262,27 +262,42 @@ def test_measure_runs_the_best_rows_and_keeps_the_fastest():
 
 
 def test_the_cluster_learns_from_measured_runs():
-    from smp_tf.planner.learn import Run, refine
+    """Measured tasks that take twice their predicted operations' time plus
+    5 us per op on one host, and what was predicted on the other, give
+    back those figures; a second plan on the learned cluster predicts the
+    slower host."""
+    from smp_tf.planner.learn import Run, fit, refine
 
-    g = ResourceGraph.from_dict(_cluster(devices=2))
+    assert fit([(1.0, 10, 2.0 + 10e-6), (3.0, 50, 6.0 + 50e-6)], 0.0) == pytest.approx((2.0, 1e-6))
+    # Negative per-op figures fall back to the given overhead.
+    assert fit([(1.0, 10, 1.0), (2.0, 1, 2.5)], 3e-6)[1] == 3e-6
+
+    g = ResourceGraph.from_dict(_cluster(devices=2, hosts=2))
     _, step, x, y = _mlp(width=64, layers=4, batch=8)
     smp.init({"partitions": 1})
-    plan = smp.plan(step, x, y, cluster=g, partitions=[2], replicas=[1], tensor_parallel_degrees=[1],
-                    pipelines=["interleaved"], virtual_stages=[1], recompute=["never"], microbatches=[2])
+    dims = dict(partitions=[2], replicas=[1], tensor_parallel_degrees=[1], pipelines=["interleaved"],
+                virtual_stages=[1], recompute=["never"], microbatches=[2])
+    plan = smp.plan(step, x, y, cluster=g, **dims)
     row = plan.rows[0]
-    # Device 0 measured twice as slow as predicted, device 1 as predicted.
-    measured = {k: v * (2.0 if k[0] == 0 else 1.0) for k, v in row.task_elapsed.items()}
+    host_of = {p: row.devices[(0, p)][0].split("/")[0] for p in range(2)}
+    measured = {}
+    for key, (work, ops, fixed) in row.task_parts.items():
+        if host_of[key[0]] == "h0":
+            measured[key] = 2.0 * work + 5e-6 * ops + fixed
+        else:
+            measured[key] = work + 2e-6 * ops + fixed
     run = Run(row, measured, gap=3e-5, span=0.01, step=0.012)
     learned = refine(g, [run])
-    d0, d1 = learned.devices
-    assert d0.flops["matmul"] == pytest.approx(g.devices[0].flops["matmul"] / 2)
-    assert d1.flops["matmul"] == pytest.approx(g.devices[1].flops["matmul"])
+    slow, same = (learned.device(row.devices[(0, p)][0]) for p in (0, 1))
+    was = g.devices[0]
+    assert slow.flops["matmul"] == pytest.approx(was.flops["matmul"] / 2, rel=1e-6)
+    assert slow.overhead == pytest.approx(5e-6, rel=1e-6)
+    assert same.flops["matmul"] == pytest.approx(was.flops["matmul"], rel=1e-6)
+    assert same.overhead == pytest.approx(2e-6, rel=1e-6)
     assert learned.runtime["action"] == 3e-5
     assert learned.runtime["step"] == pytest.approx(0.012 - 0.01 - row.times["update"])
     assert learned.source == "learned"
-    # A second plan on the learned cluster predicts the slower device.
-    again = smp.plan(step, x, y, cluster=learned, partitions=[2], replicas=[1], tensor_parallel_degrees=[1],
-                     pipelines=["interleaved"], virtual_stages=[1], recompute=["never"], microbatches=[2])
+    again = smp.plan(step, x, y, cluster=learned, **dims)
     assert again.rows[0].step_time > row.step_time
     with pytest.raises(ValueError, match="at least one measured run"):
         refine(g, [])

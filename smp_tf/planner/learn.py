@@ -5,13 +5,18 @@ Plain Python. A `Run` is what was predicted for one configuration (its
 (each task's duration, the gap between actions, the step's wall time).
 `refine` turns runs into a new `ResourceGraph`:
 
-* **device speed.** For every device that ran tasks, the ratio of the
-  measured to the predicted seconds of those tasks (summed over the tasks,
-  so long tasks weigh more; predicted as the simulation ran them, so a
-  device slowed by sharing cores is not counted slow twice). The device's
-  speed in every cost class and its streaming bandwidth are divided by
-  that ratio, its per-op overhead multiplied. A device of a host that ran
-  nothing takes the median ratio of its host's devices of its kind.
+* **device speed and per-op cost.** For the devices of each host and kind
+  (the same cores, for logical devices), every measured task is taken
+  back to one device's full speed (divided by how much the simulation
+  stretched it while devices shared cores) and, less its predicted
+  transfers and dispatch, fitted by least squares as ``slowdown * work +
+  per_op * ops``: ``work`` the predicted seconds of its operations, ``ops``
+  the ops it runs (`fit`). The devices' speeds in every cost class and
+  their streaming bandwidth are divided by the slowdown; their per-op
+  overhead becomes the fitted one. (Small kernels and short chains
+  calibrate the speeds; a real step's tasks show what its ops cost,
+  among them the executor's own cost per op.) A host and kind that ran
+  nothing keeps its figures.
 * **runtime.** ``action``: the median measured time from an action being
   ready to its start (`Timeline.measured_gap`). ``step``: the measured
   wall time of a step less its pipeline's measured span and the predicted
@@ -28,11 +33,11 @@ from __future__ import annotations
 import dataclasses
 import statistics
 from dataclasses import dataclass
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from smp_tf.planner.resources import COST_CLASSES, Device, ResourceGraph
 
-__all__ = ["Run", "refine"]
+__all__ = ["Run", "fit", "refine"]
 
 
 @dataclass
@@ -57,30 +62,55 @@ class Run:
     step: Optional[float]
 
 
-def device_ratios(runs: Sequence[Run], action: float = 0.0) -> Dict[str, float]:
-    """Device name -> measured / predicted seconds of its tasks (module doc);
-    `action`: the runtime's cost per action the prediction included, which
-    a measured task does not (it is the gap before it)."""
-    measured: Dict[str, float] = {}
-    predicted: Dict[str, float] = {}
+def _samples(runs: Sequence[Run], cluster: ResourceGraph) -> Dict[Tuple[str, str], List[Tuple[float, float, float]]]:
+    """(host, kind) -> per measured task: (its predicted seconds of
+    operations, its ops, its measured seconds less its predicted transfers
+    and dispatch), each taken back to one device's full speed (divided by
+    how much the simulation stretched the task while devices shared
+    cores)."""
+    out: Dict[Tuple[str, str], List[Tuple[float, float, float]]] = {}
     for run in runs:
         P = run.row.candidate.partitions
         for key, seconds in run.task_seconds.items():
-            expected = run.row.task_elapsed.get(tuple(key))
-            if expected is None:
+            key = tuple(key)
+            parts = run.row.task_parts.get(key)
+            alone = run.row.task_seconds.get(key)
+            elapsed = run.row.task_elapsed.get(key)
+            if parts is None or not alone or elapsed is None:
                 continue
-            # The runtime's own cost per action is learned apart.
-            expected = max(expected - action, 1e-12)
-            for name in run.row.devices[(0, key[0] % P)]:
-                measured[name] = measured.get(name, 0.0) + seconds
-                predicted[name] = predicted.get(name, 0.0) + expected
-    return {n: measured[n] / predicted[n] for n in measured if predicted[n] > 0}
+            stretch = max(elapsed / alone, 1.0)
+            work, ops, fixed = parts
+            d = cluster.device(run.row.devices[(0, key[0] % P)][0])
+            out.setdefault((d.host, d.kind), []).append((work, float(ops), seconds / stretch - fixed))
+    return out
 
 
-def _scaled(d: Device, ratio: float) -> Device:
+def fit(samples: Sequence[Tuple[float, float, float]], overhead: float) -> Tuple[float, float]:
+    """(slowdown of the operations, seconds per op) that best explain the
+    samples ``(work, ops, measured)`` as ``slowdown * work + per_op * ops``
+    (least squares); where that gives a negative figure, the per-op
+    overhead stays `overhead` and the slowdown is fitted alone."""
+    sww = sum(w * w for w, _, _ in samples)
+    soo = sum(o * o for _, o, _ in samples)
+    swo = sum(w * o for w, o, _ in samples)
+    swm = sum(w * m for w, _, m in samples)
+    som = sum(o * m for _, o, m in samples)
+    det = sww * soo - swo * swo
+    if det > 1e-9 * sww * soo > 0:
+        a = (swm * soo - som * swo) / det
+        b = (som * sww - swm * swo) / det
+        if a > 0 and b >= 0:
+            return a, b
+    left = [(w, m - overhead * o) for w, o, m in samples]
+    sw = sum(w * w for w, _ in left)
+    a = sum(w * m for w, m in left) / sw if sw > 0 else 1.0
+    return max(a, 1e-3), overhead
+
+
+def _scaled(d: Device, slowdown: float, overhead: float) -> Device:
     return dataclasses.replace(
-        d, flops={c: d.flops[c] / ratio for c in COST_CLASSES}, overhead=d.overhead * ratio,
-        bandwidth=d.bandwidth / ratio if d.bandwidth else 0.0)
+        d, flops={c: d.flops[c] / slowdown for c in COST_CLASSES}, overhead=overhead,
+        bandwidth=d.bandwidth / slowdown if d.bandwidth else 0.0)
 
 
 def refine(cluster: ResourceGraph, runs: Sequence[Run]) -> ResourceGraph:
@@ -91,16 +121,15 @@ def refine(cluster: ResourceGraph, runs: Sequence[Run]) -> ResourceGraph:
     """
     if not runs:
         raise ValueError("refine needs at least one measured run (plan.measure records them).")
-    ratios = device_ratios(runs, cluster.runtime.get("action", 0.0))
-    if not ratios:
+    samples = _samples(runs, cluster)
+    if not samples:
         raise ValueError("No measured task belongs to a device of the cluster: profile a run of this plan.")
+    fitted = {group: fit(s, statistics.median(d.overhead for d in cluster.devices if (d.host, d.kind) == group))
+              for group, s in samples.items()}
     devices: List[Device] = []
     for d in cluster.devices:
-        ratio = ratios.get(d.name)
-        if ratio is None:
-            peers = [r for n, r in ratios.items() if cluster.device(n).host == d.host and cluster.device(n).kind == d.kind]
-            ratio = statistics.median(peers) if peers else 1.0
-        devices.append(_scaled(d, ratio))
+        slowdown, per_op = fitted.get((d.host, d.kind), (1.0, d.overhead))
+        devices.append(_scaled(d, slowdown, per_op))
     runtime = dict(cluster.runtime)
     gaps = [r.gap for r in runs if r.gap is not None]
     if gaps:

@@ -169,6 +169,9 @@ class PlanRow:
         task_elapsed: the same, as the simulation ran it: stretched while
             devices shared cores (the mean over micro-batches); what a
             profile of the run measures.
+        task_parts: ``(partition, wave)`` -> (seconds of its operations,
+            ops it runs, seconds of its transfers and dispatch), on its
+            slowest device alone.
     """
 
     candidate: Candidate
@@ -182,6 +185,7 @@ class PlanRow:
     measured: Optional[float] = None
     task_seconds: Dict[Tuple[int, int], float] = field(default_factory=dict)
     task_elapsed: Dict[Tuple[int, int], float] = field(default_factory=dict)
+    task_parts: Dict[Tuple[int, int], Tuple[float, int, float]] = field(default_factory=dict)
 
     @property
     def replicas(self) -> int:
@@ -465,6 +469,10 @@ class _Timer:
         self.cluster = cluster
         self.stage_devices = stage_devices
         self._seconds: Dict[str, Callable[[int], float]] = {}
+        #: task -> (seconds of its operations and streamed bytes, ops run,
+        #: seconds of transfers and dispatch) on its slowest device: what
+        #: `smp_tf.planner.learn` fits measured durations to.
+        self.parts: Dict[Tuple[int, int], Tuple[float, int, float]] = {}
 
     def _on(self, name: str) -> Callable[[int], float]:
         f = self._seconds.get(name)
@@ -478,11 +486,13 @@ class _Timer:
         shard = self.info.shard_of_op
         ops = list(task.members) + list(task.recomputed)
         per_shard: Dict[int, float] = {}
+        counts: Dict[int, int] = {}
         exchange = 0.0
         for i in ops:
             k = shard[i] if shard is not None else 0
             k = min(k, len(devices) - 1)
             per_shard[k] = per_shard.get(k, 0.0) + self._on(devices[k])(i)
+            counts[k] = counts.get(k, 0) + (graph.ops[i].kind == "op")
             if shard is not None and len(devices) > 1:
                 # Bytes a device of the stage reads from another of its devices.
                 for tid in graph.ops[i].inputs:
@@ -495,7 +505,12 @@ class _Timer:
         for tid in task.boundary_inputs():
             src = self.stage_devices[task.producer_of_input[tid][0]][0]
             receive += self.cluster.link(src, devices[0]).seconds(graph.tensors[tid].bytes)
-        return compute + exchange + receive + self.cluster.runtime.get("action", 0.0)
+        fixed = exchange + receive + self.cluster.runtime.get("action", 0.0)
+        slowest = max(per_shard, key=per_shard.get, default=0)
+        n = counts.get(slowest, 0)
+        overhead = self.cluster.device(devices[slowest]).overhead
+        self.parts[task.key] = (max(compute - n * overhead, 0.0), n, fixed)
+        return compute + fixed
 
 
 # ---------------------------------------------------------------------------
@@ -649,8 +664,8 @@ def predict_time(info: GraphInfo, cand: Candidate, cluster: ResourceGraph, *, sl
     ckey = ("seconds", tkey, tuple(stage_devices), id(graph))
     if ckey not in mine:
         timer = _Timer(info, cluster, stage_devices)
-        mine[ckey] = {t.key: timer.task_seconds(t, assignment) for t in tasks}
-    seconds = mine[ckey]
+        mine[ckey] = ({t.key: timer.task_seconds(t, assignment) for t in tasks}, timer.parts)
+    seconds, parts = mine[ckey]
     # Gradients are summed over the micro-batches as each task makes them.
     gkey = ("grads", id(assignment), P, id(graph))
     if gkey not in mine:
@@ -696,6 +711,7 @@ def predict_time(info: GraphInfo, cand: Candidate, cluster: ResourceGraph, *, sl
         devices=dict(groups), times={"pipeline": span, "update": update, "allreduce": allreduce, "step": overhead},
     )
     row.task_seconds = seconds
+    row.task_parts = parts
     st_tasks = tasks
     # What each action takes as it runs, sharing cores: what a profile measures.
     row.task_elapsed = {k: (sum(by_task[k]) / len(by_task[k]) if k in by_task else v) for k, v in seconds.items()}
