@@ -92,6 +92,14 @@ def test_devices_sharing_cores_slow_down_while_they_run_at_once():
     # A dependency: the second waits for the first, which then runs alone at full speed.
     chained = {0: [Action(0, 0, 0)], 1: [Action(1, 0, 0)]}
     assert simulate_shared(chained, {(1, 0): [(0, 0)]}, cost, {0: "h", 1: "h"}, {"h": 1}) == pytest.approx(2.0)
+    # An action whose ops can use two cores takes half its cost alone on two;
+    # beside another, it takes the core the other leaves.
+    assert simulate_shared({0: [Action(0, 0, 0)]}, {}, cost, {0: "h"}, {"h": 2}, cap=lambda a: 2.0) == pytest.approx(0.5)
+    elapsed = {}
+    assert simulate_shared(order, {}, cost, {0: "h", 1: "h"}, {"h": 3}, elapsed,
+                           cap=lambda a: 2.0 if a.partition == 0 else 1.0) == pytest.approx(1.0)
+    assert elapsed[Action(0, 0, 0)] == pytest.approx(0.5)
+    elapsed = {}
     # Uneven: 1 s and 3 s on one core: both at half speed for 2 s, then the long one alone.
     costs = {0: 1.0, 1: 3.0}
     assert simulate_shared(order, {}, lambda a: costs[a.partition], {0: "h", 1: "h"}, {"h": 1}) == pytest.approx(4.0)

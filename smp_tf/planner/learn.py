@@ -65,9 +65,9 @@ class Run:
 def _samples(runs: Sequence[Run], cluster: ResourceGraph) -> Dict[Tuple[str, str], List[Tuple[float, float, float]]]:
     """(host, kind) -> per measured task: (its predicted seconds of
     operations, its ops, its measured seconds less its predicted transfers
-    and dispatch), each taken back to one device's full speed (divided by
-    how much the simulation stretched the task while devices shared
-    cores)."""
+    and dispatch), each taken back to one device alone on one core
+    (divided by how much the simulation stretched or, running its ops side
+    by side on several cores, shrank the task)."""
     out: Dict[Tuple[str, str], List[Tuple[float, float, float]]] = {}
     for run in runs:
         P = run.row.candidate.partitions
@@ -78,7 +78,7 @@ def _samples(runs: Sequence[Run], cluster: ResourceGraph) -> Dict[Tuple[str, str
             elapsed = run.row.task_elapsed.get(key)
             if parts is None or not alone or elapsed is None:
                 continue
-            stretch = max(elapsed / alone, 1.0)
+            stretch = elapsed / alone
             work, ops, fixed = parts
             d = cluster.device(run.row.devices[(0, key[0] % P)][0])
             out.setdefault((d.host, d.kind), []).append((work, float(ops), seconds / stretch - fixed))

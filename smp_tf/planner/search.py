@@ -375,26 +375,32 @@ def simulate_shared(
     host_of_device: Mapping[int, Optional[str]],
     cores: Mapping[str, float],
     elapsed: Optional[Dict[Any, float]] = None,
+    cap: Optional[Callable[[Any], float]] = None,
 ) -> float:
     """The makespan of per-device orders when devices of a host share cores.
 
     Each device runs its actions in order; an action starts when its device
     is free and the same micro-batch's actions of the tasks it depends on
-    have ended. While ``n`` actions run on devices of a host with ``c``
-    cores, each progresses at ``min(1, c / n)`` of its device's speed
-    (processor sharing). Devices whose host is not in `cores` (or is None)
-    always run at full speed: this is `Schedule.simulate` for them.
+    have ended. The ``c`` cores of a host are shared by the actions running
+    on its devices: each gets an equal share, but no more than its `cap`
+    (how many cores it can use at once: its ops' parallelism), the cores it
+    leaves going to the others (water-filling). An action with cost ``w``
+    (core-seconds) on ``x`` cores takes ``w / x``. Devices whose host is
+    not in `cores` (or is None) always run at rate 1: this is
+    `Schedule.simulate` for them.
 
     Args:
         order: device -> its actions (each with ``.task`` = (partition,
             wave) and ``.microbatch``).
         deps: task -> the tasks it depends on.
-        cost: action -> seconds at full speed.
+        cost: action -> core-seconds (seconds on one core).
         host_of_device: device -> its host.
         cores: host -> cores shared by its devices.
         elapsed: if given, filled with action -> its seconds from start to
-            end (its cost, stretched while it shared cores).
+            end.
+        cap: action -> the most cores it can use (default 1).
     """
+    cap = cap or (lambda a: 1.0)
     position = {d: 0 for d in order}
     started: Dict[int, float] = {}
     done: set = set()
@@ -413,22 +419,24 @@ def simulate_shared(
                 started[d] = now
         if not remaining:
             raise ValueError("the orders deadlock (an action waits for one that never runs)")
-        running: Dict[str, int] = {}
+        rates: Dict[int, float] = {}
+        by_host: Dict[str, List[int]] = {}
         for d in remaining:
             h = host_of_device.get(d)
-            if h is not None and h in cores:
-                running[h] = running.get(h, 0) + 1
-
-        def rate(d: int) -> float:
-            h = host_of_device.get(d)
             if h is None or h not in cores:
-                return 1.0
-            return min(1.0, cores[h] / running[h])
-
-        step = min(remaining[d] / rate(d) for d in remaining)
+                rates[d] = 1.0
+            else:
+                by_host.setdefault(h, []).append(d)
+        for h, ds in by_host.items():
+            left, n = float(cores[h]), len(ds)
+            for d in sorted(ds, key=lambda d: cap(order[d][position[d]])):
+                rates[d] = min(max(cap(order[d][position[d]]), 1e-9), left / n)
+                left -= rates[d]
+                n -= 1
+        step = min(remaining[d] / rates[d] for d in remaining)
         now += step
         for d in list(remaining):
-            remaining[d] -= step * rate(d)
+            remaining[d] -= step * rates[d]
             if remaining[d] <= 1e-15:
                 a = order[d][position[d]]
                 done.add((a.task, a.microbatch))
@@ -473,6 +481,8 @@ class _Timer:
         #: seconds of transfers and dispatch) on its slowest device: what
         #: `smp_tf.planner.learn` fits measured durations to.
         self.parts: Dict[Tuple[int, int], Tuple[float, int, float]] = {}
+        #: task -> its ops' average parallelism (`_parallelism`).
+        self.parallelism: Dict[Tuple[int, int], float] = {}
 
     def _on(self, name: str) -> Callable[[int], float]:
         f = self._seconds.get(name)
@@ -510,7 +520,25 @@ class _Timer:
         n = counts.get(slowest, 0)
         overhead = self.cluster.device(devices[slowest]).overhead
         self.parts[task.key] = (max(compute - n * overhead, 0.0), n, fixed)
+        self.parallelism[task.key] = self._parallelism(ops, devices, slowest)
         return compute + fixed
+
+    def _parallelism(self, ops: Sequence[int], devices: Sequence[str], k: int) -> float:
+        """How many of the task's ops can run at once on average on its
+        device `k`: their seconds over the longest chain of them (a
+        backward task's weight and input gradients run side by side)."""
+        graph = self.info.graph
+        shard = self.info.shard_of_op
+        mine = [i for i in sorted(set(ops)) if shard is None or min(shard[i], len(devices) - 1) == k]
+        inside = set(mine)
+        seconds = self._on(devices[k])
+        longest: Dict[int, float] = {}
+        for i in mine:
+            before = [longest[p] for t in graph.ops[i].inputs
+                      for p in (graph.tensors[t].producer,) if p in inside and p in longest]
+            longest[i] = seconds(i) + max(before, default=0.0)
+        chain = max(longest.values(), default=0.0)
+        return max(sum(seconds(i) for i in mine) / chain, 1.0) if chain > 0 else 1.0
 
 
 # ---------------------------------------------------------------------------
@@ -664,8 +692,8 @@ def predict_time(info: GraphInfo, cand: Candidate, cluster: ResourceGraph, *, sl
     ckey = ("seconds", tkey, tuple(stage_devices), id(graph))
     if ckey not in mine:
         timer = _Timer(info, cluster, stage_devices)
-        mine[ckey] = ({t.key: timer.task_seconds(t, assignment) for t in tasks}, timer.parts)
-    seconds, parts = mine[ckey]
+        mine[ckey] = ({t.key: timer.task_seconds(t, assignment) for t in tasks}, timer.parts, timer.parallelism)
+    seconds, parts, parallel = mine[ckey]
     # Gradients are summed over the micro-batches as each task makes them.
     gkey = ("grads", id(assignment), P, id(graph))
     if gkey not in mine:
@@ -673,12 +701,15 @@ def predict_time(info: GraphInfo, cand: Candidate, cluster: ResourceGraph, *, sl
     grads = mine[gkey]
     host_of = {d: cluster.device(groups[(0, d)][0]).host if cluster.device(groups[(0, d)][0]).kind == "CPU" else None
                for d in order}
-    shared = {h: c for h, c in cluster.cores.items()
-              if sum(1 for d in host_of.values() if d == h) * cand.tensor_parallel_degree > c}
+    # CPU devices that share a host's cores: each action's work is spread over
+    # its stage's t devices and its ops' parallelism, the cores shared by all.
+    shared = {h: c for h, c in cluster.cores.items() if h in host_of.values()}
     deps = {s.key: s.deps for s in specs}
     elapsed: Dict[Any, float] = {}
+    t = cand.tensor_parallel_degree
     if shared:
-        span = simulate_shared(order, deps, lambda a: seconds[a.task], host_of, shared, elapsed)
+        span = simulate_shared(order, deps, lambda a: seconds[a.task] * t, host_of, shared, elapsed,
+                               cap=lambda a: parallel[a.task] * t)
     else:
         run = _run(order, deps, lambda a: seconds[a.task])
         if run.deadlocked:
