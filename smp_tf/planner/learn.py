@@ -85,11 +85,19 @@ def _samples(runs: Sequence[Run], cluster: ResourceGraph) -> Dict[Tuple[str, str
     return out
 
 
+#: The largest per-op cost (seconds) a fit may give besides 20 times the
+#: calibrated one: TensorFlow's executor spends microseconds per op, not
+#: milliseconds.
+PLAUSIBLE_PER_OP = 50e-6
+
+
 def fit(samples: Sequence[Tuple[float, float, float]], overhead: float) -> Tuple[float, float]:
     """(slowdown of the operations, seconds per op) that best explain the
     samples ``(work, ops, measured)`` as ``slowdown * work + per_op * ops``
-    (least squares); where that gives a negative figure, the per-op
-    overhead stays `overhead` and the slowdown is fitted alone."""
+    (least squares); where that gives an implausible figure (a slowdown
+    outside 0.25 to 4, a negative per-op cost or one above
+    `PLAUSIBLE_PER_OP` plus 20 times `overhead`), the per-op overhead
+    stays `overhead` and the slowdown is fitted alone."""
     sww = sum(w * w for w, _, _ in samples)
     soo = sum(o * o for _, o, _ in samples)
     swo = sum(w * o for w, o, _ in samples)
@@ -99,7 +107,9 @@ def fit(samples: Sequence[Tuple[float, float, float]], overhead: float) -> Tuple
     if det > 1e-9 * sww * soo > 0:
         a = (swm * soo - som * swo) / det
         b = (som * sww - swm * swo) / det
-        if a > 0 and b >= 0:
+        # Where work and op counts go together (few, similar tasks) the two
+        # figures trade against each other: keep a fit only if it is plausible.
+        if 0.25 <= a <= 4.0 and 0 <= b <= PLAUSIBLE_PER_OP + 20 * overhead:
             return a, b
     left = [(w, m - overhead * o) for w, o, m in samples]
     sw = sum(w * w for w, _ in left)

@@ -17,7 +17,9 @@ would do, without running anything:
 3. **Tasks.** `rewrite.build_tasks` with the candidate's recompute mode.
 4. **Time.** Each task's seconds on its device: every op it runs (its
    members and what it recomputes) at the device's speed for the op's cost
-   class plus the device's per-op overhead; with ``t > 1`` the slowest of
+   class (products and convolutions at least their operands' bytes at the
+   device's streaming bandwidth) plus the device's per-op overhead; with
+   ``t > 1`` the slowest of
    the stage's devices plus the bytes its devices exchange; plus the time
    its boundary inputs take over the link from their producer. The
    schedule is simulated on those seconds; CPU devices that share a host's
@@ -27,9 +29,7 @@ would do, without running anything:
    with ``R > 1``, each stage's gradient all-reduce as a ring over the
    replicas' links (after the pipeline, as smp_tf runs it), and the
    runtime's cost of a step (`ResourceGraph.runtime`; each action also
-   pays its ``"action"`` cost). Products and convolutions pay their
-   operands' bytes at the device's ``bandwidth`` besides their operations
-   (a product of a few rows by a large weight streams the weight).
+   pays its ``"action"`` cost).
 5. **Memory.** `smp_tf.memory.predict_assignment` gives every device's
    predicted peak; a candidate fits when every device's peak is within its
    memory (the cluster's ``memory`` per device, lowered by
@@ -458,11 +458,13 @@ def _op_seconds(graph: OpGraph, device: Any) -> Callable[[int], float]:
             s = 0.0
             if op.kind == "op":
                 cls = cost_class(op.type)
-                s = op.flops / device.flops[cls] + device.overhead
+                s = op.flops / device.flops[cls]
                 if device.bandwidth and cls != "elementwise":
-                    # Products and convolutions also stream their operands.
+                    # Products and convolutions stream their operands: a product of
+                    # few rows by a large weight takes the weight's bytes' time.
                     moved = sum(graph.tensors[t].bytes for t in list(op.inputs) + list(op.outputs))
-                    s += moved / device.bandwidth
+                    s = max(s, moved / device.bandwidth)
+                s += device.overhead
             memo[i] = s
         return s
 
