@@ -146,12 +146,13 @@ def _device_speeds(device: str, scale: float) -> Tuple[Dict[str, float], float, 
     # Each chain also pays its ops' fixed cost; the speed is what is left.
     ops = {"matmul": _CHAIN, "conv": _CHAIN, "elementwise": 2 * _CHAIN}
     speeds = {c: flops[c] / max(seconds[c] - ops[c] * overhead, 1e-9) for c in COST_CLASSES}
-    # Streamed products that take longer than their operations at that speed
-    # are bound by their operands' bytes: the memory's bandwidth.
-    streamed_s = _timed(on_device(streamed), skinny, *weights) - _CHAIN * overhead
+    # What the streamed products take beyond their operations at that speed
+    # is the weights' (and rows') bytes at the memory's bandwidth.
+    streamed_s = _timed(on_device(streamed), skinny, *weights)
     moved = _CHAIN * 4 * (k * k + 2 * rows * k)
-    operations = _CHAIN * estimate_flops("MatMul", [(rows, k), (k, k)], [(rows, k)]) / speeds["matmul"]
-    bandwidth = moved / streamed_s if streamed_s > 1.05 * operations else 0.0
+    left = streamed_s - _CHAIN * (estimate_flops("MatMul", [(rows, k), (k, k)], [(rows, k)]) / speeds["matmul"]
+                                  + overhead)
+    bandwidth = moved / left if left > 0.05 * streamed_s else 0.0
     return speeds, overhead, bandwidth
 
 
@@ -325,7 +326,7 @@ def cache_path(devices: Sequence[str], cache_dir: Optional[str] = None) -> str:
 
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     # The calibration's version: a cache written by an older one is measured again.
-    key = json.dumps([socket.gethostname(), tf.__version__, list(devices), cores, 3])
+    key = json.dumps([socket.gethostname(), tf.__version__, list(devices), cores, 2])
     folder = cache_dir or os.environ.get("SMP_TF_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "smp_tf")
     return os.path.join(folder, f"cluster-{hashlib.sha256(key.encode()).hexdigest()[:16]}.json")
 

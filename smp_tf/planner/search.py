@@ -17,8 +17,8 @@ would do, without running anything:
 3. **Tasks.** `rewrite.build_tasks` with the candidate's recompute mode.
 4. **Time.** Each task's seconds on its device: every op it runs (its
    members and what it recomputes) at the device's speed for the op's cost
-   class (products and convolutions at least their operands' bytes at the
-   device's streaming bandwidth) plus the device's per-op overhead; with
+   class plus the device's per-op overhead (products and convolutions
+   also their operands' bytes at the device's streaming bandwidth); with
    ``t > 1`` the slowest of
    the stage's devices plus the bytes its devices exchange; plus the time
    its boundary inputs take over the link from their producer. The
@@ -458,13 +458,12 @@ def _op_seconds(graph: OpGraph, device: Any) -> Callable[[int], float]:
             s = 0.0
             if op.kind == "op":
                 cls = cost_class(op.type)
-                s = op.flops / device.flops[cls]
+                s = op.flops / device.flops[cls] + device.overhead
                 if device.bandwidth and cls != "elementwise":
-                    # Products and convolutions stream their operands: a product of
-                    # few rows by a large weight takes the weight's bytes' time.
+                    # Products and convolutions also stream their operands: a
+                    # product of few rows by a large weight reads the weight.
                     moved = sum(graph.tensors[t].bytes for t in list(op.inputs) + list(op.outputs))
-                    s = max(s, moved / device.bandwidth)
-                s += device.overhead
+                    s += moved / device.bandwidth
             memo[i] = s
         return s
 
