@@ -294,7 +294,7 @@ def test_the_cluster_learns_from_measured_runs():
             measured[key] = 2.0 * work + 5e-6 * ops + fixed
         else:
             measured[key] = work + 2e-6 * ops + fixed
-    run = Run(row, measured, gap=3e-5, span=0.01, step=0.012)
+    run = Run(row, measured, gap=3e-5, span=0.01, step=None)
     learned = refine(g, [run])
     slow, same = (learned.device(row.devices[(0, p)][0]) for p in (0, 1))
     was = g.devices[0]
@@ -303,10 +303,18 @@ def test_the_cluster_learns_from_measured_runs():
     assert same.flops["matmul"] == pytest.approx(was.flops["matmul"], rel=1e-6)
     assert same.overhead == pytest.approx(2e-6, rel=1e-6)
     assert learned.runtime["action"] == 3e-5
-    assert learned.runtime["step"] == pytest.approx(0.012 - 0.01 - row.times["update"])
     assert learned.source == "learned"
     again = smp.plan(step, x, y, cluster=learned, **dims)
     assert again.rows[0].step_time > row.step_time
+    # A step measured by the clock 1.5 times slower than predicted sets the
+    # level: a plan on the learned cluster predicts it (the profile's
+    # probes slow the profiled steps, whose tasks give only the hosts' ratio).
+    one = ResourceGraph.from_dict(_cluster(devices=2))
+    first = smp.plan(step, x, y, cluster=one, **dims).rows[0]
+    as_predicted = {k: v for k, v in first.task_elapsed.items()}
+    timed = Run(first, as_predicted, gap=None, span=None, step=1.5 * first.step_time)
+    level = smp.plan(step, x, y, cluster=refine(one, [timed]), **dims)
+    assert level.rows[0].step_time == pytest.approx(1.5 * first.step_time, rel=0.05)
     with pytest.raises(ValueError, match="at least one measured run"):
         refine(g, [])
 

@@ -6,23 +6,23 @@ Plain Python. A `Run` is what was predicted for one configuration (its
 `refine` turns runs into a new `ResourceGraph`:
 
 * **device speed and per-op cost.** For the devices of each host and kind
-  (the same cores, for logical devices), every measured task is taken
-  back to one device's full speed (divided by how much the simulation
-  stretched it while devices shared cores; the profile's tasks scaled so
-  that its span fits in the step's time measured without the profile,
-  whose probes slow a step down) and, less its predicted
-  transfers and dispatch, fitted by least squares as ``slowdown * work +
-  per_op * ops``: ``work`` the predicted seconds of its operations, ``ops``
-  the ops it runs (`fit`). The devices' speeds in every cost class and
-  their streaming bandwidth are divided by the slowdown; their per-op
-  overhead becomes the fitted one. (Small kernels and short chains
-  calibrate the speeds; a real step's tasks show what its ops cost,
-  among them the executor's own cost per op.) A host and kind that ran
-  nothing keeps its figures.
+  (the same cores, for logical devices), every task the profile measured
+  is taken back to one device alone on one core (divided by how much the
+  simulation stretched or, its ops running side by side, shrank it) and,
+  less its predicted transfers and dispatch, fitted by least squares as
+  ``slowdown * work + per_op * ops`` (`fit`): ``work`` the predicted
+  seconds of its operations, ``ops`` the ops it runs. The profile gives
+  each host's slowdown relative to the others'; the steps' wall-clock
+  times give the level (a profile's probes slow its steps down: 1.6 times
+  at ``t=2`` on logical CPU devices): all slowdowns are scaled so that
+  their median is the median over runs of the measured step (less the
+  runtime's cost of a step) over its predicted pipeline and update. The
+  devices' speeds in every cost class and their streaming bandwidth are
+  divided by their host's slowdown; their per-op overhead becomes the
+  fitted one, scaled alike. A host and kind that ran nothing keeps its
+  figures.
 * **runtime.** ``action``: the median measured time from an action being
-  ready to its start (`Timeline.measured_gap`). ``step``: the measured
-  wall time of a step less its pipeline's measured span and the predicted
-  optimizer update: what the runtime spends outside the pipeline.
+  ready to its start (`Timeline.measured_gap`).
 
 Several runs are pooled (each device's ratio over all its tasks of all
 runs; the runtime figures' medians). A second plan on the refined cluster
@@ -73,12 +73,7 @@ def _samples(runs: Sequence[Run], cluster: ResourceGraph) -> Dict[Tuple[str, str
     out: Dict[Tuple[str, str], List[Tuple[float, float, float]]] = {}
     for run in runs:
         P = run.row.candidate.partitions
-        # The profile's probes slow a step down (by 1.6x measured at t=2 on
-        # logical CPU devices): its tasks are scaled so that its span fits
-        # within the step's time measured without them.
-        scale = min(1.0, run.step / run.span) if run.step and run.span else 1.0
         for key, seconds in run.task_seconds.items():
-            seconds = seconds * scale
             key = tuple(key)
             parts = run.row.task_parts.get(key)
             alone = run.row.task_seconds.get(key)
@@ -130,6 +125,19 @@ def _scaled(d: Device, slowdown: float, overhead: float) -> Device:
         bandwidth=d.bandwidth / slowdown if d.bandwidth else 0.0)
 
 
+def _level(runs: Sequence[Run], cluster: ResourceGraph) -> Optional[float]:
+    """How much slower than predicted the runs' steps were by the clock:
+    the median over runs of (measured step - the runtime's cost of a step)
+    over the predicted pipeline and update (what scales with the devices'
+    speed). None when no run has a measured step."""
+    ratios = []
+    for r in runs:
+        scaled = r.row.times.get("pipeline", 0.0) + r.row.times.get("update", 0.0)
+        if r.step and scaled > 0:
+            ratios.append(max(r.step - r.row.times.get("step", 0.0) - r.row.times.get("allreduce", 0.0), 0.0) / scaled)
+    return statistics.median(ratios) if ratios else None
+
+
 def refine(cluster: ResourceGraph, runs: Sequence[Run]) -> ResourceGraph:
     """The cluster with speeds and runtime costs learned from `runs` (module doc).
 
@@ -143,6 +151,12 @@ def refine(cluster: ResourceGraph, runs: Sequence[Run]) -> ResourceGraph:
         raise ValueError("No measured task belongs to a device of the cluster: profile a run of this plan.")
     fitted = {group: fit(s, statistics.median(d.overhead for d in cluster.devices if (d.host, d.kind) == group))
               for group, s in samples.items()}
+    # The profile gives each host's speed relative to the others; the steps'
+    # wall-clock times give the level (a profile's probes slow its steps).
+    level = _level(runs, cluster)
+    if level is not None:
+        mean = statistics.median(a for a, _ in fitted.values())
+        fitted = {g: (a * level / mean, b * level / mean) for g, (a, b) in fitted.items()}
     devices: List[Device] = []
     for d in cluster.devices:
         slowdown, per_op = fitted.get((d.host, d.kind), (1.0, d.overhead))
@@ -151,9 +165,5 @@ def refine(cluster: ResourceGraph, runs: Sequence[Run]) -> ResourceGraph:
     gaps = [r.gap for r in runs if r.gap is not None]
     if gaps:
         runtime["action"] = statistics.median(gaps)
-    outside = [max(r.step - min(r.span, r.step) - r.row.times.get("update", 0.0), 0.0)
-               for r in runs if r.step is not None and r.span is not None]
-    if outside:
-        runtime["step"] = statistics.median(outside)
     return ResourceGraph(devices, dict(cluster.links), dict(cluster.pairs), source="learned", seconds=0.0,
                          cores=dict(cluster.cores), runtime=runtime)
