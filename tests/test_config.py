@@ -66,6 +66,7 @@ def test_defaults():
         "tensor_parallel_degree": 1,
         "layout_map": None,
         "cluster": None,
+        "auto": False,
     }
     assert parse({}) == cfg
 
@@ -95,6 +96,7 @@ def test_all_keys_set():
         "cluster": {"hosts": {"h": {"devices": [
             {"name": "CPU:0", "kind": "CPU", "memory": 2**30, "overhead": 1e-6,
              "flops": {"matmul": 1e11, "conv": 5e10, "elementwise": 1e9}}]}}, "links": {}},
+        "auto": True,
     }
     cfg = parse(given)
     assert cfg.to_dict() == given

@@ -95,6 +95,18 @@ class DistributedModel(keras.Model):
         """
         return self._pipelined_steps()
 
+    def training_step_of(self, x: Any, y: Any) -> Tuple[Any, tuple]:
+        """The `smp.step` function ``fit`` trains with and its arguments for
+        one batch ``(x, y)`` (what `smp.plan(model, x, y)` plans)."""
+        if not self.built:
+            self(x)
+        steps = self._pipelined_steps()
+        steps.train.optimizer = self.optimizer
+        x = tf.nest.map_structure(tf.convert_to_tensor, x)
+        y = tf.nest.map_structure(tf.convert_to_tensor, y)
+        batch = int(tf.nest.flatten(x)[0].shape[0])
+        return steps.train, (x, y, None, tf.constant(batch, tf.int64), tf.constant(1, tf.int64), loss_scale_of(self))
+
     def _check_pipelinable(self) -> None:
         if tf.distribute.has_strategy():
             raise ValueError(

@@ -316,11 +316,15 @@ class _Tracer:
                 self.seconds += time.perf_counter() - t0
 
 
+def _is_step(value: Any) -> bool:
+    """Whether `value` is an `smp.step` function (`smp.StepFunction`; read by
+    what it has, as `smp_tf.step_function` imports this module)."""
+    return all(hasattr(value, a) for a in ("_split", "_fn", "_trace_shapes", "_tf_kwargs"))
+
+
 def _batch_size(step: Any, args: tuple, kwargs: dict) -> int:
     """The batch of the arguments: the size of what the step splits."""
-    from smp_tf.step_function import StepFunction
-
-    if not isinstance(step, StepFunction):
+    if not _is_step(step):
         raise TypeError(f"smp.plan needs an `smp.step` function or a compiled smp.DistributedModel. "
                         f"Received: {step!r:.100}")
     one = step._split(args, kwargs, 1)[0]
@@ -333,20 +337,11 @@ def _batch_size(step: Any, args: tuple, kwargs: dict) -> int:
 
 def _model_step(model: Any, x: Any, y: Any) -> Tuple[Any, tuple]:
     """The training step ``fit`` runs for a compiled `DistributedModel`, and
-    its arguments for a batch ``(x, y)``."""
-    from smp_tf.keras.steps import loss_scale_of
-
+    its arguments for a batch ``(x, y)`` (`DistributedModel.training_step_of`)."""
     if getattr(model, "optimizer", None) is None or not getattr(model, "compiled", False):
         raise ValueError("smp.plan(model, x, y) needs a compiled model: call model.compile(optimizer=..., loss=...) "
                          "first.")
-    if not model.built:
-        model(x)
-    steps = model.step_functions
-    steps.train.optimizer = model.optimizer
-    x = tf.nest.map_structure(tf.convert_to_tensor, x)
-    y = tf.nest.map_structure(tf.convert_to_tensor, y)
-    batch = int(tf.nest.flatten(x)[0].shape[0])
-    return steps.train, (x, y, None, tf.constant(batch, tf.int64), tf.constant(1, tf.int64), loss_scale_of(model))
+    return model.training_step_of(x, y)
 
 
 def _cluster(cluster: Union[None, ResourceGraph, Mapping[str, Any], str]) -> ResourceGraph:
@@ -411,10 +406,8 @@ def plan(
     from smp_tf import state
     from smp_tf.memory import optimizer_slots
     from smp_tf.partitioner.plan import DEFAULT_SLOTS
-    from smp_tf.step_function import StepFunction
-
     dims = {k: kwargs.pop(k) for k in list(kwargs) if k in SEARCH_DIMENSIONS}
-    if not isinstance(target, StepFunction) and hasattr(target, "step_functions"):
+    if not _is_step(target) and hasattr(target, "step_functions"):
         if len(args) != 2 or kwargs:
             raise ValueError("smp.plan(model, x, y): give the model's inputs and targets of one batch.")
         optimizer = optimizer if optimizer is not None else getattr(target, "optimizer", None)
