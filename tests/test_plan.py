@@ -201,7 +201,7 @@ def test_the_plan_ranks_by_predicted_time_and_never_puts_a_misfit_first():
     # every fitting row splits it, and the rows predicted not to fit come last.
     need = rows[0].max_peak
     tight = smp.plan(step, x, y, cluster=_cluster(memory=int(need * 0.6)), pipelines=["interleaved"],
-                     virtual_stages=[1], replicas=[1])
+                     virtual_stages=[1], replicas=[1], microbatches=[1, 2, 4])
     assert tight.best.fits and tight.best.max_peak <= need * 0.6
     assert all(r.candidate.partitions * r.candidate.tensor_parallel_degree > 1 for r in tight.rows if r.fits)
     firsts = [r.fits for r in tight.rows]

@@ -22,7 +22,7 @@ Prints one table per part; every figure is measured by this invocation:
     size (12 layers, width 768, vocabulary 50257, sequence 256, batch 64,
     Adam), tracing included. Target: <= 30 s.
 (c) **no plan that does not fit** (``--part oom``): an MLP of 8 x
-    Dense(2048) with Adam under ``TF_CPU_BFC_MEM_LIMIT_IN_MB`` (one shared
+    Dense(2048) with Adam under ``TF_CPU_BFC_MEM_LIMIT_IN_MB=1536`` (one shared
     allocator for the process's 4 logical devices; the planner gives each
     device a quarter of it). Every candidate predicted to fit, and up to 4
     predicted not to, runs one step in its own process under the limit.
@@ -370,7 +370,7 @@ def main() -> None:
                       f"<= 30 s {ok}")
         print()
     if args.part in ("all", "oom"):
-        limit = 256 if args.quick else 1024
+        limit = 256 if args.quick else 1536
         env = {"TF_CPU_ALLOCATOR_USE_BFC": "true", "TF_CPU_BFC_MEM_LIMIT_IN_MB": str(limit)}
         plan = _run("oom-plan", ["--limit-mb", str(limit)] + quick, env, 900)[0]
         print(f"== plans under a {limit} MiB CPU allocator limit (a quarter per logical device) ==")

@@ -20,6 +20,7 @@ import tensorflow as tf
 
 from smp_tf.planner.resources import ResourceGraph
 from smp_tf.planner.search import (
+    HEADROOM,
     GraphInfo,
     interpolate_graph,
     PlanRow,
@@ -366,6 +367,7 @@ def plan(
     memory_budget: Optional[int] = None,
     keep: int = 24,
     config: Optional[Mapping[str, Any]] = None,
+    headroom: float = HEADROOM,
     **kwargs: Any,
 ) -> Plan:
     """Searches the configuration of a step for a cluster.
@@ -393,6 +395,10 @@ def plan(
             fastest by predicted time); the rest are listed as skipped.
         config: keys every row's config carries (e.g. ``optimize``); the
             current `smp.init` config's other keys by default.
+        headroom: the share of each device's memory a plan leaves free
+            (0.2: TensorFlow's allocator needs room beside the bytes in use;
+            measured on the CPU allocator, a step whose in-use peak was
+            1248 MiB ran out of memory under a 1536 MiB limit).
         **kwargs: the step's keyword arguments, and search dimensions
             (``partitions=[2, 4]``, ``tensor_parallel_degrees``,
             ``replicas``, ``microbatches``, ``pipelines``,
@@ -430,7 +436,7 @@ def plan(
     if memory_budget is None and state.is_initialized() and cluster is None:
         memory_budget = state.config().memory_budget
     result = search(tracer, batch, graph, cands, slots=slots, memory_budget=memory_budget, fixed=config, keep=keep,
-                    skipped=skipped)
+                    skipped=skipped, headroom=headroom)
     return Plan(result, graph, step, args, kwargs, tracer.seconds, batch)
 
 

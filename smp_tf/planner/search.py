@@ -31,9 +31,14 @@ would do, without running anything:
    runtime's cost of a step (`ResourceGraph.runtime`; each action also
    pays its ``"action"`` cost).
 5. **Memory.** `smp_tf.memory.predict_assignment` gives every device's
-   predicted peak; a candidate fits when every device's peak is within its
+   predicted peak, plus the gradients the step returns for every
+   micro-batch (``M`` times their bytes, alive until `StepOutput.accumulate`
+   sums them, on the stage's first device); a candidate fits when every device's peak is within its
    memory (the cluster's ``memory`` per device, lowered by
-   ``memory_budget``).
+   ``memory_budget``, less a headroom: 20% by default, for the
+   allocator's own rounding); the CPU devices of a host whose cores they share
+   (logical devices of one process, one allocator) fit together within
+   the host's memory (their shares together).
 
 `search` enumerates candidates, predicts their times first (cheap), then
 their memory in order of time until ``keep`` fitting rows are found. A
@@ -616,10 +621,17 @@ def _gradient_bytes(info: GraphInfo, partition_of_op: Sequence[int], cand: Candi
     return out
 
 
-def _capacity(cluster: ResourceGraph, name: str, memory_budget: Optional[int]) -> int:
+#: The share of each device's memory a plan leaves free by default: the
+#: allocator needs room beside the bytes in use (TensorFlow's BFC allocator
+#: rounds and splits its chunks). Measured on the CPU allocator: a step whose
+#: in-use peak was 1248 MiB ran out of memory under a 1536 MiB limit.
+HEADROOM = 0.2
+
+
+def _capacity(cluster: ResourceGraph, name: str, memory_budget: Optional[int], headroom: float = 0.0) -> int:
     own = cluster.device(name).memory
     limits = [x for x in (own, memory_budget) if x]
-    return int(min(limits)) if limits else 0
+    return int(min(limits) * (1 - headroom)) if limits else 0
 
 
 def predict_time(info: GraphInfo, cand: Candidate, cluster: ResourceGraph, *, slots: float = 2.0,
@@ -751,7 +763,7 @@ def predict_time(info: GraphInfo, cand: Candidate, cluster: ResourceGraph, *, sl
 
 
 def predict_memory(row: PlanRow, state: Any, info: GraphInfo, cluster: ResourceGraph, *, slots: float = 2.0,
-                   memory_budget: Optional[int] = None) -> PlanRow:
+                   memory_budget: Optional[int] = None, headroom: float = HEADROOM) -> PlanRow:
     """Fills in `row`'s per-device peaks and whether it fits (module doc, step 5)."""
     from smp_tf.memory import predict_assignment
 
@@ -770,14 +782,35 @@ def predict_memory(row: PlanRow, state: Any, info: GraphInfo, cluster: ResourceG
     )
     peak: Dict[str, int] = {}
     rows = report.devices if (t > 1 and report.devices) else report.partitions
+    # The step returns every micro-batch's gradients (`StepOutput` holds all
+    # M until `accumulate` sums them): measured, a process's peak exceeds
+    # the memory model's by M times the gradient bytes (8 x Dense(2048) at
+    # P=4: +500 MiB at M=4, +1063 MiB at M=8, for 128 MiB of gradients).
+    held = _gradient_bytes(info, assignment, dataclasses.replace(cand, partitions=S))
     for r in rows:
         k = r.shard or 0
+        extra = int(held[r.partition] * cand.microbatches) if k == 0 else 0
         for rep in range(cand.replicas):
             name = groups[(rep, r.partition % P)][min(k, len(groups[(rep, r.partition % P)]) - 1)]
-            peak[name] = peak.get(name, 0) + int(r.total)
+            peak[name] = peak.get(name, 0) + int(r.total) + extra
     row.peak = peak
-    row.capacity = {n: _capacity(cluster, n, memory_budget) for n in peak}
+    row.capacity = {n: _capacity(cluster, n, memory_budget, headroom) for n in peak}
     row.fits = all(not row.capacity[n] or peak[n] <= row.capacity[n] for n in peak)
+    # The CPU devices of a host with shared cores are logical devices of one
+    # process: one allocator holds them all, so together they are bounded by
+    # the host's memory (its devices' shares together), not each by its share.
+    for host in cluster.cores:
+        mine = [n for n in peak if cluster.device(n).host == host and cluster.device(n).kind == "CPU"]
+        if not mine:
+            continue
+        caps = [_capacity(cluster, d.name, memory_budget, headroom) for d in cluster.devices
+                if d.host == host and d.kind == "CPU"]
+        if all(caps):
+            for n in mine:
+                row.capacity[n] = sum(caps)
+            fits_host = sum(peak[n] for n in mine) <= sum(caps)
+            others = all(not row.capacity[n] or peak[n] <= row.capacity[n] for n in peak if n not in mine)
+            row.fits = fits_host and others
     return row
 
 
@@ -801,6 +834,7 @@ def search(
     fixed: Optional[Mapping[str, Any]] = None,
     keep: int = 24,
     skipped: Sequence[Skipped] = (),
+    headroom: float = HEADROOM,
 ) -> SearchResult:
     """Predicts `cands` on `cluster` and ranks them (module doc).
 
@@ -816,6 +850,8 @@ def search(
         keep: rows whose memory is predicted: the fastest candidates by
             predicted time, until this many fit.
         skipped: combinations already left out (listed in the result).
+        headroom: the share of each device's memory left free
+            (`HEADROOM`).
 
     Returns:
         The `SearchResult`: rows best first (fitting rows by predicted
@@ -880,7 +916,7 @@ def search(
                                                "per device) exceed every device's memory", "memory"))
             continue
         try:
-            predict_memory(row, st, info, cluster, slots=slots, memory_budget=memory_budget)
+            predict_memory(row, st, info, cluster, slots=slots, memory_budget=memory_budget, headroom=headroom)
         except Exception as e:  # noqa: BLE001 - the reason is listed
             skip.append(Skipped(row.candidate, f"memory prediction failed: {type(e).__name__}: {e}"))
             continue
