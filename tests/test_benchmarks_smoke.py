@@ -397,3 +397,22 @@ def test_tensor_parallel_bench_quick_prints_the_table():
     for case in ("MLP block", "GPT-2 block", "variables + Adam slots on the fullest device"):
         assert case in out, case
     assert "error" not in out
+
+
+PLANNER_BENCH = ROOT / "benchmarks" / "planner" / "bench.py"
+HETEROGENEOUS_BENCH = ROOT / "benchmarks" / "planner" / "heterogeneous.py"
+
+
+@pytest.mark.benchmark
+def test_planner_bench_quick_prints_its_tables():
+    out = _run(PLANNER_BENCH, timeout=1500)
+    assert "== planner against measurement: mlp" in out and "== planner against measurement: gpt2" in out
+    assert "Spearman" in out and "measure(3)'s choice" in out and "after learning" in out
+    assert "== search time" in out and out.count("<= 30 s") == 6
+    assert "predicted to fit:" in out
+
+
+@pytest.mark.benchmark
+def test_heterogeneous_bench_quick_prints_its_table():
+    out = _run(HETEROGENEOUS_BENCH, timeout=900)
+    assert "speed-oblivious / speed-aware step" in out and "speed-oblivious / learned step" in out

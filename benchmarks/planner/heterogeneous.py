@@ -112,6 +112,8 @@ if str(ROOT) not in sys.path:
 from benchmarks.machine import choose_cpus, versions  # noqa: E402
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+# The profile's probes read TensorFlow's clock, which op determinism forbids.
+os.environ.pop("TF_DETERMINISTIC_OPS", None)
 
 _MARK = "@@SMP_BENCH_RESULT@@"
 P = 3
