@@ -132,13 +132,10 @@ class MappingProblem:
         if self.replicas > 1:
             R = self.replicas
             for p in range(self.stages):
-                ring = [mapping.devices[(r, p)][0] for r in range(R)]
-                links = [graph.link(ring[i], ring[(i + 1) % R]) for i in range(R)]
                 if self.gradient_bytes[p] <= 0:
                     continue
-                bandwidth = min(l.bandwidth for l in links)
-                latency = max(l.latency for l in links)
-                seconds = 2 * (R - 1) / R * self.gradient_bytes[p] / bandwidth + 2 * (R - 1) * latency
+                ring = [mapping.devices[(r, p)][0] for r in range(R)]
+                seconds = ring_allreduce_seconds(graph, ring, self.gradient_bytes[p])
                 reduce = max(reduce, seconds)
                 total += seconds
                 per_stage[p] = seconds
@@ -150,6 +147,19 @@ class MappingProblem:
             worst = max(per_stage, key=per_stage.get)
             critical.update((r, worst) for r in range(self.replicas))
         return pipeline + reduce, total, sorted(critical)
+
+
+def ring_allreduce_seconds(graph: ResourceGraph, ring: Sequence[str], nbytes: float) -> float:
+    """A ring all-reduce of `nbytes` over the devices `ring`: ``2 (R-1)/R``
+    of the bytes over its slowest link, and ``2 (R-1)`` of its highest
+    latency."""
+    R = len(ring)
+    if R < 2:
+        return 0.0
+    links = [graph.link(ring[i], ring[(i + 1) % R]) for i in range(R)]
+    bandwidth = min(l.bandwidth for l in links)
+    latency = max(l.latency for l in links)
+    return 2 * (R - 1) / R * nbytes / bandwidth + 2 * (R - 1) * latency
 
 
 @dataclass

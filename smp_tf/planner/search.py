@@ -58,6 +58,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
 from smp_tf.graph_view import OpGraph
+from smp_tf.planner.mapping import ring_allreduce_seconds
 from smp_tf.planner.resources import ResourceGraph, cost_class, effective_speeds, graph_flops_by_class
 
 __all__ = [
@@ -654,7 +655,6 @@ def predict_time(info: GraphInfo, cand: Candidate, cluster: ResourceGraph, *, sl
     from smp_tf.partitioner.plan import assign_partitions
     from smp_tf.rewrite import build_tasks, task_specs
     from smp_tf.schedules import schedule_builder
-    from smp_tf.schedules.simulation import _run
 
     graph = info.graph
     # Graphs of one structure (extrapolated from the same traces) share the
@@ -694,12 +694,7 @@ def predict_time(info: GraphInfo, cand: Candidate, cluster: ResourceGraph, *, sl
     tasks, specs = mine[tkey]
     skey = ("schedule", tkey, cand.microbatches, cand.pipeline)
     if skey not in mine:
-        # The builders' orders, without `make_schedule`'s validation (a
-        # simulation each): the schedules' own tests validate them.
-        checked = tuple(sorted(specs, key=lambda t: t.key))
-        built = {d: [] for d in range(max((t.device if t.device is not None else t.partition) for t in checked) + 1)}
-        built.update(builder.build(checked, cand.microbatches))
-        mine[skey] = built
+        mine[skey] = _orders(builder, specs, cand.microbatches)
     order = mine[skey]
     stage_devices = [groups[(0, c % P)] for c in range(S)]
     ckey = ("seconds", tkey, tuple(stage_devices), id(graph))
@@ -712,42 +707,12 @@ def predict_time(info: GraphInfo, cand: Candidate, cluster: ResourceGraph, *, sl
     if gkey not in mine:
         mine[gkey] = _gradient_bytes(info, assignment, cand)
     grads = mine[gkey]
-    host_of = {d: cluster.device(groups[(0, d)][0]).host if cluster.device(groups[(0, d)][0]).kind == "CPU" else None
-               for d in order}
-    # CPU devices that share a host's cores: each action's work is spread over
-    # its stage's t devices and its ops' parallelism, the cores shared by all.
-    shared = {h: c for h, c in cluster.cores.items() if h in host_of.values()}
-    deps = {s.key: s.deps for s in specs}
-    elapsed: Dict[Any, float] = {}
-    t = cand.tensor_parallel_degree
-    if shared:
-        span = simulate_shared(order, deps, lambda a: seconds[a.task] * t, host_of, shared, elapsed,
-                               cap=lambda a: parallel[a.task] * t)
-    else:
-        run = _run(order, deps, lambda a: seconds[a.task])
-        if run.deadlocked:
-            raise ValueError(f"the {cand.pipeline} schedule deadlocks on these tasks")
-        span = max(run.end.values(), default=0.0)
-    by_task: Dict[Tuple[int, int], List[float]] = {}
-    for a, e in elapsed.items():
-        by_task.setdefault(a.task, []).append(e)
-    # The optimizer: element-wise work per trainable element on the stage's devices.
-    update = 0.0
-    for p in range(P):
-        device = cluster.device(groups[(0, p)][0])
-        elements = grads[p] / 4.0
-        work = elements * (APPLY_FLOPS_PER_ELEMENT * (1 + slots)) / cand.tensor_parallel_degree
-        accumulate = elements * max(cand.microbatches - 1, 0) / cand.tensor_parallel_degree
-        update = max(update, (work + accumulate) / device.flops["elementwise"])
+    span, by_task = _span(order, specs, seconds, parallel, groups, cluster, cand)
+    update = _update_seconds(grads, groups, cluster, cand, slots)
     allreduce = 0.0
     if cand.replicas > 1:
-        R = cand.replicas
-        for p in range(P):
-            ring = [groups[(r, p)][0] for r in range(R)]
-            links = [cluster.link(ring[i], ring[(i + 1) % R]) for i in range(R)]
-            bandwidth = min(l.bandwidth for l in links)
-            latency = max(l.latency for l in links)
-            allreduce = max(allreduce, 2 * (R - 1) / R * grads[p] / bandwidth + 2 * (R - 1) * latency)
+        allreduce = max(ring_allreduce_seconds(cluster, [groups[(r, p)][0] for r in range(cand.replicas)], grads[p])
+                        for p in range(P))
     overhead = cluster.runtime.get("step", 0.0)
     row = PlanRow(
         candidate=cand, config={**dict(fixed or {}), **cand.config()},
@@ -756,10 +721,62 @@ def predict_time(info: GraphInfo, cand: Candidate, cluster: ResourceGraph, *, sl
     )
     row.task_seconds = seconds
     row.task_parts = parts
-    st_tasks = tasks
     # What each action takes as it runs, sharing cores: what a profile measures.
     row.task_elapsed = {k: (sum(by_task[k]) / len(by_task[k]) if k in by_task else v) for k, v in seconds.items()}
-    return row, (assignment, groups, st_tasks)
+    return row, (assignment, groups, tasks)
+
+
+def _orders(builder: Any, specs: Sequence[Any], microbatches: int) -> Dict[int, List[Any]]:
+    """The builder's per-device orders, without `make_schedule`'s validation
+    (a simulation each): the schedules' own tests validate them."""
+    checked = tuple(sorted(specs, key=lambda t: t.key))
+    built: Dict[int, List[Any]] = {
+        d: [] for d in range(max((t.device if t.device is not None else t.partition) for t in checked) + 1)}
+    built.update(builder.build(checked, microbatches))
+    return built
+
+
+def _span(order: Mapping[int, Sequence[Any]], specs: Sequence[Any], seconds: Mapping[Tuple[int, int], float],
+          parallel: Mapping[Tuple[int, int], float], groups: Mapping[Tuple[int, int], Tuple[str, ...]],
+          cluster: ResourceGraph, cand: Candidate) -> Tuple[float, Dict[Tuple[int, int], List[float]]]:
+    """The pipeline's simulated span, and each task's actions' elapsed
+    seconds where devices share cores (`simulate_shared`)."""
+    from smp_tf.schedules.simulation import _run
+
+    host_of = {d: cluster.device(groups[(0, d)][0]).host if cluster.device(groups[(0, d)][0]).kind == "CPU" else None
+               for d in order}
+    # CPU devices that share a host's cores: each action's work is spread over
+    # its stage's t devices and its ops' parallelism, the cores shared by all.
+    shared = {h: c for h, c in cluster.cores.items() if h in host_of.values()}
+    deps = {s.key: s.deps for s in specs}
+    t = cand.tensor_parallel_degree
+    by_task: Dict[Tuple[int, int], List[float]] = {}
+    if not shared:
+        run = _run(order, deps, lambda a: seconds[a.task])
+        if run.deadlocked:
+            raise ValueError(f"the {cand.pipeline} schedule deadlocks on these tasks")
+        return max(run.end.values(), default=0.0), by_task
+    elapsed: Dict[Any, float] = {}
+    span = simulate_shared(order, deps, lambda a: seconds[a.task] * t, host_of, shared, elapsed,
+                           cap=lambda a: parallel[a.task] * t)
+    for a, e in elapsed.items():
+        by_task.setdefault(a.task, []).append(e)
+    return span, by_task
+
+
+def _update_seconds(grads: Sequence[float], groups: Mapping[Tuple[int, int], Tuple[str, ...]],
+                    cluster: ResourceGraph, cand: Candidate, slots: float) -> float:
+    """The optimizer update and the gradients' running sums: element-wise
+    work per trainable element on each stage's devices (the slowest stage)."""
+    update = 0.0
+    t = cand.tensor_parallel_degree
+    for p in range(cand.partitions):
+        device = cluster.device(groups[(0, p)][0])
+        elements = grads[p] / 4.0
+        work = elements * (APPLY_FLOPS_PER_ELEMENT * (1 + slots)) / t
+        accumulate = elements * max(cand.microbatches - 1, 0) / t
+        update = max(update, (work + accumulate) / device.flops["elementwise"])
+    return update
 
 
 def predict_memory(row: PlanRow, state: Any, info: GraphInfo, cluster: ResourceGraph, *, slots: float = 2.0,
