@@ -842,6 +842,19 @@ def is_gradient_output(graph: OpGraph, op: int, tensor: int) -> bool:
         ("float", "bfloat", "half", "double"))
 
 
+def gradient_bytes_by_partition(graph: OpGraph, partition_of_op: Sequence[int],
+                                output_tensors: Iterable[int]) -> Dict[int, int]:
+    """Partition -> bytes of the gradients among `output_tensors` (the
+    floating-point outputs of gradient ops) its ops produce."""
+    out: Dict[int, int] = {}
+    for t in set(output_tensors):
+        producer = graph.tensors[t].producer
+        if is_gradient_output(graph, producer, t):
+            p = partition_of_op[producer]
+            out[p] = out.get(p, 0) + graph.tensors[t].bytes
+    return out
+
+
 def predict_assignment(
     graph: OpGraph,
     partition_of_op: Sequence[int],
@@ -884,12 +897,7 @@ def predict_assignment(
     for op, p in zip(graph.ops, partition_of_op):
         for v in op.variables:
             partition_of_variable.setdefault(v, p)
-    gradient_bytes: Dict[int, int] = {}
-    for t in set(output_tensors):
-        producer = graph.tensors[t].producer
-        if is_gradient_output(graph, producer, t):
-            p = partition_of_op[producer]
-            gradient_bytes[p] = gradient_bytes.get(p, 0) + graph.tensors[t].bytes
+    gradient_bytes = gradient_bytes_by_partition(graph, partition_of_op, output_tensors)
     return predict_memory(
         graph, partition_of_op, tasks, simulation,
         num_partitions=num_partitions,

@@ -611,14 +611,13 @@ def _equal(cluster: ResourceGraph) -> bool:
 
 
 def _gradient_bytes(info: GraphInfo, partition_of_op: Sequence[int], cand: Candidate) -> List[float]:
-    from smp_tf.memory import is_gradient_output
+    """Each of the candidate's partitions' (chunks' modulo ``partitions``)
+    gradient bytes (`smp_tf.memory.gradient_bytes_by_partition`)."""
+    from smp_tf.memory import gradient_bytes_by_partition
 
     out = [0.0] * cand.partitions
-    graph = info.graph
-    for t in set(info.outputs):
-        producer = graph.tensors[t].producer
-        if is_gradient_output(graph, producer, t):
-            out[partition_of_op[producer] % cand.partitions] += graph.tensors[t].bytes
+    for p, nbytes in gradient_bytes_by_partition(info.graph, partition_of_op, info.outputs).items():
+        out[p % cand.partitions] += nbytes
     return out
 
 
