@@ -29,7 +29,9 @@ from tensorflow.python.framework import op_def_registry
 
 from smp_tf.boundary import raw_input, raw_output
 from smp_tf.config import Config
-from smp_tf.memory import MemoryReport, choose_recompute, is_gradient_output, optimizer_slots, predict_memory
+from smp_tf.memory import (
+    MemoryReport, choose_recompute, is_gradient_output, optimizer_slots, output_holds, predict_memory,
+)
 from smp_tf.partitioner.plan import DEFAULT_SLOTS, PartitionPlan
 from smp_tf.placement import partition_of_device
 from smp_tf.profiling import timeline
@@ -338,6 +340,7 @@ class CompiledStep:
         recompute: Optional[Sequence[str]] = None,
         optimizer: Any = None,
         budget: Any = None,
+        outputs_held: bool = False,
     ) -> None:
         """
         Args:
@@ -350,12 +353,14 @@ class CompiledStep:
             optimizer: the optimizer that applies the gradients, if known
                 (unknown, the budget check counts Adam's two slots).
             budget: bytes per device, or device -> bytes (each device's own; None: no limit).
+            outputs_held: the step is called eagerly (see `memory_report`).
 
         Raises:
             MemoryBudgetError: the layout does not fit `budget`.
         """
         self.traced = traced
         self.plan = plan
+        self.outputs_held = outputs_held
         self.num_microbatches = cfg.microbatches
         g = plan.op_graph
         self.output_tensors: List[Optional[int]] = traced.output_tensors()
@@ -644,6 +649,7 @@ class CompiledStep:
         budget: Any = None,
         workspace: Optional[Dict[Tuple[int, int], int]] = None,
         slots: Optional[float] = None,
+        outputs_held: Optional[bool] = None,
     ) -> MemoryReport:
         """The predicted memory of every partition under this schedule.
 
@@ -655,17 +661,29 @@ class CompiledStep:
             budget: the memory budget to show.
             workspace: task key -> its peak, replacing the predicted one.
             slots: optimizer slots per variable byte, overriding `optimizer`'s.
+            outputs_held: whether every micro-batch's outputs are held
+                until the end of the step, as when the step is called
+                eagerly (its values leave the pipeline's function together);
+                False: called inside a ``tf.function``, where
+                `StepOutput.accumulate`'s running sum takes each gradient as
+                it arrives. None: `outputs_held` (True once the step was
+                called eagerly).
         """
         g = self.plan.op_graph
         gradient_bytes: Dict[int, int] = {}
         for info in self.output_info():
             if info is not None and info[0]:
                 gradient_bytes[info[1]] = gradient_bytes.get(info[1], 0) + info[2]
+        held, combined = self._output_holds()
+        if not (self.outputs_held if outputs_held is None else outputs_held):
+            held, combined = None, None
         report = predict_memory(
             g, self.plan.partition_of_op, self.tasks, self.simulation,
             num_partitions=self.plan.num_partitions,
             partition_of_variable=self.plan.partition_of_variable(),
             gradient_bytes=gradient_bytes,
+            held_outputs=held,
+            combined_bytes=combined,
             slots=optimizer_slots(optimizer) if slots is None else slots,
             optimizer_bytes=self._optimizer_bytes(optimizer),
             recompute=self.recompute,
@@ -679,6 +697,22 @@ class CompiledStep:
         )
         report.schedule = f"{self.schedule.kind}, {self.num_microbatches} micro-batches"
         return report
+
+    def _output_holds(self) -> Tuple[Dict[int, str], Dict[int, int]]:
+        """`smp_tf.memory.output_holds` of the step's outputs; a fused output
+        holds its op's inputs for every micro-batch instead, and at the end
+        their concatenation and the op's result (`StepOutput.accumulate`)."""
+        g = self.plan.op_graph
+        plain = [t for k, t in enumerate(self.output_tensors) if t is not None and k not in self.fused]
+        held, combined = output_holds(g, self.plan.partition_of_op, plain)
+        for f, _ in self.fused.values():
+            p = self.plan.partition_of_op[f.op]
+            for x in f.inputs:
+                held[x] = "gradients"
+            made = self.num_microbatches * sum(g.tensors[x].bytes for x in f.inputs)
+            made += sum(g.tensors[x].bytes for x in g.ops[f.op].outputs)
+            combined[p] = combined.get(p, 0) + made
+        return held, combined
 
     def _optimizer_bytes(self, optimizer: Any) -> Optional[Dict[int, int]]:
         """Partition -> bytes of the optimizer state that exists (None when

@@ -3,12 +3,15 @@
 Pure Python over the graph view, the tasks, and a simulation of the
 schedule. A partition's memory has two parts:
 
-* **static**, held for the whole step: its ``variables``, the ``optimizer``
-  slots of its trainable variables (Adam 2x, SGD with momentum 1x, plain SGD
-  0x; `optimizer_slots`), and the ``gradients``: the running sum of every
-  gradient the step returns from that partition, plus one micro-batch's
-  gradient being added to it.
+* **static**, held for the whole step: its ``variables`` and the
+  ``optimizer`` slots of its trainable variables (Adam 2x, SGD with momentum
+  1x, plain SGD 0x; `optimizer_slots`).
 * **dynamic**, followed through the simulated schedule:
+
+  - ``gradients``: every micro-batch's value of each gradient the step
+    returns, from the end of the task that makes it to the end of the step
+    (a `StepOutput` holds all ``M`` values until `StepOutput.accumulate`
+    sums them), and at the end their sum;
 
   - ``activations``: tensors a task keeps for a later task of the same
     partition (its backward), from the end of the task that makes them to
@@ -18,16 +21,17 @@ schedule. A partition's memory has two parts:
     more than one of its tasks (a stage's inputs, read again by its
     backward) count here too;
   - ``buffers``: tensors sent to another partition, from the end of the
-    producing task to the end of the task that reads them, and the received
-    copies of tensors read once;
+    producing task to the end of the task that reads them, the received
+    copies of tensors read once, and the step's other outputs (a loss, a
+    prediction), every micro-batch's value until the end of the step;
   - ``transient``: while a task runs, the peak of the tensors it makes and
     frees itself (found by running its ops in order, with outputs that
     alias an input, such as a ``Reshape`` or a variable read, taking no new
     memory, and element-wise ops writing into an input they read last).
 
 ``total`` is the static part plus the highest the dynamic part gets; the
-``activations``, ``buffers`` and ``transient`` columns are their values at
-that moment. Recomputation (`rewrite.recomputable_ops`) changes which
+``gradients``, ``activations``, ``buffers`` and ``transient`` columns are
+their values at that moment. Recomputation (`rewrite.recomputable_ops`) changes which
 tensors a partition keeps, so it shows in ``activations`` (smaller) and in
 ``transient`` (a backward task holds the forward it recomputes).
 
@@ -61,6 +65,7 @@ __all__ = [
     "predict_memory",
     "predict_assignment",
     "is_gradient_output",
+    "output_holds",
     "refine_memory_split",
     "storage_bytes",
     "task_workspace",
@@ -218,8 +223,9 @@ class PartitionMemory:
     Attributes:
         partition: the partition.
         device: its device.
-        variables, optimizer, gradients: the static part.
-        activations, buffers, transient: the dynamic part at its peak.
+        variables, optimizer: the static part.
+        gradients, activations, buffers, transient: the dynamic part at
+            its peak.
         total: the predicted peak.
         recompute: the partition's recompute mode.
         measured: the measured peak where a measurement exists (None
@@ -575,7 +581,7 @@ def _peak(intervals: Iterable[_Interval]) -> Tuple[int, Dict[str, int]]:
     # Frees before allocations at the same moment: a buffer released when a
     # task ends is available to the task that starts then.
     events.sort(key=lambda e: (e[0], e[1]))
-    live = {"activations": 0, "buffers": 0, "transient": 0}
+    live = {"gradients": 0, "activations": 0, "buffers": 0, "transient": 0}
     best, best_parts = 0, dict(live)
     i = 0
     while i < len(events):
@@ -609,6 +615,8 @@ def predict_memory(
     shard_of_op: Optional[Sequence[int]] = None,
     stage_devices: Optional[Sequence[Sequence[str]]] = None,
     split_variables: Sequence[str] = (),
+    held_outputs: Optional[Mapping[int, str]] = None,
+    combined_bytes: Optional[Mapping[int, int]] = None,
 ) -> MemoryReport:
     """Predicts every partition's peak under a simulated schedule.
 
@@ -621,7 +629,9 @@ def predict_memory(
         num_partitions: number of partitions.
         partition_of_variable: variable key -> partition.
         gradient_bytes: partition -> bytes of the gradients the step returns
-            from it (summed over micro-batches by `StepOutput.accumulate`).
+            from it (summed over micro-batches by `StepOutput.accumulate`);
+            used as a static running sum plus one micro-batch's gradient
+            only where `held_outputs` is None.
         slots: optimizer slots per byte of trainable variable
             (`optimizer_slots`), used where `optimizer_bytes` is None.
         optimizer_bytes: partition -> bytes of optimizer state that exists.
@@ -642,6 +652,11 @@ def predict_memory(
         split_variables: keys of the variables whose storage is split over
             their stage's devices (`smp_tf.sharding.storage`): each device
             holds its share of them and of their optimizer state.
+        held_outputs: task output -> ``"gradients"`` or ``"buffers"``: the
+            step's outputs, each micro-batch's value held from the end of
+            the task that makes it to the end of the step (`output_holds`).
+        combined_bytes: partition -> bytes made at the end of the step from
+            the held values (the gradients' sums).
 
     Returns:
         The `MemoryReport` (``measured`` unset).
@@ -663,9 +678,11 @@ def predict_memory(
     if optimizer_bytes is not None:
         for p, nbytes in optimizer_bytes.items():
             rows[p].optimizer += int(nbytes)
-    for p, nbytes in gradient_bytes.items():
-        # The running sum, and one micro-batch's gradient being added to it.
-        rows[p].gradients += int(nbytes) * (2 if num_mb > 1 else 1)
+    static_gradients = [0] * num_partitions
+    if held_outputs is None:
+        for p, nbytes in gradient_bytes.items():
+            # The running sum, and one micro-batch's gradient being added to it.
+            static_gradients[p] += int(nbytes) * (2 if num_mb > 1 else 1)
 
     storage = storage_bytes(graph)
     # The kernel scratch `kernel_scratch` predicts is that of TensorFlow's
@@ -681,18 +698,20 @@ def predict_memory(
     shard_workspace = (_shard_workspaces(graph, tasks, storage, shard_of_op, cpu_kernel_scratch, on_gpu)
                        if shard_of_op is not None else {})
     per_device, per_shard, process = _schedule_intervals(
-        graph, tasks, simulation, storage, workspace, num_partitions, shard_of_op, shard_workspace)
+        graph, tasks, simulation, storage, workspace, num_partitions, shard_of_op, shard_workspace,
+        held_outputs or {}, combined_bytes or {})
     for p in range(num_partitions):
         peak, parts = _peak(per_device[p])
         r = rows[p]
+        r.gradients = static_gradients[p] + parts["gradients"]
         r.activations, r.buffers, r.transient = parts["activations"], parts["buffers"], parts["transient"]
-        r.total = r.variables + r.optimizer + r.gradients + peak
-    static = sum(r.variables + r.optimizer + r.gradients for r in rows)
+        r.total = r.variables + r.optimizer + static_gradients[p] + peak
+    static = sum(r.variables + r.optimizer for r in rows) + sum(static_gradients)
     process_peak = static + _peak(process)[0]
     device_rows = []
     if shard_of_op is not None and stage_devices:
         shares = _split_shares(graph, rows, partition_of_variable, split_variables)
-        device_rows = _device_rows(rows, per_shard, stage_devices, shares)
+        device_rows = _device_rows(rows, per_shard, stage_devices, shares, static_gradients)
     return MemoryReport(rows, devices=device_rows, process_peak=process_peak, budget=budget)
 
 
@@ -705,6 +724,8 @@ def _schedule_intervals(
     num_partitions: int,
     shard_of_op: Optional[Sequence[int]],
     shard_workspace: Mapping[Tuple[int, int], Mapping[int, int]],
+    held_outputs: Mapping[int, str],
+    combined_bytes: Mapping[int, int],
 ) -> Tuple[Dict[int, List[_Interval]], Dict[Tuple[int, int], List[_Interval]], List[_Interval]]:
     """When each tensor is alive under the simulated schedule: per
     partition, per device of a stage (with tensor parallelism, keyed by
@@ -713,8 +734,14 @@ def _schedule_intervals(
     Each action allocates its task's transient peak while it runs; each
     task output lives on its partition from the end of the action to the
     end of its last reader, and as a received copy on every other
-    partition that reads it while those readers run."""
+    partition that reads it while those readers run. A step output
+    (`held_outputs`) lives from the end of its action to the end of the
+    step, when the values combined from them (`combined_bytes`) are made
+    while they are all still held."""
     start, end = simulation.start, simulation.end
+    # The end of the step, and a moment after it for what is made there.
+    finish = max(end.values(), default=0.0)
+    after = finish + 1.0
     by_key = {t.key: t for t in tasks}
     readers: Dict[int, List[Task]] = {}
     for t in tasks:
@@ -739,9 +766,15 @@ def _schedule_intervals(
         for x in task.outputs:
             nbytes = storage[x]
             users = readers.get(x, [])
+            held = held_outputs.get(x)
+            if held is not None and nbytes:
+                iv = _Interval(end[action], after, nbytes, held)
+                per_device[p].append(iv)
+                process.append(iv)
+                per_shard.setdefault((p, shard_of(x)), []).append(iv)
             if not users:
                 continue
-            if nbytes:
+            if nbytes and held is None:
                 ends = [end[Action(u.partition, u.wave, m)] for u in users]
                 kept = any(u.partition == p for u in users)
                 iv = _Interval(end[action], max(ends), nbytes, "activations" if kept else "buffers")
@@ -759,6 +792,11 @@ def _schedule_intervals(
                 iv = _Interval(min(start[a] for a in acts), max(end[a] for a in acts), copy_bytes, kind)
                 per_device[q].append(iv)
                 per_shard.setdefault((q, shard_of(x)), []).append(iv)
+    for p, nbytes in combined_bytes.items():
+        iv = _Interval(finish, after, int(nbytes), "gradients")
+        per_device[p].append(iv)
+        process.append(iv)
+        per_shard.setdefault((p, 0), []).append(iv)
     return per_device, per_shard, process
 
 
@@ -783,11 +821,11 @@ def _split_shares(graph: OpGraph, rows: Sequence[PartitionMemory], partition_of_
 
 def _device_rows(rows: Sequence[PartitionMemory], per_shard: Mapping[Tuple[int, int], List[_Interval]],
                  stage_devices: Sequence[Sequence[str]],
-                 shares: Mapping[int, Tuple[int, int]]) -> List[PartitionMemory]:
+                 shares: Mapping[int, Tuple[int, int]], static_gradients: Sequence[int]) -> List[PartitionMemory]:
     """One row per device of every stage: each device's share of the
     variables stored split and of their optimizer state; the other
-    variables, their state and the gradients (gathered whole) on device 0
-    of the stage; each device's own intervals at its peak."""
+    variables and their state on device 0 of the stage; each device's own
+    intervals (the gradients where they are made) at its peak."""
     out: List[PartitionMemory] = []
     for p, r in enumerate(rows):
         t = len(stage_devices[p])
@@ -798,10 +836,11 @@ def _device_rows(rows: Sequence[PartitionMemory], per_shard: Mapping[Tuple[int, 
             if k == 0:
                 d.variables += r.variables - split_vars
                 d.optimizer += r.optimizer - split_opt
-                d.gradients = r.gradients
+            static = static_gradients[p] if k == 0 else 0
             peak, parts = _peak(per_shard.get((p, k), []))
+            d.gradients = static + parts["gradients"]
             d.activations, d.buffers, d.transient = parts["activations"], parts["buffers"], parts["transient"]
-            d.total = d.variables + d.optimizer + d.gradients + peak
+            d.total = d.variables + d.optimizer + static + peak
             out.append(d)
     return out
 
@@ -855,6 +894,20 @@ def gradient_bytes_by_partition(graph: OpGraph, partition_of_op: Sequence[int],
     return out
 
 
+def output_holds(graph: OpGraph, partition_of_op: Sequence[int],
+                 output_tensors: Iterable[int]) -> Tuple[Dict[int, str], Dict[int, int]]:
+    """What the step's outputs hold (`predict_memory`'s `held_outputs` and
+    `combined_bytes`): each output, a gradient (`is_gradient_output`) or
+    another output (``"buffers"``), held for every micro-batch until the
+    end of the step; and per partition the bytes of the gradients' sums
+    `StepOutput.accumulate` makes there."""
+    held: Dict[int, str] = {}
+    for t in set(output_tensors):
+        producer = graph.tensors[t].producer
+        held[t] = "gradients" if is_gradient_output(graph, producer, t) else "buffers"
+    return held, gradient_bytes_by_partition(graph, partition_of_op, output_tensors)
+
+
 def predict_assignment(
     graph: OpGraph,
     partition_of_op: Sequence[int],
@@ -871,6 +924,7 @@ def predict_assignment(
     tensor_degree: int = 1,
     split_variables: Sequence[str] = (),
     tasks: Optional[Sequence[Task]] = None,
+    outputs_held: bool = True,
 ) -> MemoryReport:
     """`predict_memory` for an assignment, before any lowering.
 
@@ -884,7 +938,11 @@ def predict_assignment(
     `shard_of_op` and `split_variables` as for `predict_memory`) the report
     also has its rows per device. `tasks`: the tasks of this assignment
     when the caller has already cut them (with the same `recompute` and
-    the schedule's split of the backward).
+    the schedule's split of the backward). `outputs_held`: the step is
+    called eagerly, so every micro-batch's outputs are held until the end
+    of the step (`output_holds`); False: called inside a ``tf.function``,
+    where `StepOutput.accumulate`'s running sum takes each gradient as it
+    arrives (the sum and one gradient).
     """
     from smp_tf.rewrite import build_tasks, task_specs
     from smp_tf.schedules import make_schedule, schedule_builder
@@ -897,12 +955,14 @@ def predict_assignment(
     for op, p in zip(graph.ops, partition_of_op):
         for v in op.variables:
             partition_of_variable.setdefault(v, p)
-    gradient_bytes = gradient_bytes_by_partition(graph, partition_of_op, output_tensors)
+    held, gradient_bytes = output_holds(graph, partition_of_op, output_tensors)
     return predict_memory(
         graph, partition_of_op, tasks, simulation,
         num_partitions=num_partitions,
         partition_of_variable=partition_of_variable,
         gradient_bytes=gradient_bytes,
+        held_outputs=held if outputs_held else None,
+        combined_bytes=gradient_bytes if outputs_held else None,
         slots=slots,
         cpu_kernel_scratch=cpu_kernel_scratch,
         shard_of_op=shard_of_op if tensor_degree > 1 else None,

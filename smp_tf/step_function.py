@@ -127,7 +127,7 @@ def _device_capacities(cfg: Any) -> Optional[Dict[Tuple[int, int], float]]:
 
 
 def _memory_split(assign: Callable[..., List[int]], traced: Traced, shard_plan: Any, cfg: Any, recompute: str,
-                  slots: float) -> List[int]:
+                  slots: float, outputs_held: bool) -> List[int]:
     """The ``optimize="memory"`` split settled on predicted peaks
     (`refine_memory_split`): boundary buffers and each stage's largest task
     are known only once the tasks exist, so it splits again with them as
@@ -150,7 +150,7 @@ def _memory_split(assign: Callable[..., List[int]], traced: Traced, shard_plan: 
         lambda parts: predict_assignment(
             traced.op_graph, parts, outputs, num_partitions=cfg.num_stages, num_microbatches=cfg.microbatches,
             kind=cfg.pipeline, recompute=recompute, slots=slots, device_of_partition=device_of,
-            cpu_kernel_scratch=scratch, **sharding,
+            cpu_kernel_scratch=scratch, outputs_held=outputs_held, **sharding,
         ),
         moves=MEMORY_SPLIT_MOVES,
         device_of_partition=device_of,
@@ -257,6 +257,9 @@ class StepFunction:
         self._generation = -1
         #: The eager call's tf.function, with and without timing probes.
         self._eager_fns: Dict[bool, Any] = {}
+        # Whether the step is being traced for an eager call (`_emit` inside
+        # the eager wrapper): its outputs are then held to the end of the step.
+        self._eager_trace = False
         self.schedule = None
         #: The `smp.Plan` the config key ``auto`` chose this step's config from.
         self.auto_plan = None
@@ -413,7 +416,7 @@ class StepFunction:
             )
 
         if cfg.optimize == "memory" and cfg.contiguous and cfg.auto_partition and cfg.num_stages > 1 and not pinned:
-            assignment = _memory_split(assign, traced, shard_plan, cfg, recompute, slots)
+            assignment = _memory_split(assign, traced, shard_plan, cfg, recompute, slots, self._eager_trace)
         else:
             assignment = assign()
         # Partitioning time: the graph view, the groups and the assignment.
@@ -474,10 +477,12 @@ class StepFunction:
                 traced.captures, plan.partition_of_variable(), plan.devices, *_split_storage(plan)
             )
             _run_post_partition_hooks()
-            entry = CompiledStep(traced, plan, cfg, optimizer=self.optimizer, budget=_memory_budget(cfg))
+            entry = CompiledStep(traced, plan, cfg, optimizer=self.optimizer, budget=_memory_budget(cfg),
+                                 outputs_held=self._eager_trace)
             entry.variable_devices = variable_devices
             entry.generation = state.generation()
             self._compiled[key] = entry
+        entry.outputs_held = entry.outputs_held or self._eager_trace
         self.last_plan = entry.plan
         scheduled = entry.scheduled(cfg.pipeline, len(mbs))
         if len(mbs) == cfg.microbatches or self.schedule is None:
@@ -501,7 +506,7 @@ class StepFunction:
                 caller makes sure none is empty).
         """
         if state.config().auto:
-            self._plan_auto(args, kwargs)
+            self._plan_auto(args, kwargs, eager=self._eager_trace)
         cfg = state.config()
         m = cfg.microbatches if num_microbatches is None else num_microbatches
         mbs = self._split(args, kwargs, m, uneven=uneven)
@@ -564,16 +569,16 @@ class StepFunction:
         for k in members:
             flat[k]._replicas = (reducer, k)
 
-    def _plan_auto(self, args: tuple, kwargs: dict) -> None:
+    def _plan_auto(self, args: tuple, kwargs: dict, eager: bool) -> None:
         """The config key ``auto``: plans this step on these arguments and
         re-initialises with the best plan (`smp_tf.planner.plan.apply_auto`)."""
         from smp_tf.planner.plan import apply_auto
 
         with self._lock:
             if state.config().auto:
-                apply_auto(self, args, kwargs)
+                apply_auto(self, args, kwargs, eager=eager)
 
-    def memory_report(self, optimizer: Any = None) -> Any:
+    def memory_report(self, optimizer: Any = None, outputs_held: Optional[bool] = None) -> Any:
         """The predicted memory of every partition for the last compiled step.
 
         Available after the first call. Each row (`smp_tf.memory.PartitionMemory`)
@@ -584,6 +589,11 @@ class StepFunction:
         Args:
             optimizer: the optimizer that applies the gradients (its state is
                 counted; None counts none).
+            outputs_held: whether every micro-batch's outputs are held until
+                the end of the step, as when the step is called eagerly
+                (False: called inside a ``tf.function``, where the running
+                sum takes each gradient as it arrives). None: as the step
+                has been called (held once it was called eagerly).
 
         Returns:
             A `smp_tf.memory.MemoryReport`.
@@ -597,7 +607,8 @@ class StepFunction:
                 "memory_report() needs a compiled step: call the step function once first "
                 "(or use measure_memory(*args), which runs one step)."
             )
-        return entry.memory_report(self.optimizer if optimizer is None else optimizer, budget=entry.budget)
+        return entry.memory_report(self.optimizer if optimizer is None else optimizer, budget=entry.budget,
+                                   outputs_held=outputs_held)
 
     def measure_memory(self, *args: Any, optimizer: Any = None, **kwargs: Any) -> Any:
         """Runs one step on these arguments and measures its memory.
@@ -622,7 +633,7 @@ class StepFunction:
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         cfg = state.config()  # raises a clear error before smp.init
         if cfg.auto:
-            self._plan_auto(args, kwargs)
+            self._plan_auto(args, kwargs, eager=tf.executing_eagerly())
             cfg = state.config()
         if not tf.executing_eagerly():
             return self._emit(args, kwargs)
@@ -640,7 +651,13 @@ class StepFunction:
                 sig = self._input_signature
 
                 def run(*a, **k):
-                    outs = self._emit(a, k)
+                    # The outputs of every micro-batch leave this function
+                    # together: the memory model holds them to the end.
+                    self._eager_trace = True
+                    try:
+                        outs = self._emit(a, k)
+                    finally:
+                        self._eager_trace = False
                     # StepOutputs are not tensors: return their values in a
                     # marked dict and rebuild them outside.
                     return tf.nest.map_structure(_mark, outs)

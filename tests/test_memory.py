@@ -24,6 +24,7 @@ from smp_tf.memory import (
     choose_recompute,
     format_bytes,
     optimizer_slots,
+    output_holds,
     predict_assignment,
     predict_memory,
     refine_memory_split,
@@ -42,9 +43,10 @@ from smp_tf.schedules import make_schedule
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def _chain():
+def _chain(grad_bytes=16):
     """x -> read(w0) -> a0 = matmul -> r0 = relu -> (partition 1) a1 = matmul(r0, w1) -> loss;
-    the backward mirrors it. Tensor bytes: a0, r0 100 each; a1 50."""
+    the backward mirrors it. Tensor bytes: a0, r0 100 each; a1 50; the
+    weights and their gradients `grad_bytes`."""
     spec = [
         {"name": "x", "type": "Placeholder", "kind": "arg", "bytes": 40, "flops": 0},
         {"name": "read0", "type": "ReadVariableOp", "variables": ["w0"], "stateful": True, "bytes": 16, "flops": 0},
@@ -54,12 +56,14 @@ def _chain():
         {"name": "a1", "type": "MatMul", "inputs": ["r0", "read1"], "bytes": 50, "flops": 1000},
         {"name": "loss", "type": "Sum", "inputs": ["a1"], "bytes": 4, "flops": 50},
         {"name": "g_a1", "type": "Fill", "inputs": ["loss"], "bytes": 50, "forward": "a1"},
-        {"name": "g_w1", "type": "MatMul", "inputs": ["r0", "g_a1"], "bytes": 16, "forward": "a1", "flops": 1000},
+        {"name": "g_w1", "type": "MatMul", "inputs": ["r0", "g_a1"], "bytes": grad_bytes, "forward": "a1",
+         "flops": 1000},
         {"name": "g_r0", "type": "MatMul", "inputs": ["g_a1", "read1"], "bytes": 100, "forward": "a1", "flops": 1000},
         {"name": "g_a0", "type": "ReluGrad", "inputs": ["g_r0", "r0"], "bytes": 100, "forward": "r0", "flops": 25},
-        {"name": "g_w0", "type": "MatMul", "inputs": ["x", "g_a0"], "bytes": 16, "forward": "a0", "flops": 1000},
+        {"name": "g_w0", "type": "MatMul", "inputs": ["x", "g_a0"], "bytes": grad_bytes, "forward": "a0",
+         "flops": 1000},
     ]
-    g = OpGraph.from_spec(spec, variable_bytes={"w0": 16, "w1": 16})
+    g = OpGraph.from_spec(spec, variable_bytes={"w0": grad_bytes, "w1": grad_bytes})
     parts = [0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 0, 0]
     outputs = [g.ops[g.op_index[n]].outputs[0] for n in ("loss", "g_w0", "g_w1")]
     return g, parts, outputs
@@ -70,11 +74,37 @@ def test_predict_assignment_is_the_prediction_of_the_lowered_tasks():
     tasks = build_tasks(g, parts, outputs)
     simulation = make_schedule(task_specs(tasks), 3, "interleaved").simulate()
     grads = {0: g.tensors[outputs[1]].bytes, 1: g.tensors[outputs[2]].bytes}
+    held = {outputs[0]: "buffers", outputs[1]: "gradients", outputs[2]: "gradients"}
     want = predict_memory(g, parts, tasks, simulation, num_partitions=2,
-                          partition_of_variable={"w0": 0, "w1": 1}, gradient_bytes=grads, slots=1.0)
+                          partition_of_variable={"w0": 0, "w1": 1}, gradient_bytes=grads, slots=1.0,
+                          held_outputs=held, combined_bytes=grads)
     got = predict_assignment(g, parts, outputs, num_partitions=2, num_microbatches=3, kind="interleaved", slots=1.0)
     assert got.partitions == want.partitions
     assert got.process_peak == want.process_peak
+
+
+@pytest.mark.parametrize("M", [1, 3])
+def test_every_microbatchs_gradients_are_held_until_the_end_and_summed_there(M):
+    # A `StepOutput` holds the M values of a gradient until `accumulate`
+    # sums them: at the end of the step M values and their sum are alive.
+    nbytes = 1 << 20  # the gradients outweigh every activation: the peak is at the end
+    g, parts, outputs = _chain(grad_bytes=nbytes)
+    report = predict_assignment(g, parts, outputs, num_partitions=2, num_microbatches=M, kind="interleaved")
+    for r in report.partitions:
+        assert r.gradients == (M + 1) * nbytes, (r.partition, r.gradients)
+        assert r.total == r.variables + r.gradients + r.activations + r.buffers + r.transient
+    # Both partitions' gradients count in the one allocator's peak.
+    assert report.process_peak >= 2 * nbytes + 2 * (M + 1) * nbytes
+    # The values are held from the task that makes them: partition 1's
+    # backward of micro-batch 0 ends before the step does, so some of its
+    # gradients are alive while later micro-batches run.
+    tasks = build_tasks(g, parts, outputs)
+    sim = make_schedule(task_specs(tasks), M, "interleaved").simulate()
+    held, _ = output_holds(g, parts, outputs)
+    assert held == {outputs[0]: "buffers", outputs[1]: "gradients", outputs[2]: "gradients"}
+    backward = next(a for a in sim.start if a.partition == 1 and a.microbatch == 0
+                    and any(outputs[2] in t.outputs for t in tasks if t.key == a.task))
+    assert sim.end[backward] < max(sim.end.values()) or M == 1
 
 
 def _totals_report(totals, overheads):
@@ -662,6 +692,46 @@ def _mlp_step(model):
     return step
 
 
+def test_an_eager_step_holds_every_microbatchs_gradients_and_a_traced_one_sums_them():
+    import keras
+    import numpy as np
+    import tensorflow as tf
+
+    import smp_tf as smp
+    from tests.models import BATCH, mlp
+
+    keras.utils.set_random_seed(0)
+    model = mlp()
+    step = _mlp_step(model)
+    x = np.random.default_rng(0).normal(size=(BATCH, 16)).astype("float32")
+    y = np.ones((BATCH, 4), "float32")
+    M = 4
+    smp.init({"partitions": 2, "microbatches": M})
+
+    @tf.function
+    def traced(x, y):
+        loss, grads = step(x, y)
+        return [g.accumulate() for g in grads]
+
+    traced(x, y)
+    entry = step.last_compiled
+    assert not entry.outputs_held
+    summed = step.memory_report()
+    grads = {p: sum(i[2] for i in entry.output_info() if i is not None and i[0] and i[1] == p) for p in range(2)}
+    # Inside a tf.function the running sum takes each gradient as it comes.
+    assert [r.gradients for r in summed] == [2 * grads[0], 2 * grads[1]]
+    # Called eagerly, the M values leave the pipeline together: held with
+    # their sum at the end of the step (rounded up to the allocator's granule).
+    step(x, y)
+    assert step.last_compiled is entry and entry.outputs_held
+    held = step.memory_report()
+    for r in held:
+        assert (M + 1) * grads[r.partition] <= r.gradients <= (M + 1) * (grads[r.partition] + 256 * 16), r
+    assert held.process_peak > summed.process_peak
+    # Each can be asked for.
+    assert entry.memory_report(outputs_held=False).process_peak == summed.process_peak
+
+
 def test_memory_report_of_a_step_and_the_budget_error():
     import numpy as np
 
@@ -767,8 +837,9 @@ def test_budget_with_virtual_stages_holds_for_each_devices_chunks():
     init = [v.numpy() for v in model.variables]
     step = _mlp_step(model)
     step.optimizer = keras.optimizers.SGD()  # no slots: the report and the check count the same
-    x = np.random.default_rng(0).normal(size=(BATCH, 16)).astype("float32")
-    y = np.ones((BATCH, 4), "float32")
+    # Rows enough for the activations to outweigh the gradients held to the end.
+    x = np.random.default_rng(0).normal(size=(8 * BATCH, 16)).astype("float32")
+    y = np.ones((8 * BATCH, 4), "float32")
     base = {"partitions": 2, "virtual_stages": 2, "microbatches": 4}
 
     def run(**config):

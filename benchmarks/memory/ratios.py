@@ -6,8 +6,10 @@ Run one case per process (the allocator's history matters)::
     python benchmarks/memory/ratios.py convnext_tiny 2
     python benchmarks/memory/ratios.py gpt2_lm 2          # a zoo model
 
-Prints one ``ROW`` line per partition and one ``PROCESS`` line:
-``ROW case P sched partition predicted measured ratio`` (bytes).
+Prints one ``ROW`` line per partition and one ``PROCESS`` line (the step
+called inside a ``tf.function``), then one ``EAGER`` line (the process
+peak of the step and its ``accumulate`` called eagerly):
+``ROW case P sched recompute partition predicted measured ratio`` (bytes).
 """
 
 from __future__ import annotations
@@ -107,6 +109,22 @@ def main(argv) -> int:
     m = report.measured_process_peak
     print("PROCESS", name, P, sched, recompute, report.process_peak, m,
           f"{m / report.process_peak:.3f}" if m else "-", flush=True)
+    # Called eagerly, the step's outputs of every micro-batch leave the
+    # pipeline together and are held until `accumulate` sums them.
+    predicted = train_step.last_compiled.memory_report(optimizer, outputs_held=True).process_peak
+
+    def eager_step():
+        loss, grads = train_step(x, y)
+        return [g.accumulate() for g in grads]
+
+    eager_step()  # builds the eager wrapper
+    tf.config.experimental.reset_memory_stats("CPU:0")
+    if os.environ.get("RATIOS_TABLE"):
+        print("current before the eager step", tf.config.experimental.get_memory_info("CPU:0")["current"] / 2**20)
+        print(train_step.last_compiled.memory_report(optimizer, outputs_held=True).table())
+    eager_step()
+    m = tf.config.experimental.get_memory_info("CPU:0")["peak"]
+    print("EAGER", name, P, sched, recompute, predicted, m, f"{m / predicted:.3f}", flush=True)
     return 0
 
 

@@ -368,6 +368,7 @@ def plan(
     keep: int = 24,
     config: Optional[Mapping[str, Any]] = None,
     headroom: float = HEADROOM,
+    eager: Optional[bool] = None,
     **kwargs: Any,
 ) -> Plan:
     """Searches the configuration of a step for a cluster.
@@ -399,6 +400,13 @@ def plan(
             (0.2: TensorFlow's allocator needs room beside the bytes in use;
             measured on the CPU allocator, a step whose in-use peak was
             1248 MiB ran out of memory under a 1536 MiB limit).
+        eager: whether the step is called eagerly. Its outputs then leave
+            the pipeline together, every micro-batch's gradients held until
+            `StepOutput.accumulate` sums them (``M + 1`` times their bytes
+            at the end of the step); inside a ``tf.function`` the running
+            sum takes each as it arrives. Default: True for a step function
+            (the safe side), False for a model (``fit`` runs in a
+            ``tf.function``).
         **kwargs: the step's keyword arguments, and search dimensions
             (``partitions=[2, 4]``, ``tensor_parallel_degrees``,
             ``replicas``, ``microbatches``, ``pipelines``,
@@ -418,8 +426,10 @@ def plan(
             raise ValueError("smp.plan(model, x, y): give the model's inputs and targets of one batch.")
         optimizer = optimizer if optimizer is not None else getattr(target, "optimizer", None)
         step, args = _model_step(target, *args)
+        eager = False if eager is None else eager
     else:
         step = target
+        eager = True if eager is None else eager
     batch = _batch_size(step, args, kwargs)
     graph = _cluster(cluster)
     opt = optimizer if optimizer is not None else getattr(step, "optimizer", None)
@@ -436,7 +446,7 @@ def plan(
     if memory_budget is None and state.is_initialized() and cluster is None:
         memory_budget = state.config().memory_budget
     result = search(tracer, batch, graph, cands, slots=slots, memory_budget=memory_budget, fixed=config, keep=keep,
-                    skipped=skipped, headroom=headroom)
+                    skipped=skipped, headroom=headroom, outputs_held=eager)
     return Plan(result, graph, step, args, kwargs, tracer.seconds, batch)
 
 
@@ -454,11 +464,11 @@ def _kept_keys(cfg: Mapping[str, Any]) -> Dict[str, Any]:
     return {k: v for k, v in cfg.items() if k not in _CHOSEN and defaults.get(k) != v}
 
 
-def apply_auto(step: Any, args: tuple, kwargs: dict) -> Optional[Plan]:
+def apply_auto(step: Any, args: tuple, kwargs: dict, eager: bool = True) -> Optional[Plan]:
     """With the config key ``auto``, plans `step` on its first call's
     arguments and re-initialises smp_tf with the best row's config (the
     config's other keys kept); the plan is ``step.auto_plan``. Does nothing
-    without ``auto``."""
+    without ``auto``. `eager`: the call is eager (see `plan`)."""
     from smp_tf import state
 
     cfg = state.config()
@@ -467,7 +477,7 @@ def apply_auto(step: Any, args: tuple, kwargs: dict) -> Optional[Plan]:
     if cfg.pipeline_processes > 1 or state.size() > 1:
         raise ValueError("The config key 'auto' plans for one process: it cannot be used with pipeline_processes or "
                          "several processes. Use smp.plan on the cluster and give its best config instead.")
-    result = plan(step, *args, optimizer=step.optimizer, replicas=[1], **kwargs)
+    result = plan(step, *args, optimizer=step.optimizer, replicas=[1], eager=eager, **kwargs)
     best = result.best
     state.init({**best.config, "auto": False})
     step.auto_plan = result

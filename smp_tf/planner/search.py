@@ -31,9 +31,9 @@ would do, without running anything:
    runtime's cost of a step (`ResourceGraph.runtime`; each action also
    pays its ``"action"`` cost).
 5. **Memory.** `smp_tf.memory.predict_assignment` gives every device's
-   predicted peak, plus the gradients the step returns for every
-   micro-batch (``M`` times their bytes, alive until `StepOutput.accumulate`
-   sums them, on the stage's first device); a candidate fits when every device's peak is within its
+   predicted peak (with the gradients the step returns for every
+   micro-batch, alive until `StepOutput.accumulate` sums them); a
+   candidate fits when every device's peak is within its
    memory (the cluster's ``memory`` per device, lowered by
    ``memory_budget``, less a headroom: 20% by default, for the
    allocator's own rounding); the CPU devices of a host whose cores they share
@@ -779,8 +779,10 @@ def _update_seconds(grads: Sequence[float], groups: Mapping[Tuple[int, int], Tup
 
 
 def predict_memory(row: PlanRow, state: Any, info: GraphInfo, cluster: ResourceGraph, *, slots: float = 2.0,
-                   memory_budget: Optional[int] = None, headroom: float = HEADROOM) -> PlanRow:
-    """Fills in `row`'s per-device peaks and whether it fits (module doc, step 5)."""
+                   memory_budget: Optional[int] = None, headroom: float = HEADROOM,
+                   outputs_held: bool = True) -> PlanRow:
+    """Fills in `row`'s per-device peaks and whether it fits (module doc,
+    step 5); `outputs_held` as for `smp_tf.memory.predict_assignment`."""
     from smp_tf.memory import predict_assignment
 
     assignment, groups, tasks = state
@@ -794,21 +796,15 @@ def predict_memory(row: PlanRow, state: Any, info: GraphInfo, cluster: ResourceG
         info.graph, assignment, [x for x in info.outputs if x is not None], num_partitions=S,
         num_microbatches=cand.microbatches, kind=cand.pipeline, recompute=cand.recompute, slots=slots,
         device_of_partition=[c % P for c in range(S)] if cand.virtual_stages > 1 else None,
-        cpu_kernel_scratch=cpu, tasks=tasks, **sharding,
+        cpu_kernel_scratch=cpu, tasks=tasks, outputs_held=outputs_held, **sharding,
     )
     peak: Dict[str, int] = {}
     rows = report.devices if (t > 1 and report.devices) else report.partitions
-    # The step returns every micro-batch's gradients (`StepOutput` holds all
-    # M until `accumulate` sums them): measured, a process's peak exceeds
-    # the memory model's by M times the gradient bytes (8 x Dense(2048) at
-    # P=4: +500 MiB at M=4, +1063 MiB at M=8, for 128 MiB of gradients).
-    held = _gradient_bytes(info, assignment, dataclasses.replace(cand, partitions=S))
     for r in rows:
         k = r.shard or 0
-        extra = int(held[r.partition] * cand.microbatches) if k == 0 else 0
         for rep in range(cand.replicas):
             name = groups[(rep, r.partition % P)][min(k, len(groups[(rep, r.partition % P)]) - 1)]
-            peak[name] = peak.get(name, 0) + int(r.total) + extra
+            peak[name] = peak.get(name, 0) + int(r.total)
     row.peak = peak
     row.capacity = {n: _capacity(cluster, n, memory_budget, headroom) for n in peak}
     row.fits = all(not row.capacity[n] or peak[n] <= row.capacity[n] for n in peak)
@@ -851,6 +847,7 @@ def search(
     keep: int = 24,
     skipped: Sequence[Skipped] = (),
     headroom: float = HEADROOM,
+    outputs_held: bool = True,
 ) -> SearchResult:
     """Predicts `cands` on `cluster` and ranks them (module doc).
 
@@ -868,6 +865,9 @@ def search(
         skipped: combinations already left out (listed in the result).
         headroom: the share of each device's memory left free
             (`HEADROOM`).
+        outputs_held: the step is called eagerly: every micro-batch's
+            outputs are held until the end of the step
+            (`smp_tf.memory.predict_assignment`).
 
     Returns:
         The `SearchResult`: rows best first (fitting rows by predicted
@@ -932,7 +932,8 @@ def search(
                                                "per device) exceed every device's memory", "memory"))
             continue
         try:
-            predict_memory(row, st, info, cluster, slots=slots, memory_budget=memory_budget, headroom=headroom)
+            predict_memory(row, st, info, cluster, slots=slots, memory_budget=memory_budget, headroom=headroom,
+                           outputs_held=outputs_held)
         except Exception as e:  # noqa: BLE001 - the reason is listed
             skip.append(Skipped(row.candidate, f"memory prediction failed: {type(e).__name__}: {e}"))
             continue

@@ -248,7 +248,8 @@ def measure_step_memory(step_fn: Any, args: tuple, kwargs: dict, optimizer: Any 
     run(*args, **kwargs)  # compile, place variables, build the functions
     entry = step_fn.last_compiled
     budget = entry.budget
-    report = entry.memory_report(optimizer, budget=budget)
+    # `run` is a tf.function: the running sum takes each gradient as it comes.
+    report = entry.memory_report(optimizer, budget=budget, outputs_held=False)
     topo = state.topology()
     if topo.kind == "GPU":
         for d in entry.devices:
@@ -297,7 +298,7 @@ def measure_step_memory(step_fn: Any, args: tuple, kwargs: dict, optimizer: Any 
         workspace[key] = peaks[len(peaks) // 2]
     for v, value in zip(state_vars, saved):
         v.assign(value)
-    composed = entry.memory_report(optimizer, budget=budget, workspace=workspace)
+    composed = entry.memory_report(optimizer, budget=budget, workspace=workspace, outputs_held=False)
     measured = {r.partition: r.total for r in composed.partitions}
     method = (
         "logical CPU devices share one allocator: the process-wide peak of one step, and per "
