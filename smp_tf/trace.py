@@ -319,6 +319,7 @@ class Traced:
             tensor for captured non-variable tensors.
         layers: the Keras layers called during the trace.
         view_seconds: time spent building `op_graph`.
+        functions: the functions the traced graph calls (kept registered).
     """
 
     graph_def: Any
@@ -329,6 +330,7 @@ class Traced:
     captures: Dict[str, Any]
     layers: List[Any] = field(default_factory=list)
     view_seconds: float = 0.0
+    functions: List[Any] = field(default_factory=list, repr=False, compare=False)
     _graph: Optional[tf.Graph] = field(default=None, init=False, repr=False, compare=False)
 
     @property
@@ -512,4 +514,25 @@ def _trace_microbatch(fn, mb_args, mb_kwargs, shapes, extra_variables, tf_functi
     output_names = [None if t is None else t.name for t in outputs]
 
     # The capture-free GraphDef (see Traced.graph).
-    return Traced(graph_def, op_graph, arg_names, output_names, fg.structured_outputs, captures, layers, view_seconds)
+    traced = Traced(graph_def, op_graph, arg_names, output_names, _specs_of(fg.structured_outputs), captures, layers,
+                    view_seconds)
+    # The functions the graph calls (a while loop's body, a gradient's) stay
+    # registered only while something holds them; the task functions call
+    # them by name.
+    traced.functions = list(getattr(fg, "_functions", {}).values())
+    return traced
+
+
+def _specs_of(structure: Any) -> Any:
+    """`structure` with every tensor and composite tensor replaced by its
+    `tf.TypeSpec` (which packs and flattens the same way). The traced
+    graph's own tensors would keep the graph alive, and with it its
+    captures: the variables' resources from before placement, which get a
+    copy of their own at the first write (a whole second copy of every
+    moved variable)."""
+    def spec(x: Any) -> Any:
+        if isinstance(x, (tf.Tensor, tf.IndexedSlices, tf.__internal__.CompositeTensor)):
+            return tf.type_spec_from_value(x)
+        return x
+
+    return tf.nest.map_structure(spec, structure)

@@ -424,7 +424,8 @@ def shard_traced(
         cap = traced.captures[name]
         for k in range(t):
             captures[f"{name}{MARK}_s{k}"] = CapturedShard(cap.key, cap.variable, k)
-    sharded = Traced(graph_def, g, traced.arg_names, outputs, traced.output_structure, captures, traced.layers)
+    sharded = Traced(graph_def, g, traced.arg_names, outputs, traced.output_structure, captures, traced.layers,
+                     functions=traced.functions)
     by_name = {op.name: op for op in g.ops}
     captured_vars = {}
     for name, cap in captures.items():
