@@ -771,7 +771,8 @@ def _schedule_intervals(
                 iv = _Interval(end[action], after, nbytes, held)
                 per_device[p].append(iv)
                 process.append(iv)
-                per_shard.setdefault((p, shard_of(x)), []).append(iv)
+                # The step's outputs are whole on the stage's first device.
+                per_shard.setdefault((p, 0), []).append(iv)
             if not users:
                 continue
             if nbytes and held is None:

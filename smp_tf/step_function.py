@@ -416,7 +416,9 @@ class StepFunction:
             )
 
         if cfg.optimize == "memory" and cfg.contiguous and cfg.auto_partition and cfg.num_stages > 1 and not pinned:
-            assignment = _memory_split(assign, traced, shard_plan, cfg, recompute, slots, self._eager_trace)
+            # The split is made once for every way the step is called: on
+            # the running sum's figure (`smp_tf.memory.predict_assignment`).
+            assignment = _memory_split(assign, traced, shard_plan, cfg, recompute, slots, False)
         else:
             assignment = assign()
         # Partitioning time: the graph view, the groups and the assignment.

@@ -576,20 +576,24 @@ def test_a_gpt2_whose_embedding_exceeds_the_budget_trains_on_four_devices():
             return loss, tape.gradient(loss, model.trainable_variables)
         return body
 
-    def peak(config):
+    def peaks(config):
+        # Called inside a tf.function (the training loop below), and eagerly
+        # (the check of P=2 x t=1 below), whose outputs are held to the end.
         smp.init(config)
         model = build()
         step = smp.step(body_of(model))
         step(x, y)
-        return max(step.memory_report(keras.optimizers.Adam()).device_totals().values())
+        return [max(step.memory_report(keras.optimizers.Adam(), outputs_held=held).device_totals().values())
+                for held in (False, True)]
 
     one = dict(partitions=2, microbatches=M)
     four = dict(one, tensor_parallel_degree=2)
-    p1, p2 = peak(one), peak(four)
+    (p1, p1_eager), (p2, _) = peaks(one), peaks(four)
     # The gradients are gathered whole on each stage's first device, so
     # that device holds less, not half: 13.4 against 16.5 MiB here.
     assert p2 < 0.9 * p1, (p1, p2)
     budget = int(p2 * 1.02)
+    assert p1_eager > budget, (p1_eager, budget)
     smp.init(dict(one, memory_budget=budget))
     with pytest.raises(memory.MemoryBudgetError):
         smp.step(body_of(build()))(x, y)
