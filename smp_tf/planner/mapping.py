@@ -94,7 +94,7 @@ class MappingProblem:
         """(the predicted step time, the sum of every stage group's compute
         and send and every stage's all-reduce): the second breaks ties of
         the first, so that a search can leave a plateau of the maximum."""
-        return self._times(graph, mapping)[:2]
+        return self._times(graph, mapping, critical=False)[:2]
 
     def critical(self, graph: ResourceGraph, mapping: "Mapping") -> List[Tuple[int, int]]:
         """The stage groups on the critical path: the slowest (replica,
@@ -112,21 +112,44 @@ class MappingProblem:
             found = memo[key] = graph.device(name).seconds(self.stage_flops[p])
         return found
 
-    def _times(self, graph: ResourceGraph, mapping: "Mapping"):
+    def _group_seconds(self, graph: ResourceGraph, p: int, block: Tuple[str, ...], after: Optional[str]) -> float:
+        """Stage `p`'s compute on `block` plus its send to the next stage's
+        first device `after`, remembered: a move changes two groups, so a
+        search scores the others from memory."""
+        memo = self.__dict__.setdefault("_group_memo", {})
+        key = (id(graph), p, block, after)
+        found = memo.get(key)
+        if found is None:
+            compute = max(self._seconds(graph, n, p) for n in block)
+            send = graph.link(block[0], after).seconds(self.boundary_bytes[p]) if after is not None else 0.0
+            found = memo[key] = compute + send
+        return found
+
+    def _ring_seconds(self, graph: ResourceGraph, p: int, ring: Tuple[str, ...]) -> float:
+        """`ring_allreduce_seconds` of stage `p`'s gradients, remembered."""
+        memo = self.__dict__.setdefault("_ring_memo", {})
+        key = (id(graph), p, ring)
+        found = memo.get(key)
+        if found is None:
+            found = memo[key] = ring_allreduce_seconds(graph, ring, self.gradient_bytes[p])
+        return found
+
+    def _times(self, graph: ResourceGraph, mapping: "Mapping", critical: bool = True):
         slowest = 0.0
         total = 0.0
         per_group: Dict[Tuple[int, int], float] = {}
         per_stage: Dict[int, float] = {}
+        devices = mapping.devices
+        group_seconds = self._group_seconds
+        last = self.stages - 1
         for r in range(self.replicas):
             for p in range(self.stages):
-                compute = max(self._seconds(graph, n, p) for n in mapping.devices[(r, p)])
-                send = 0.0
-                if p + 1 < self.stages:
-                    a, b = mapping.devices[(r, p)][0], mapping.devices[(r, p + 1)][0]
-                    send = graph.link(a, b).seconds(self.boundary_bytes[p])
-                slowest = max(slowest, compute + send)
-                total += compute + send
-                per_group[(r, p)] = compute + send
+                seconds = group_seconds(graph, p, tuple(devices[(r, p)]), devices[(r, p + 1)][0] if p < last else None)
+                if seconds > slowest:
+                    slowest = seconds
+                total += seconds
+                if critical:
+                    per_group[(r, p)] = seconds
         pipeline = (self.microbatches + self.stages - 1) * slowest
         reduce = 0.0
         if self.replicas > 1:
@@ -134,19 +157,20 @@ class MappingProblem:
             for p in range(self.stages):
                 if self.gradient_bytes[p] <= 0:
                     continue
-                ring = [mapping.devices[(r, p)][0] for r in range(R)]
-                seconds = ring_allreduce_seconds(graph, ring, self.gradient_bytes[p])
+                seconds = self._ring_seconds(graph, p, tuple(devices[(r, p)][0] for r in range(R)))
                 reduce = max(reduce, seconds)
                 total += seconds
                 per_stage[p] = seconds
-        critical = set()
+        if not critical:
+            return pipeline + reduce, total, []
+        on_path = set()
         for (r, p), seconds in per_group.items():
             if seconds >= slowest * (1 - 1e-9):
-                critical.update({(r, p), (r, min(p + 1, self.stages - 1))})
+                on_path.update({(r, p), (r, min(p + 1, self.stages - 1))})
         if per_stage:
             worst = max(per_stage, key=per_stage.get)
-            critical.update((r, worst) for r in range(self.replicas))
-        return pipeline + reduce, total, sorted(critical)
+            on_path.update((r, worst) for r in range(self.replicas))
+        return pipeline + reduce, total, sorted(on_path)
 
 
 def ring_allreduce_seconds(graph: ResourceGraph, ring: Sequence[str], nbytes: float) -> float:

@@ -685,11 +685,17 @@ def predict_time(info: GraphInfo, cand: Candidate, cluster: ResourceGraph, *, sl
         groups, assignment = mapped, split(mapped)
     builder = schedule_builder(cand.pipeline)
     device_of = [c % P for c in range(S)] if cand.virtual_stages > 1 else None
-    tkey = ("tasks", id(assignment), cand.recompute, builder.split_weight, P)
+    # Candidates with as many stages on other devices (P x v alike) often
+    # come to the same split: one number per distinct split keys its tasks,
+    # which do not depend on the devices the stages run on.
+    akey = mine.setdefault(("assignment", tuple(assignment)), len(mine))
+    built = ("tasks", akey, cand.recompute, builder.split_weight)
+    if built not in mine:
+        mine[built] = build_tasks(shape, assignment, sorted(set(info.outputs)), recompute=cand.recompute,
+                                  split_weight=builder.split_weight)
+    tkey = built + (P,)
     if tkey not in mine:
-        tasks = build_tasks(shape, assignment, sorted(set(info.outputs)), recompute=cand.recompute,
-                            split_weight=builder.split_weight)
-        mine[tkey] = (tasks, task_specs(tasks, device_of))
+        mine[tkey] = (mine[built], task_specs(mine[built], device_of))
     tasks, specs = mine[tkey]
     skey = ("schedule", tkey, cand.microbatches, cand.pipeline)
     if skey not in mine:
@@ -702,7 +708,7 @@ def predict_time(info: GraphInfo, cand: Candidate, cluster: ResourceGraph, *, sl
         mine[ckey] = ({t.key: timer.task_seconds(t, assignment) for t in tasks}, timer.parts, timer.parallelism)
     seconds, parts, parallel = mine[ckey]
     # Gradients are summed over the micro-batches as each task makes them.
-    gkey = ("grads", id(assignment), P, id(graph))
+    gkey = ("grads", akey, P, id(graph))
     if gkey not in mine:
         mine[gkey] = _gradient_bytes(info, assignment, cand)
     grads = mine[gkey]

@@ -226,13 +226,13 @@ def list_order(tasks: Tuple[TaskSpec, ...], m: int, defer_weight: bool = False) 
 
     while remaining:
         for d in range(num_dev):
-            if not busy[d]:
+            if not busy[d] and ready[d]:  # nothing ready: nothing to pick
                 a = pick(d, relax=False)
                 if a is not None:
                     begin(d, a)
         if not events:
             for d in range(num_dev):
-                a = pick(d, relax=True)
+                a = pick(d, relax=True) if ready[d] else None
                 if a is not None:
                     begin(d, a)
                     break
