@@ -113,10 +113,11 @@ class MappingProblem:
         return found
 
     def _group_seconds(self, graph: ResourceGraph, p: int, block: Tuple[str, ...], after: Optional[str]) -> float:
-        """Stage `p`'s compute on `block` plus its send to the next stage's
-        first device `after`, remembered: a move changes two groups, so a
-        search scores the others from memory."""
+        """Stage `p`'s compute on `block` (a tuple of device names) plus its
+        send to the next stage's first device `after`, remembered: a move
+        changes two groups, so a search scores the others from memory."""
         memo = self.__dict__.setdefault("_group_memo", {})
+        block = tuple(block)
         key = (id(graph), p, block, after)
         found = memo.get(key)
         if found is None:
@@ -141,10 +142,18 @@ class MappingProblem:
         per_stage: Dict[int, float] = {}
         devices = mapping.devices
         group_seconds = self._group_seconds
+        memo = self.__dict__.setdefault("_group_memo", {})
+        gid = id(graph)
         last = self.stages - 1
         for r in range(self.replicas):
             for p in range(self.stages):
-                seconds = group_seconds(graph, p, tuple(devices[(r, p)]), devices[(r, p + 1)][0] if p < last else None)
+                block = devices[(r, p)]
+                if type(block) is not tuple:
+                    block = tuple(block)
+                after = devices[(r, p + 1)][0] if p < last else None
+                seconds = memo.get((gid, p, block, after))
+                if seconds is None:
+                    seconds = group_seconds(graph, p, block, after)
                 if seconds > slowest:
                     slowest = seconds
                 total += seconds
