@@ -48,6 +48,10 @@ from smp_tf.planner.resources import ResourceGraph
 __all__ = ["MappingProblem", "Mapping", "brute_force", "map_ranks"]
 
 
+#: Stage group ``(replica, stage)`` -> the names of its devices.
+Layout = Dict[Tuple[int, int], Sequence[str]]
+
+
 @dataclass(frozen=True)
 class MappingProblem:
     """What a mapping is judged on.
@@ -134,6 +138,52 @@ class MappingProblem:
         if found is None:
             found = memo[key] = ring_allreduce_seconds(graph, ring, self.gradient_bytes[p])
         return found
+
+    def _group_of(self, graph: ResourceGraph, devices: Layout, r: int, p: int) -> float:
+        """Stage group ``(r, p)``'s compute and send under `devices`."""
+        after = devices[(r, p + 1)][0] if p + 1 < self.stages else None
+        return self._group_seconds(graph, p, devices[(r, p)], after)
+
+    def _ring_of(self, graph: ResourceGraph, devices: Layout, p: int) -> float:
+        """Stage `p`'s all-reduce over its replicas under `devices`."""
+        if self.replicas < 2 or self.gradient_bytes[p] <= 0:
+            return 0.0
+        return self._ring_seconds(graph, p, tuple(devices[(r, p)][0] for r in range(self.replicas)))
+
+    def state(self, graph: ResourceGraph, devices: Layout) -> Tuple[Dict[Tuple[int, int], float],
+                                                                       Dict[int, float]]:
+        """Every stage group's seconds and every stage's all-reduce under
+        `devices`: what `state_score` scores, and what a move changes only
+        in part (`moved`)."""
+        groups = {(r, p): self._group_of(graph, devices, r, p)
+                  for r in range(self.replicas) for p in range(self.stages)}
+        rings = {p: self._ring_of(graph, devices, p) for p in range(self.stages)} if self.replicas > 1 else {}
+        return groups, rings
+
+    def moved(self, graph: ResourceGraph, devices: Layout, state: Tuple[Dict[Tuple[int, int], float],
+                                                                         Dict[int, float]],
+              changed: Sequence[Tuple[int, int]]) -> Tuple[Dict[Tuple[int, int], float], Dict[int, float]]:
+        """`state` after the stage groups `changed` took new blocks in
+        `devices`: their own seconds, their previous stages' sends, and
+        their stages' all-reduces are computed again."""
+        groups, rings = dict(state[0]), state[1]
+        for r, p in changed:
+            groups[(r, p)] = self._group_of(graph, devices, r, p)
+            if p > 0:
+                groups[(r, p - 1)] = self._group_of(graph, devices, r, p - 1)
+        if rings:
+            rings = dict(rings)
+            for p in {p for _, p in changed}:
+                rings[p] = self._ring_of(graph, devices, p)
+        return groups, rings
+
+    def state_score(self, state: Tuple[Dict[Tuple[int, int], float], Dict[int, float]]) -> Tuple[float, float]:
+        """`score` from a `state`."""
+        groups, rings = state
+        slowest = max(groups.values(), default=0.0)
+        reduce = max(rings.values(), default=0.0)
+        return ((self.microbatches + self.stages - 1) * slowest + reduce,
+                sum(groups.values()) + sum(rings.values()))
 
     def _times(self, graph: ResourceGraph, mapping: "Mapping", critical: bool = True):
         slowest = 0.0
@@ -319,7 +369,8 @@ def _descend(problem: MappingProblem, graph: ResourceGraph, m: Mapping,
     """Applies the first improving move (`_better`) until none improves:
     two stage groups exchange their blocks, or one moves to an unused
     block. Changes `m` in place; returns its score and the mappings tried."""
-    score = problem.score(graph, m)
+    state = problem.state(graph, m.devices)
+    score = problem.state_score(state)
     tried = 1
     improved = True
     # On a large layout only moves of the critical groups are tried (the
@@ -338,15 +389,18 @@ def _descend(problem: MappingProblem, graph: ResourceGraph, m: Mapping,
                 trial[a], trial[b] = trial[b], trial[a]
             else:
                 trial[a] = unused[b]
-            trial_score = problem.score(graph, Mapping(trial))
+            # Only the moved groups, their previous stages and their
+            # stages' all-reduces change.
+            trial_state = problem.moved(graph, trial, state, [a, b] if kind == "swap" else [a])
+            trial_score = problem.state_score(trial_state)
             tried += 1
             if _better(trial_score, score):
                 if kind == "move":
                     unused[b] = m.devices[a]
-                m.devices, score = trial, trial_score
+                m.devices, score, state = trial, trial_score, trial_state
                 improved = True
                 break
-    return score, tried
+    return problem.score(graph, m), tried
 
 
 def _better(a: Tuple[float, float], b: Tuple[float, float]) -> bool:

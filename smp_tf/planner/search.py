@@ -479,11 +479,16 @@ def _op_seconds(graph: OpGraph, device: Any) -> Callable[[int], float]:
 class _Timer:
     """Seconds of each task of a candidate on its devices."""
 
-    def __init__(self, info: GraphInfo, cluster: ResourceGraph, stage_devices: Sequence[Sequence[str]]):
+    def __init__(self, info: GraphInfo, cluster: ResourceGraph, stage_devices: Sequence[Sequence[str]],
+                 shared: Optional[Dict[Any, Callable[[int], float]]] = None):
         self.info = info
         self.cluster = cluster
         self.stage_devices = stage_devices
-        self._seconds: Dict[str, Callable[[int], float]] = {}
+        # Op seconds per kind of device (its speeds, overhead and bandwidth),
+        # shared by the timers of one graph: the candidates of a search run
+        # on the same few kinds of devices.
+        self._seconds: Dict[Any, Callable[[int], float]] = {} if shared is None else shared
+        self._by_name: Dict[str, Callable[[int], float]] = {}
         #: task -> (seconds of its operations and streamed bytes, ops run,
         #: seconds of transfers and dispatch) on its slowest device: what
         #: `smp_tf.planner.learn` fits measured durations to.
@@ -492,9 +497,14 @@ class _Timer:
         self.parallelism: Dict[Tuple[int, int], float] = {}
 
     def _on(self, name: str) -> Callable[[int], float]:
-        f = self._seconds.get(name)
+        f = self._by_name.get(name)
         if f is None:
-            f = self._seconds[name] = _op_seconds(self.info.graph, self.cluster.device(name))
+            device = self.cluster.device(name)
+            key = (tuple(sorted(device.flops.items())), device.overhead, device.bandwidth)
+            f = self._seconds.get(key)
+            if f is None:
+                f = self._seconds[key] = _op_seconds(self.info.graph, device)
+            self._by_name[name] = f
         return f
 
     def task_seconds(self, task: Any, partition_of_op: Sequence[int]) -> float:
@@ -704,7 +714,7 @@ def predict_time(info: GraphInfo, cand: Candidate, cluster: ResourceGraph, *, sl
     stage_devices = [groups[(0, c % P)] for c in range(S)]
     ckey = ("seconds", tkey, tuple(stage_devices), id(graph))
     if ckey not in mine:
-        timer = _Timer(info, cluster, stage_devices)
+        timer = _Timer(info, cluster, stage_devices, shared=mine.setdefault(("op seconds", id(graph)), {}))
         mine[ckey] = ({t.key: timer.task_seconds(t, assignment) for t in tasks}, timer.parts, timer.parallelism)
     seconds, parts, parallel = mine[ckey]
     # Gradients are summed over the micro-batches as each task makes them.

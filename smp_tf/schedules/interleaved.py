@@ -196,20 +196,23 @@ def list_order(tasks: Tuple[TaskSpec, ...], m: int, defer_weight: bool = False) 
 
     loss_devices = {t.device for t in tasks if t.fused}
 
+    # Each task's kind, looked up once: `pick` runs for every idle device at
+    # every step of the build.
+    deferred_keys = {k for k, t in by_key.items() if defer_weight and t.weight}
+    backward_keys = {k for k, t in by_key.items() if t.backward and k not in deferred_keys}
+    forward_keys = {k for k, t in by_key.items() if not t.backward}
+
     def pick(d: int, relax: bool) -> Optional[Action]:
         cands = ready[d]
-        deferred = [a for a in cands if defer_weight and by_key[a.task].weight]
-        bwd = [a for a in cands if by_key[a.task].backward and not (defer_weight and by_key[a.task].weight)]
+        bwd = [a for a in cands if a.task in backward_keys]
         if bwd:
             return min(bwd, key=priority)
+        deferred = [a for a in cands if a.task in deferred_keys]
         if deferred and d in loss_devices:
             return min(deferred, key=priority)
-        fwd = [
-            a
-            for a in cands
-            if not by_key[a.task].backward
-            and (relax or (a.partition, a.microbatch) in inflight[d] or len(inflight[d]) < limit[d])
-        ]
+        held = inflight[d]
+        room = relax or len(held) < limit[d]
+        fwd = [a for a in cands if a.task in forward_keys and (room or (a.partition, a.microbatch) in held)]
         if fwd:
             return min(fwd, key=priority)
         # W actions wait for a gap: nothing on the critical path is ready.
