@@ -1228,7 +1228,8 @@ def test_prediction_of_a_grouped_depthwise_convolutions_xla_scratch():
 
 # `pytest -m memory_all`: the models of the issue "a memory model that never
 # under-predicts", each partition predicted within [0.85, 1.05] of its
-# measurement (benchmarks/memory/ratios.py); the process within [0.85, 1.20].
+# measurement (benchmarks/memory/ratios.py); the process at most 5% above
+# the prediction and at most 20% below it.
 _ALL_CASES = [("convnext_tiny", "2"), ("convnext_tiny", "1"), ("efficientnet_v2_b0", "2"), ("llama", "2"),
               ("resnet50", "2")]
 
@@ -1247,12 +1248,11 @@ def test_prediction_within_target_on_large_models(case, partitions):
     assert len(rows) == int(partitions) + 1
     for row in rows:
         predicted, measured = int(row[-3]), int(row[-2])
-        # The process-wide peak is the allocator's counter during a real step,
-        # whose executor runs independent ops (and both partitions' tasks)
-        # side by side in an order that moves with the load, and whose chunks
-        # may be up to twice a request: 1.02 to 1.15 times the prediction
-        # over runs of these models on a loaded 2-core machine. Each
-        # partition's figure runs its tasks' ops one at a time and is held to
-        # the target.
-        high = 1.05 if row[0] == "ROW" else 1.20
-        assert 0.85 * predicted <= measured <= high * predicted, row
+        # The process-wide peak is the allocator's counter during a real step
+        # (inside a tf.function), whose executor runs both partitions' tasks
+        # side by side. The model counts the gradients' running sum and one
+        # micro-batch's gradient through the whole step; ResNet50's executor
+        # adds each gradient in place as it comes, and measures 0.85 of the
+        # prediction (the other models 0.90 to 1.03).
+        low = 0.85 if row[0] == "ROW" else 0.80
+        assert low * predicted <= measured <= 1.05 * predicted, row
