@@ -754,6 +754,13 @@ def _schedule_intervals(
     def shard_of(x: int) -> int:
         return shard_of_op[graph.tensors[x].producer] if shard_of_op is not None else 0
 
+    def own(p: int, k: int, iv: _Interval) -> None:
+        # What partition `p` makes (on device `k` of its stage): counted once
+        # in the process.
+        per_device[p].append(iv)
+        process.append(iv)
+        per_shard.setdefault((p, k), []).append(iv)
+
     for action in start:
         task = by_key[action.task]
         m = action.microbatch
@@ -768,20 +775,14 @@ def _schedule_intervals(
             users = readers.get(x, [])
             held = held_outputs.get(x)
             if held is not None and nbytes:
-                iv = _Interval(end[action], after, nbytes, held)
-                per_device[p].append(iv)
-                process.append(iv)
                 # The step's outputs are whole on the stage's first device.
-                per_shard.setdefault((p, 0), []).append(iv)
+                own(p, 0, _Interval(end[action], after, nbytes, held))
             if not users:
                 continue
             if nbytes and held is None:
                 ends = [end[Action(u.partition, u.wave, m)] for u in users]
                 kept = any(u.partition == p for u in users)
-                iv = _Interval(end[action], max(ends), nbytes, "activations" if kept else "buffers")
-                per_device[p].append(iv)
-                process.append(iv)
-                per_shard.setdefault((p, shard_of(x)), []).append(iv)
+                own(p, shard_of(x), _Interval(end[action], max(ends), nbytes, "activations" if kept else "buffers"))
             # The received copy on every other partition that reads it; a
             # variable's value (a tied weight used on another stage) takes no
             # memory where it is read, but its copy does.
@@ -794,10 +795,7 @@ def _schedule_intervals(
                 per_device[q].append(iv)
                 per_shard.setdefault((q, shard_of(x)), []).append(iv)
     for p, nbytes in combined_bytes.items():
-        iv = _Interval(finish, after, int(nbytes), "gradients")
-        per_device[p].append(iv)
-        process.append(iv)
-        per_shard.setdefault((p, 0), []).append(iv)
+        own(p, 0, _Interval(finish, after, int(nbytes), "gradients"))
     return per_device, per_shard, process
 
 

@@ -127,11 +127,12 @@ def _device_capacities(cfg: Any) -> Optional[Dict[Tuple[int, int], float]]:
 
 
 def _memory_split(assign: Callable[..., List[int]], traced: Traced, shard_plan: Any, cfg: Any, recompute: str,
-                  slots: float, outputs_held: bool) -> List[int]:
+                  slots: float) -> List[int]:
     """The ``optimize="memory"`` split settled on predicted peaks
     (`refine_memory_split`): boundary buffers and each stage's largest task
     are known only once the tasks exist, so it splits again with them as
-    fixed bytes."""
+    fixed bytes. The split is made once for every way the step is called:
+    on the running sum's figure (``outputs_held=False``)."""
     outputs = [t for t in traced.output_tensors() if t is not None]
     # With virtual stages a device holds several chunks: the split
     # balances the devices' sums of their chunks' peaks.
@@ -150,7 +151,7 @@ def _memory_split(assign: Callable[..., List[int]], traced: Traced, shard_plan: 
         lambda parts: predict_assignment(
             traced.op_graph, parts, outputs, num_partitions=cfg.num_stages, num_microbatches=cfg.microbatches,
             kind=cfg.pipeline, recompute=recompute, slots=slots, device_of_partition=device_of,
-            cpu_kernel_scratch=scratch, outputs_held=outputs_held, **sharding,
+            cpu_kernel_scratch=scratch, outputs_held=False, **sharding,
         ),
         moves=MEMORY_SPLIT_MOVES,
         device_of_partition=device_of,
@@ -416,9 +417,7 @@ class StepFunction:
             )
 
         if cfg.optimize == "memory" and cfg.contiguous and cfg.auto_partition and cfg.num_stages > 1 and not pinned:
-            # The split is made once for every way the step is called: on
-            # the running sum's figure (`smp_tf.memory.predict_assignment`).
-            assignment = _memory_split(assign, traced, shard_plan, cfg, recompute, slots, False)
+            assignment = _memory_split(assign, traced, shard_plan, cfg, recompute, slots)
         else:
             assignment = assign()
         # Partitioning time: the graph view, the groups and the assignment.

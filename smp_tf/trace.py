@@ -513,13 +513,11 @@ def _trace_microbatch(fn, mb_args, mb_kwargs, shapes, extra_variables, tf_functi
     outputs = tf.nest.flatten(fg.structured_outputs, expand_composites=True)
     output_names = [None if t is None else t.name for t in outputs]
 
-    # The capture-free GraphDef (see Traced.graph).
+    # The capture-free GraphDef (see Traced.graph). The functions the graph
+    # calls (a while loop's body, a gradient's) stay registered only while
+    # something holds them; the task functions call them by name.
     traced = Traced(graph_def, op_graph, arg_names, output_names, _specs_of(fg.structured_outputs), captures, layers,
-                    view_seconds)
-    # The functions the graph calls (a while loop's body, a gradient's) stay
-    # registered only while something holds them; the task functions call
-    # them by name.
-    traced.functions = list(getattr(fg, "_functions", {}).values())
+                    view_seconds, functions=list(getattr(fg, "_functions", {}).values()))
     _release_captures(fg, concrete)
     return traced
 

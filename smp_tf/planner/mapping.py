@@ -50,6 +50,9 @@ __all__ = ["MappingProblem", "Mapping", "brute_force", "map_ranks"]
 
 #: Stage group ``(replica, stage)`` -> the names of its devices.
 Layout = Dict[Tuple[int, int], Sequence[str]]
+#: Every stage group's compute and send, and every stage's all-reduce
+#: (`MappingProblem.state`).
+State = Tuple[Dict[Tuple[int, int], float], Dict[int, float]]
 
 
 @dataclass(frozen=True)
@@ -98,13 +101,23 @@ class MappingProblem:
         """(the predicted step time, the sum of every stage group's compute
         and send and every stage's all-reduce): the second breaks ties of
         the first, so that a search can leave a plateau of the maximum."""
-        return self._times(graph, mapping, critical=False)[:2]
+        return self.state_score(self.state(graph, mapping.devices))
 
     def critical(self, graph: ResourceGraph, mapping: "Mapping") -> List[Tuple[int, int]]:
         """The stage groups on the critical path: the slowest (replica,
         stage) and its next stage, and the replicas of the stage whose
         all-reduce takes longest."""
-        return self._times(graph, mapping)[2]
+        groups, rings = self.state(graph, mapping.devices)
+        slowest = max(groups.values(), default=0.0)
+        on_path = set()
+        for (r, p), seconds in groups.items():
+            if seconds >= slowest * (1 - 1e-9):
+                on_path.update({(r, p), (r, min(p + 1, self.stages - 1))})
+        reducing = {p: seconds for p, seconds in rings.items() if self.gradient_bytes[p] > 0}
+        if reducing:
+            worst = max(reducing, key=reducing.get)
+            on_path.update((r, worst) for r in range(self.replicas))
+        return sorted(on_path)
 
     def _seconds(self, graph: ResourceGraph, name: str, p: int) -> float:
         """Stage `p`'s compute on device `name`, remembered: a search scores
@@ -150,8 +163,7 @@ class MappingProblem:
             return 0.0
         return self._ring_seconds(graph, p, tuple(devices[(r, p)][0] for r in range(self.replicas)))
 
-    def state(self, graph: ResourceGraph, devices: Layout) -> Tuple[Dict[Tuple[int, int], float],
-                                                                       Dict[int, float]]:
+    def state(self, graph: ResourceGraph, devices: Layout) -> State:
         """Every stage group's seconds and every stage's all-reduce under
         `devices`: what `state_score` scores, and what a move changes only
         in part (`moved`)."""
@@ -160,9 +172,8 @@ class MappingProblem:
         rings = {p: self._ring_of(graph, devices, p) for p in range(self.stages)} if self.replicas > 1 else {}
         return groups, rings
 
-    def moved(self, graph: ResourceGraph, devices: Layout, state: Tuple[Dict[Tuple[int, int], float],
-                                                                         Dict[int, float]],
-              changed: Sequence[Tuple[int, int]]) -> Tuple[Dict[Tuple[int, int], float], Dict[int, float]]:
+    def moved(self, graph: ResourceGraph, devices: Layout, state: State,
+              changed: Sequence[Tuple[int, int]]) -> State:
         """`state` after the stage groups `changed` took new blocks in
         `devices`: their own seconds, their previous stages' sends, and
         their stages' all-reduces are computed again."""
@@ -177,59 +188,13 @@ class MappingProblem:
                 rings[p] = self._ring_of(graph, devices, p)
         return groups, rings
 
-    def state_score(self, state: Tuple[Dict[Tuple[int, int], float], Dict[int, float]]) -> Tuple[float, float]:
+    def state_score(self, state: State) -> Tuple[float, float]:
         """`score` from a `state`."""
         groups, rings = state
         slowest = max(groups.values(), default=0.0)
         reduce = max(rings.values(), default=0.0)
         return ((self.microbatches + self.stages - 1) * slowest + reduce,
                 sum(groups.values()) + sum(rings.values()))
-
-    def _times(self, graph: ResourceGraph, mapping: "Mapping", critical: bool = True):
-        slowest = 0.0
-        total = 0.0
-        per_group: Dict[Tuple[int, int], float] = {}
-        per_stage: Dict[int, float] = {}
-        devices = mapping.devices
-        group_seconds = self._group_seconds
-        memo = self.__dict__.setdefault("_group_memo", {})
-        gid = id(graph)
-        last = self.stages - 1
-        for r in range(self.replicas):
-            for p in range(self.stages):
-                block = devices[(r, p)]
-                if type(block) is not tuple:
-                    block = tuple(block)
-                after = devices[(r, p + 1)][0] if p < last else None
-                seconds = memo.get((gid, p, block, after))
-                if seconds is None:
-                    seconds = group_seconds(graph, p, block, after)
-                if seconds > slowest:
-                    slowest = seconds
-                total += seconds
-                if critical:
-                    per_group[(r, p)] = seconds
-        pipeline = (self.microbatches + self.stages - 1) * slowest
-        reduce = 0.0
-        if self.replicas > 1:
-            R = self.replicas
-            for p in range(self.stages):
-                if self.gradient_bytes[p] <= 0:
-                    continue
-                seconds = self._ring_seconds(graph, p, tuple(devices[(r, p)][0] for r in range(R)))
-                reduce = max(reduce, seconds)
-                total += seconds
-                per_stage[p] = seconds
-        if not critical:
-            return pipeline + reduce, total, []
-        on_path = set()
-        for (r, p), seconds in per_group.items():
-            if seconds >= slowest * (1 - 1e-9):
-                on_path.update({(r, p), (r, min(p + 1, self.stages - 1))})
-        if per_stage:
-            worst = max(per_stage, key=per_stage.get)
-            on_path.update((r, worst) for r in range(self.replicas))
-        return pipeline + reduce, total, sorted(on_path)
 
 
 def ring_allreduce_seconds(graph: ResourceGraph, ring: Sequence[str], nbytes: float) -> float:
