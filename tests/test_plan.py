@@ -315,6 +315,21 @@ def test_the_cluster_learns_from_measured_runs():
     timed = Run(first, as_predicted, gap=None, span=None, step=1.5 * first.step_time)
     level = smp.plan(step, x, y, cluster=refine(one, [timed]), **dims)
     assert level.rows[0].step_time == pytest.approx(1.5 * first.step_time, rel=0.05)
+    # Profiled tasks 1.6 times slower (the probes) with a per-op cost four
+    # times the calibrated one, and a step the clock measured 1.2 times the
+    # prediction: the fitted per-op cost is scaled with the slowdown, so the
+    # learned cluster predicts the measured step (with the per-op cost left
+    # out of the level it predicted far more).
+    per_op = 4 * one.devices[0].overhead
+    probed = {k: 1.6 * (work + per_op * ops) * first.task_elapsed[k] / first.task_seconds[k] + fixed
+              for k, (work, ops, fixed) in first.task_parts.items()}
+    slow_ops = Run(first, probed, gap=None, span=None, step=1.2 * first.step_time)
+    learned = refine(one, [slow_ops])
+    # Against the operations, the ops cost four times what was calibrated.
+    was, now = one.devices[0], learned.devices[0]
+    assert now.overhead * now.flops["matmul"] == pytest.approx(4 * was.overhead * was.flops["matmul"], rel=0.05)
+    again = smp.plan(step, x, y, cluster=learned, **dims)
+    assert again.rows[0].step_time == pytest.approx(1.2 * first.step_time, rel=0.05)
     with pytest.raises(ValueError, match="at least one measured run"):
         refine(g, [])
 

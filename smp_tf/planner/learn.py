@@ -14,9 +14,10 @@ Plain Python. A `Run` is what was predicted for one configuration (its
   seconds of its operations, ``ops`` the ops it runs. The profile gives
   each host's slowdown relative to the others'; the steps' wall-clock
   times give the level (a profile's probes slow its steps down: 1.6 times
-  at ``t=2`` on logical CPU devices): all slowdowns are scaled so that
-  their median is the median over runs of the measured step (less the
-  runtime's cost of a step) over its predicted pipeline and update. The
+  at ``t=2`` on logical CPU devices): every fitted slowdown and per-op
+  cost is scaled by one factor, chosen so that the runs' steps, as the
+  fitted figures would predict them, are what the clock measured (the
+  median over runs; `_level`). The
   devices' speeds in every cost class and their streaming bandwidth are
   divided by their host's slowdown; their per-op overhead becomes the
   fitted one, scaled alike. A host and kind that ran nothing keeps its
@@ -35,7 +36,7 @@ from __future__ import annotations
 import dataclasses
 import statistics
 from dataclasses import dataclass
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
 from smp_tf.planner.resources import COST_CLASSES, Device, ResourceGraph
 
@@ -64,26 +65,35 @@ class Run:
     step: Optional[float]
 
 
+def _run_samples(run: Run, cluster: ResourceGraph) -> List[Tuple[Tuple[str, str], float, float, float]]:
+    """Per measured task of `run`: (its device's host and kind, its predicted
+    seconds of operations, its ops, its measured seconds less its predicted
+    transfers and dispatch), each taken back to one device alone on one
+    core (divided by how much the simulation stretched or, running its ops
+    side by side on several cores, shrank the task)."""
+    out = []
+    P = run.row.candidate.partitions
+    for key, seconds in run.task_seconds.items():
+        key = tuple(key)
+        parts = run.row.task_parts.get(key)
+        alone = run.row.task_seconds.get(key)
+        elapsed = run.row.task_elapsed.get(key)
+        if parts is None or not alone or elapsed is None:
+            continue
+        stretch = elapsed / alone
+        work, ops, fixed = parts
+        d = cluster.device(run.row.devices[(0, key[0] % P)][0])
+        out.append(((d.host, d.kind), work, float(ops), seconds / stretch - fixed))
+    return out
+
+
 def _samples(runs: Sequence[Run], cluster: ResourceGraph) -> Dict[Tuple[str, str], List[Tuple[float, float, float]]]:
-    """(host, kind) -> per measured task: (its predicted seconds of
-    operations, its ops, its measured seconds less its predicted transfers
-    and dispatch), each taken back to one device alone on one core
-    (divided by how much the simulation stretched or, running its ops side
-    by side on several cores, shrank the task)."""
+    """(host, kind) -> (work, ops, measured) of every measured task of the
+    runs (`_run_samples`)."""
     out: Dict[Tuple[str, str], List[Tuple[float, float, float]]] = {}
     for run in runs:
-        P = run.row.candidate.partitions
-        for key, seconds in run.task_seconds.items():
-            key = tuple(key)
-            parts = run.row.task_parts.get(key)
-            alone = run.row.task_seconds.get(key)
-            elapsed = run.row.task_elapsed.get(key)
-            if parts is None or not alone or elapsed is None:
-                continue
-            stretch = elapsed / alone
-            work, ops, fixed = parts
-            d = cluster.device(run.row.devices[(0, key[0] % P)][0])
-            out.setdefault((d.host, d.kind), []).append((work, float(ops), seconds / stretch - fixed))
+        for group, work, ops, measured in _run_samples(run, cluster):
+            out.setdefault(group, []).append((work, ops, measured))
     return out
 
 
@@ -125,16 +135,47 @@ def _scaled(d: Device, slowdown: float, overhead: float) -> Device:
         bandwidth=d.bandwidth / slowdown if d.bandwidth else 0.0)
 
 
-def _level(runs: Sequence[Run], cluster: ResourceGraph) -> Optional[float]:
-    """How much slower than predicted the runs' steps were by the clock:
-    the median over runs of (measured step - the runtime's cost of a step)
+def _level(runs: Sequence[Run], cluster: ResourceGraph,
+           fitted: Mapping[Tuple[str, str], Tuple[float, float]],
+           overhead: Mapping[Tuple[str, str], float]) -> Optional[float]:
+    """The factor on the fitted figures that makes the runs' steps what the
+    clock measured: per run, (measured step - the runtime's cost of a step)
     over the predicted pipeline and update (what scales with the devices'
-    speed). None when no run has a measured step."""
+    speed) times how much the fitted figures change the run's tasks
+    (``slowdown * work + per_op * ops`` over ``work + overhead * ops``,
+    summed over them); the median over runs. None when no run has a
+    measured step.
+
+    A fit that puts more of a task's time on its ops and less on its
+    operations changes what a candidate with more or fewer ops takes, not
+    what these runs took: the level is set on the fitted figures together,
+    not on the slowdown alone."""
+    # The update is element-wise work without a per-op part: it scales with
+    # the slowdown alone.
+    slowdown = statistics.median(a for a, _ in fitted.values()) if fitted else 1.0
     ratios = []
     for r in runs:
-        scaled = r.row.times.get("pipeline", 0.0) + r.row.times.get("update", 0.0)
-        if r.step and scaled > 0:
-            ratios.append(max(r.step - r.row.times.get("step", 0.0) - r.row.times.get("allreduce", 0.0), 0.0) / scaled)
+        pipeline, update = r.row.times.get("pipeline", 0.0), r.row.times.get("update", 0.0)
+        if not r.step or pipeline + update <= 0:
+            continue
+        was = now = fixed = 0.0
+        for group, work, ops, _ in _run_samples(r, cluster):
+            if group in fitted:
+                a, b = fitted[group]
+                now += a * work + b * ops
+                was += work + overhead[group] * ops
+        for key in r.task_seconds:
+            parts = r.row.task_parts.get(tuple(key))
+            fixed += parts[2] if parts else 0.0
+        if was <= 0 or now <= 0:
+            continue
+        # The share of the predicted pipeline the devices' figures scale
+        # (the tasks' transfers and dispatch do not), and its part measured.
+        scaled = pipeline * was / (was + fixed)
+        measured = (r.step - r.row.times.get("step", 0.0) - r.row.times.get("allreduce", 0.0)
+                    - (pipeline - scaled))
+        fitted_prediction = scaled * now / was + update * slowdown
+        ratios.append(max(measured, 0.25 * (scaled + update)) / fitted_prediction)
     return statistics.median(ratios) if ratios else None
 
 
@@ -149,14 +190,14 @@ def refine(cluster: ResourceGraph, runs: Sequence[Run]) -> ResourceGraph:
     samples = _samples(runs, cluster)
     if not samples:
         raise ValueError("No measured task belongs to a device of the cluster: profile a run of this plan.")
-    fitted = {group: fit(s, statistics.median(d.overhead for d in cluster.devices if (d.host, d.kind) == group))
-              for group, s in samples.items()}
+    overhead = {group: statistics.median(d.overhead for d in cluster.devices if (d.host, d.kind) == group)
+                for group in samples}
+    fitted = {group: fit(s, overhead[group]) for group, s in samples.items()}
     # The profile gives each host's speed relative to the others; the steps'
     # wall-clock times give the level (a profile's probes slow its steps).
-    level = _level(runs, cluster)
+    level = _level(runs, cluster, fitted, overhead)
     if level is not None:
-        mean = statistics.median(a for a, _ in fitted.values())
-        fitted = {g: (a * level / mean, b * level / mean) for g, (a, b) in fitted.items()}
+        fitted = {g: (a * level, b * level) for g, (a, b) in fitted.items()}
     devices: List[Device] = []
     for d in cluster.devices:
         slowdown, per_op = fitted.get((d.host, d.kind), (1.0, d.overhead))
