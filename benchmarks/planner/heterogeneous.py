@@ -138,10 +138,10 @@ QUICK_ROUND_TIMEOUT_S = 240
 EXIT_TIMEOUT_S = 60
 
 
-def sizes(quick: bool) -> dict:
-    if quick:
+def sizes(args) -> dict:
+    if args.quick:
         return dict(layers=6, width=128, batch=64)
-    return dict(layers=12, width=1024, batch=256)
+    return dict(layers=12, width=args.width, batch=256)
 
 
 def _emit(result: dict) -> None:
@@ -509,7 +509,7 @@ def part_driver(args) -> dict:
     from smp_tf.planner import resource_graph_of
 
     tf.get_logger().setLevel("ERROR")
-    s = sizes(args.quick)
+    s = sizes(args)
     devices = list(smp.topology().devices)
     measured = measure_devices(tf, devices, s)
     cluster = cluster_of(measured)
@@ -599,6 +599,7 @@ def run_round(args, cpus: List[int], order: int) -> dict:
                 cmd = [sys.executable, __file__, "--part", "driver" if rank == 0 else "stage", "--cpu", str(cpu),
                        "--order", str(order), "--repeats", str(args.repeats), "--warmup", str(args.warmup)]
                 cmd += ["--quick"] if args.quick else []
+                cmd += ["--width", str(args.width)]
                 out = open(os.path.join(tmp, f"rank{rank}.out"), "w+")
                 err = open(os.path.join(tmp, f"rank{rank}.err"), "w+")
                 logs.append((out, err))
@@ -649,7 +650,7 @@ def _gf(flops: float) -> str:
 
 def build_table(args, rounds: List[dict], cpus: List[int], elapsed: float) -> str:
     med = statistics.median
-    s = sizes(args.quick)
+    s = sizes(args)
     step = {v: [t for r in rounds for t in r["variants"][v]["step_s"]] for v in VARIANTS}
     t_m = {v: med(step[v]) for v in VARIANTS}
     lines = [
@@ -793,6 +794,7 @@ def main(argv=None) -> int:
     parser.add_argument("--warmup", type=int, default=None, help="untimed steps first (default 10; 2 with --quick)")
     parser.add_argument("--rounds", type=int, default=None,
                         help="rounds of three fresh processes, alternating the variants' order (default 2)")
+    parser.add_argument("--width", type=int, default=1024, help="the Dense layers' width (default 1024)")
     parser.add_argument("--json", help="write the raw results to this file")
     parser.add_argument("--part", default="all", choices=["all", "driver", "stage"], help=argparse.SUPPRESS)
     parser.add_argument("--cpu", type=int, default=None, help=argparse.SUPPRESS)
