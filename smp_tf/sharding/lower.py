@@ -371,7 +371,7 @@ def expand_graph_def(graph_def: Any, op_graph: OpGraph, plan: ShardPlan, t: int,
     return w.out, renamed, shapes
 
 
-def _restore_shapes(view: OpGraph, shapes: Mapping[str, Any]) -> None:
+def _restore_shapes(view: OpGraph, shapes: Mapping[str, Any], graph: Optional[tf.Graph] = None) -> None:
     """Gives the view the static shapes the traced graph had.
 
     A plain `tf.Graph` imported from a `GraphDef` does not know the shapes
@@ -379,8 +379,9 @@ def _restore_shapes(view: OpGraph, shapes: Mapping[str, Any]) -> None:
     function's placeholders, not in the `GraphDef`), so every value computed
     from a variable would have an unknown shape, and the task functions'
     inputs with it. The shapes are those of the traced graph, and of the
-    pieces for the copies and reshards."""
-    from smp_tf.graph_view import _bytes_of, estimate_flops
+    pieces for the copies and reshards. The ops' flops are estimated again
+    on those shapes (an ``Einsum``'s from its equation, read from `graph`)."""
+    from smp_tf.graph_view import _bytes_of, _einsum_equation, estimate_flops
 
     changed = False
     for t in view.tensors:
@@ -391,8 +392,10 @@ def _restore_shapes(view: OpGraph, shapes: Mapping[str, Any]) -> None:
             changed = True
     if changed:
         for op in view.ops:
+            equation = (_einsum_equation(graph.get_operation_by_name(op.name))
+                        if graph is not None and op.type == "Einsum" else None)
             op.flops = estimate_flops(op.type, [view.tensors[x].shape for x in op.inputs],
-                                      [view.tensors[x].shape for x in op.outputs])
+                                      [view.tensors[x].shape for x in op.outputs], equation)
 
 
 def shard_traced(
@@ -452,7 +455,7 @@ def shard_traced(
         manual_partition_of=lookup("manual_partition"),
         graph_def=graph_def,
     )
-    _restore_shapes(view, shapes)
+    _restore_shapes(view, shapes, graph)
     sharded.op_graph = view
     sharded.view_seconds = traced.view_seconds + time.perf_counter() - t0
     return sharded, plan
