@@ -109,6 +109,22 @@ def test_calibration_measures_this_host_and_is_cached(tmp_path):
     assert local_cluster(devices, refresh=True, cache_dir=str(tmp_path)).source == "calibrated"
 
 
+def test_logical_cpu_devices_of_one_process_share_one_link_figure():
+    """Pairs of logical CPU devices (one memory) each get the median of
+    their measured links; a pair with a GPU keeps its own."""
+    from smp_tf.planner.calibrate import _same_memory
+    from smp_tf.planner.resources import Link
+
+    pairs = {("h/CPU:0", "h/CPU:1"): Link("host", 9e9, 6e-5), ("h/CPU:0", "h/CPU:2"): Link("host", 1e12, 4.7e-4),
+             ("h/CPU:1", "h/CPU:2"): Link("host", 5e10, 1e-7), ("h/CPU:0", "h/GPU:0"): Link("host", 2e10, 1e-5)}
+    out = _same_memory(pairs, {"h/CPU:0", "h/CPU:1", "h/CPU:2"})
+    median = Link("host", 5e10, 6e-5)
+    assert [out[k] for k in list(pairs)[:3]] == [median] * 3
+    assert out[("h/CPU:0", "h/GPU:0")] == pairs[("h/CPU:0", "h/GPU:0")]
+    one = {("h/CPU:0", "h/GPU:0"): Link("host", 2e10, 1e-5)}
+    assert _same_memory(one, {"h/CPU:0"}) == one
+
+
 def _two_devices(fast, slow):
     def cpu(name, speed):
         return {"name": name, "kind": "CPU", "memory": 2**30, "overhead": 0.0,
