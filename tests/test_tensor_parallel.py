@@ -76,6 +76,11 @@ def test_column_parallel_is_bit_exact_and_runs_on_the_stage_devices():
     # weight gradient are split, and gathered where the next layer reads
     # them. (A later column-parallel layer's input gradient contracts the
     # split dimension: a partial sum, within rounding; see the next tests.)
+    # The split layer's own gradients and the loss are bit for bit those of
+    # the whole product. The other layers' gradients are within rounding:
+    # on a CPU without AVX-512 (an AMD EPYC), the next layer's weight
+    # gradient, whose product reads the split activation, differed from
+    # the single-device one in the last bit of 16 of its 1024 elements.
     lm = {"up/kernel": (None, "tensor"), "up/bias": ("tensor",)}
     smp.init({"partitions": 1, "microbatches": M, "tensor_parallel_degree": 2, "layout_map": lm})
     assert smp.tp_size() == 2 and smp.tp_rank() == 0
@@ -85,9 +90,12 @@ def test_column_parallel_is_bit_exact_and_runs_on_the_stage_devices():
     ref_losses, ref_grads = _reference(_body(model), x, y)
     step, losses, grads = _run(_body(model), x, y)
     assert losses == ref_losses
+    split = [k for k, v in enumerate(model.trainable_variables) if v.path in lm]
+    assert len(split) == 2
     for gs, rs in zip(grads, ref_grads):
-        for g, r, v in zip(gs, rs, model.trainable_variables):
-            np.testing.assert_array_equal(g, r, err_msg=v.path)
+        for k in split:
+            np.testing.assert_array_equal(gs[k], rs[k], err_msg=model.trainable_variables[k].path)
+    _assert_within_rounding(grads, ref_grads, contracted=64)
     plan = step.last_plan.shard_plan
     assert {k for k, s in plan.variables.items() if not s.is_replicated} == set(lm)
     assert not any(s == "all_reduce" for r in plan.reshards for s in r.steps)
