@@ -87,12 +87,13 @@ def _run_samples(run: Run, cluster: ResourceGraph) -> List[Tuple[Tuple[str, str]
     return out
 
 
-def _samples(runs: Sequence[Run], cluster: ResourceGraph) -> Dict[Tuple[str, str], List[Tuple[float, float, float]]]:
+def _samples(per_run: Sequence[List[Tuple[Tuple[str, str], float, float, float]]]
+             ) -> Dict[Tuple[str, str], List[Tuple[float, float, float]]]:
     """(host, kind) -> (work, ops, measured) of every measured task of the
-    runs (`_run_samples`)."""
+    runs (each run's `_run_samples`)."""
     out: Dict[Tuple[str, str], List[Tuple[float, float, float]]] = {}
-    for run in runs:
-        for group, work, ops, measured in _run_samples(run, cluster):
+    for samples in per_run:
+        for group, work, ops, measured in samples:
             out.setdefault(group, []).append((work, ops, measured))
     return out
 
@@ -135,7 +136,7 @@ def _scaled(d: Device, slowdown: float, overhead: float) -> Device:
         bandwidth=d.bandwidth / slowdown if d.bandwidth else 0.0)
 
 
-def _level(runs: Sequence[Run], cluster: ResourceGraph,
+def _level(runs: Sequence[Run], per_run: Sequence[List[Tuple[Tuple[str, str], float, float, float]]],
            fitted: Mapping[Tuple[str, str], Tuple[float, float]],
            overhead: Mapping[Tuple[str, str], float]) -> Optional[float]:
     """The factor on the fitted figures that makes the runs' steps what the
@@ -154,12 +155,12 @@ def _level(runs: Sequence[Run], cluster: ResourceGraph,
     # the slowdown alone.
     slowdown = statistics.median(a for a, _ in fitted.values()) if fitted else 1.0
     ratios = []
-    for r in runs:
+    for r, samples in zip(runs, per_run):
         pipeline, update = r.row.times.get("pipeline", 0.0), r.row.times.get("update", 0.0)
         if not r.step or pipeline + update <= 0:
             continue
         was = now = fixed = 0.0
-        for group, work, ops, _ in _run_samples(r, cluster):
+        for group, work, ops, _ in samples:
             if group in fitted:
                 a, b = fitted[group]
                 now += a * work + b * ops
@@ -187,7 +188,10 @@ def refine(cluster: ResourceGraph, runs: Sequence[Run]) -> ResourceGraph:
     """
     if not runs:
         raise ValueError("refine needs at least one measured run (plan.measure records them).")
-    samples = _samples(runs, cluster)
+    # Each run's tasks taken back to one device alone, once: the fit and the
+    # level both read them.
+    per_run = [_run_samples(r, cluster) for r in runs]
+    samples = _samples(per_run)
     if not samples:
         raise ValueError("No measured task belongs to a device of the cluster: profile a run of this plan.")
     overhead = {group: statistics.median(d.overhead for d in cluster.devices if (d.host, d.kind) == group)
@@ -195,7 +199,7 @@ def refine(cluster: ResourceGraph, runs: Sequence[Run]) -> ResourceGraph:
     fitted = {group: fit(s, overhead[group]) for group, s in samples.items()}
     # The profile gives each host's speed relative to the others; the steps'
     # wall-clock times give the level (a profile's probes slow its steps).
-    level = _level(runs, cluster, fitted, overhead)
+    level = _level(runs, per_run, fitted, overhead)
     if level is not None:
         fitted = {g: (a * level, b * level) for g, (a, b) in fitted.items()}
     devices: List[Device] = []

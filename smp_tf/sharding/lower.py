@@ -371,7 +371,7 @@ def expand_graph_def(graph_def: Any, op_graph: OpGraph, plan: ShardPlan, t: int,
     return w.out, renamed, shapes
 
 
-def _restore_shapes(view: OpGraph, shapes: Mapping[str, Any], graph: Optional[tf.Graph] = None) -> None:
+def _restore_shapes(view: OpGraph, shapes: Mapping[str, Any], graph: tf.Graph) -> None:
     """Gives the view the static shapes the traced graph had.
 
     A plain `tf.Graph` imported from a `GraphDef` does not know the shapes
@@ -392,8 +392,7 @@ def _restore_shapes(view: OpGraph, shapes: Mapping[str, Any], graph: Optional[tf
             changed = True
     if changed:
         for op in view.ops:
-            equation = (_einsum_equation(graph.get_operation_by_name(op.name))
-                        if graph is not None and op.type == "Einsum" else None)
+            equation = _einsum_equation(graph.get_operation_by_name(op.name)) if op.type == "Einsum" else None
             op.flops = estimate_flops(op.type, [view.tensors[x].shape for x in op.inputs],
                                       [view.tensors[x].shape for x in op.outputs], equation)
 
