@@ -8,7 +8,10 @@ Run one case per process (the allocator's history matters)::
 
 Prints one ``ROW`` line per partition and one ``PROCESS`` line (the step
 called inside a ``tf.function``), then one ``EAGER`` line (the process
-peak of the step and its ``accumulate`` called eagerly):
+peak of the step and its ``accumulate`` called eagerly) and one
+``EAGER_REQUESTED`` line (the same call's peak of the bytes its tensors
+asked for, against the prediction less the variables, the optimizer state
+and the allocator's chunk rounding, `smp_tf.memory.EAGER_ROUNDING`):
 ``ROW case P sched recompute partition predicted measured ratio`` (bytes).
 """
 
@@ -125,6 +128,22 @@ def main(argv) -> int:
     eager_step()
     m = tf.config.experimental.get_memory_info("CPU:0")["peak"]
     print("EAGER", name, P, sched, recompute, predicted, m, f"{m / predicted:.3f}", flush=True)
+    # The same call again, counting each allocation as the bytes it asked
+    # for rather than the chunk the allocator handed it: what the step's
+    # own tensors take, above the variables and optimizer state (and
+    # whatever else was held before it), against the prediction less them.
+    from smp_tf.profiling.memory import AllocationRecorder
+
+    report = train_step.last_compiled.memory_report(optimizer, outputs_held=True)
+    from smp_tf.memory import EAGER_ROUNDING
+
+    static = sum(r.variables + r.optimizer for r in report)
+    with AllocationRecorder() as recorder:
+        counted = recorder.run("eager", eager_step)
+    requested = counted if counted is not None else recorder.peaks["eager"]
+    # The prediction's own tensors: its dynamic part less the chunk rounding.
+    dynamic = round((report.process_peak - static) / (1 + EAGER_ROUNDING))
+    print("EAGER_REQUESTED", name, P, sched, recompute, dynamic, requested, f"{requested / dynamic:.3f}", flush=True)
     return 0
 
 
