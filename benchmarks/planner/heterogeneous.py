@@ -599,7 +599,7 @@ def run_round(args, cpus: List[int], order: int) -> dict:
                 cmd = [sys.executable, __file__, "--part", "driver" if rank == 0 else "stage", "--cpu", str(cpu),
                        "--order", str(order), "--repeats", str(args.repeats), "--warmup", str(args.warmup)]
                 cmd += ["--quick"] if args.quick else []
-                cmd += ["--width", str(args.width)]
+                cmd += ["--width", str(args.width), "--microbatches", str(M)]
                 out = open(os.path.join(tmp, f"rank{rank}.out"), "w+")
                 err = open(os.path.join(tmp, f"rank{rank}.err"), "w+")
                 logs.append((out, err))
@@ -788,6 +788,7 @@ def build_table(args, rounds: List[dict], cpus: List[int], elapsed: float) -> st
 
 
 def main(argv=None) -> int:
+    global M
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="tiny sizes, few steps (checks the script)")
     parser.add_argument("--repeats", type=int, default=None, help="timed steps per variant and round (default 15)")
@@ -795,11 +796,15 @@ def main(argv=None) -> int:
     parser.add_argument("--rounds", type=int, default=None,
                         help="rounds of three fresh processes, alternating the variants' order (default 2)")
     parser.add_argument("--width", type=int, default=1024, help="the Dense layers' width (default 1024)")
+    parser.add_argument("--microbatches", type=int, default=M, help="micro-batches per step (default %d)" % M)
     parser.add_argument("--json", help="write the raw results to this file")
     parser.add_argument("--part", default="all", choices=["all", "driver", "stage"], help=argparse.SUPPRESS)
     parser.add_argument("--cpu", type=int, default=None, help=argparse.SUPPRESS)
     parser.add_argument("--order", type=int, default=0, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    if args.microbatches < 1 or 256 % args.microbatches:
+        parser.error("--microbatches must divide the batch of 256, got %d" % args.microbatches)
+    M = args.microbatches
     if args.part != "all":
         # Pinned before TensorFlow starts: every thread it creates inherits it.
         os.sched_setaffinity(0, {args.cpu})
