@@ -41,6 +41,24 @@ VIRTUAL_CONFIGS = [(2, "interleaved", 2)]
 TOLERANCE = 1e-5
 
 _REFERENCES: Dict[str, tuple] = {}
+#: Each entry's state of Keras's global seed generator before its reference
+#: loop: unseeded random ops (ConvNeXt's stochastic depth) draw from it, and
+#: it is not among the model's variables.
+_GLOBAL_SEEDS: Dict[str, np.ndarray] = {}
+
+
+def _global_seed_generator():
+    from keras.src.random.seed_generator import global_seed_generator
+
+    return global_seed_generator()
+
+
+def _restore(name, model, init):
+    """The model's variables and Keras's global seed generator as they were
+    before the entry's reference loop."""
+    for v, value in zip(model.variables, init):
+        v.assign(value)
+    _global_seed_generator().state.assign(_GLOBAL_SEEDS[name])
 
 
 def _body(case):
@@ -63,6 +81,7 @@ def _reference(name):
     if name not in _REFERENCES:
         case = zoo_models.ENTRIES[name]()
         init = [v.numpy() for v in case.model.variables]
+        _GLOBAL_SEEDS[name] = _global_seed_generator().state.numpy()
         fn = tf.function(_body(case))
         outs = [fn(_microbatch(case.x, m), _microbatch(case.y, m)) for m in range(M)]
         losses = [float(l) for l, _ in outs]
@@ -108,13 +127,15 @@ _ALL_CONFIGS = [(p, s, 1) for p, s in CONFIGS] + VIRTUAL_CONFIGS
 
 #: The Keras applications of the zoo, a minute or more per configuration.
 LARGE = ("resnet50", "mobilenet_v2", "densenet121", "efficientnet_b0", "efficientnet_v2_b0", "inception_v3",
-         "mobilenet_v3_small", "mobilenet_v3_large")
+         "mobilenet_v3_small", "mobilenet_v3_large", "nasnet_mobile", "convnext_tiny_drop_path")
 #: The configuration each large entry of the default run runs: different
 #: ones, so that the large graphs meet the schedules and partition counts
 #: (the virtual stages on the small entries). InceptionV3 and DenseNet121
 #: (the largest graphs; branches joined by concatenations, as the small
 #: `unet` entry), EfficientNetV2-B0 and MobileNetV3-Large (blocks as in
-#: their smaller siblings) run with ``-m zoo_all`` only.
+#: their smaller siblings), NASNetMobile and ConvNeXt-Tiny with stochastic
+#: depth (drawn from the global seed generator, as the small
+#: `noise_stochastic_depth` entry) run with ``-m zoo_all`` only.
 _LARGE_DEFAULT = {
     "resnet50": (2, "simple", 1),
     "mobilenet_v2": (2, "interleaved", 1),
@@ -140,8 +161,7 @@ def _transparency_params():
 def test_zoo_transparency(name, partitions, schedule, virtual_stages, record_property):
     case, init, ref_losses, ref_grads, ref_state, step = _reference(name)
     model = case.model
-    for v, value in zip(model.variables, init):
-        v.assign(value)
+    _restore(name, model, init)
     smp.init({"partitions": partitions, "microbatches": M, "pipeline": schedule, "virtual_stages": virtual_stages})
     loss, grads = step(case.x, case.y)
     assert step.schedule.kind == schedule
@@ -198,8 +218,7 @@ def _check_recompute(name, mode, partitions, schedule):
     case, init, _, _, _, step = _reference(name)
     results = {}
     for recompute in ("never", mode):
-        for v, value in zip(case.model.variables, init):
-            v.assign(value)
+        _restore(name, case.model, init)
         results[recompute] = _step_values(step, case, partitions, schedule, recompute)
     (expected, never), (got, entry) = results["never"], results[mode]
     # Recomputation changes memory, never numbers: bit for bit, and stateful
@@ -252,8 +271,7 @@ def test_zoo_tensor_parallel(name, record_property):
 
     case, init, ref_losses, ref_grads, ref_state, _ = _reference(name)
     model = case.model
-    for v, value in zip(model.variables, init):
-        v.assign(value)
+    _restore(name, model, init)
     smp.init({"partitions": 2, "microbatches": M, "tensor_parallel_degree": 2})
     step = smp.step(_body(case))
     loss, grads = step(case.x, case.y)

@@ -768,6 +768,46 @@ def noise_alpha_dropout() -> ZooCase:
     return _noise_case("noise_alpha_dropout", inp, out, _normal(rng, (16,)), rng)
 
 
+def noise_stochastic_depth() -> ZooCase:
+    """Dense(32, relu) -> residual Dense(32) behind stochastic depth (0.3) ->
+    Dense(4). The stochastic depth layer is ConvNeXt's: it draws with no seed,
+    from Keras's global seed generator, which is not a variable of the model."""
+    from keras.src.applications.convnext import StochasticDepth
+
+    keras.utils.set_random_seed(SEED)
+    inp = keras.Input((16,), name="features")
+    h = keras.layers.Dense(32, activation="relu", name="d0")(inp)
+    branch = keras.layers.Dense(32, name="branch")(h)
+    h = keras.layers.Add(name="residual")([h, StochasticDepth(0.3, name="drop_path")(branch)])
+    h = keras.layers.Dense(32, name="d1")(h)
+    out = keras.layers.Dense(4, name="head")(h)
+    rng = _rng()
+    return _noise_case("noise_stochastic_depth", inp, out, _normal(rng, (16,)), rng)
+
+
+# --------------------------------------------------------------------------
+# 8. More Keras applications, exercised with -m zoo_all
+# --------------------------------------------------------------------------
+
+
+def nasnet_mobile() -> ZooCase:
+    return _application("nasnet_mobile", keras.applications.NASNetMobile, set())
+
+
+def convnext_tiny_drop_path() -> ZooCase:
+    """ConvNeXt-Tiny with stochastic depth 0.2: unseeded draws from Keras's
+    global seed generator in every block."""
+    from keras.src.applications.convnext import ConvNeXt
+
+    def build(**kwargs):
+        return ConvNeXt(depths=[3, 3, 9, 3], projection_dims=[96, 192, 384, 768], drop_path_rate=0.2,
+                        name="convnext_tiny", **kwargs)
+
+    case = _application("convnext_tiny_drop_path", build, set())
+    case.tags = case.tags | {"random"}
+    return case
+
+
 # --------------------------------------------------------------------------
 # Registry
 # --------------------------------------------------------------------------
@@ -781,6 +821,8 @@ ENTRIES: Dict[str, Callable[[], ZooCase]] = {
     "inception_v3": inception_v3,
     "mobilenet_v3_small": mobilenet_v3_small,
     "mobilenet_v3_large": mobilenet_v3_large,
+    "nasnet_mobile": nasnet_mobile,
+    "convnext_tiny_drop_path": convnext_tiny_drop_path,
     "hard_swish_cnn": hard_swish_cnn,
     "bert_classifier": bert_classifier,
     "gpt2_lm": gpt2_lm,
@@ -794,6 +836,7 @@ ENTRIES: Dict[str, Callable[[], ZooCase]] = {
     "tied_transformer": tied_transformer,
     "mixed_bfloat16_cnn": mixed_bfloat16_cnn,
     "noise_dropout": noise_dropout,
+    "noise_stochastic_depth": noise_stochastic_depth,
     "noise_flatten_dropout": noise_flatten_dropout,
     "noise_embedding_dropout": noise_embedding_dropout,
     "noise_spatial_dropout1d": noise_spatial_dropout1d,
