@@ -64,6 +64,42 @@ def llama_case(keras):
     return model, x, y, keras.losses.SparseCategoricalCrossentropy(from_logits=True)
 
 
+def _eager_rows(tf, train_step, optimizer, x, y, label) -> None:
+    """Prints the ``EAGER`` and ``EAGER_REQUESTED`` lines of the step called
+    eagerly (`label`: case, P, schedule, recompute)."""
+    from smp_tf.memory import EAGER_ROUNDING
+    from smp_tf.profiling.memory import AllocationRecorder
+
+    # Called eagerly, the step's outputs of every micro-batch leave the
+    # pipeline together and are held until `accumulate` sums them.
+    report = train_step.last_compiled.memory_report(optimizer, outputs_held=True)
+    predicted = report.process_peak
+
+    def eager_step():
+        loss, grads = train_step(x, y)
+        return [g.accumulate() for g in grads]
+
+    eager_step()  # builds the eager wrapper
+    tf.config.experimental.reset_memory_stats("CPU:0")
+    if os.environ.get("RATIOS_TABLE"):
+        print("current before the eager step", tf.config.experimental.get_memory_info("CPU:0")["current"] / 2**20)
+        print(report.table())
+    eager_step()
+    m = tf.config.experimental.get_memory_info("CPU:0")["peak"]
+    print("EAGER", *label, predicted, m, f"{m / predicted:.3f}", flush=True)
+    # The same call again, counting each allocation as the bytes it asked
+    # for rather than the chunk the allocator handed it: what the step's
+    # own tensors take, above the variables and optimizer state (and
+    # whatever else was held before it), against the prediction less them
+    # and less the chunk rounding.
+    static = sum(r.variables + r.optimizer for r in report)
+    with AllocationRecorder() as recorder:
+        counted = recorder.run("eager", eager_step)
+    requested = counted if counted is not None else recorder.peaks["eager"]
+    dynamic = round((predicted - static) / (1 + EAGER_ROUNDING))
+    print("EAGER_REQUESTED", *label, dynamic, requested, f"{requested / dynamic:.3f}", flush=True)
+
+
 def main(argv) -> int:
     name, P = argv[0], int(argv[1])
     sched = argv[2] if len(argv) > 2 else "interleaved"
@@ -112,38 +148,7 @@ def main(argv) -> int:
     m = report.measured_process_peak
     print("PROCESS", name, P, sched, recompute, report.process_peak, m,
           f"{m / report.process_peak:.3f}" if m else "-", flush=True)
-    # Called eagerly, the step's outputs of every micro-batch leave the
-    # pipeline together and are held until `accumulate` sums them.
-    predicted = train_step.last_compiled.memory_report(optimizer, outputs_held=True).process_peak
-
-    def eager_step():
-        loss, grads = train_step(x, y)
-        return [g.accumulate() for g in grads]
-
-    eager_step()  # builds the eager wrapper
-    tf.config.experimental.reset_memory_stats("CPU:0")
-    if os.environ.get("RATIOS_TABLE"):
-        print("current before the eager step", tf.config.experimental.get_memory_info("CPU:0")["current"] / 2**20)
-        print(train_step.last_compiled.memory_report(optimizer, outputs_held=True).table())
-    eager_step()
-    m = tf.config.experimental.get_memory_info("CPU:0")["peak"]
-    print("EAGER", name, P, sched, recompute, predicted, m, f"{m / predicted:.3f}", flush=True)
-    # The same call again, counting each allocation as the bytes it asked
-    # for rather than the chunk the allocator handed it: what the step's
-    # own tensors take, above the variables and optimizer state (and
-    # whatever else was held before it), against the prediction less them.
-    from smp_tf.profiling.memory import AllocationRecorder
-
-    report = train_step.last_compiled.memory_report(optimizer, outputs_held=True)
-    from smp_tf.memory import EAGER_ROUNDING
-
-    static = sum(r.variables + r.optimizer for r in report)
-    with AllocationRecorder() as recorder:
-        counted = recorder.run("eager", eager_step)
-    requested = counted if counted is not None else recorder.peaks["eager"]
-    # The prediction's own tensors: its dynamic part less the chunk rounding.
-    dynamic = round((report.process_peak - static) / (1 + EAGER_ROUNDING))
-    print("EAGER_REQUESTED", name, P, sched, recompute, dynamic, requested, f"{requested / dynamic:.3f}", flush=True)
+    _eager_rows(tf, train_step, optimizer, x, y, (name, P, sched, recompute))
     return 0
 
 

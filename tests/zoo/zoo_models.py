@@ -803,9 +803,7 @@ def convnext_tiny_drop_path() -> ZooCase:
         return ConvNeXt(depths=[3, 3, 9, 3], projection_dims=[96, 192, 384, 768], drop_path_rate=0.2,
                         name="convnext_tiny", **kwargs)
 
-    case = _application("convnext_tiny_drop_path", build, set())
-    case.tags = case.tags | {"random"}
-    return case
+    return _application("convnext_tiny_drop_path", build, {"random"})
 
 
 # --------------------------------------------------------------------------
