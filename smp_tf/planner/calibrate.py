@@ -14,11 +14,14 @@ of one process (the same cores) each get the median of their figures.
 A chain of products of 1/16 as many rows by distinct large weights gives
 the bandwidth products stream their operands at; calling a one-op
 `tf.function` the runtime's cost of a step. Then, for every pair
-of devices, a tensor of 4 MiB and one of 4 bytes cross from one to the
-other: the small one's time is the latency, the large one's the bandwidth
-(logical devices of one process hand buffers over without a copy: their
-links show up to 1000 GB/s, the most recorded; each pair of them gets the
-median of their links, as they share one memory).
+of devices, a tensor of 4 bytes and one of 4 MiB go back and forth between
+them, each hop after the one before (a chain, as the ops of a step that
+exchange tensors wait for them), against the same chain on one device: the
+small one's extra time per hop is the latency, the large one's the
+bandwidth. Logical CPU devices of one process copy a tensor from one to
+the other too (about 20 to 40 GB/s, and 3 to 6 us a hop, on a 2-core
+EPYC); each pair of them gets the median of their links, as they share
+one memory.
 
 It takes a few seconds (at most ``budget_s``, 10 by default: the sizes
 shrink when a device is slow). The result is cached per host, TensorFlow
@@ -48,8 +51,8 @@ __all__ = ["calibrate", "local_cluster", "cache_path"]
 
 _SIZES = {"matmul": 256, "conv": 32, "elementwise": 1 << 18}
 _CHAIN = 8
-#: The fastest link recorded (bytes per second): transfers that take no
-#: measurable time (logical devices of one process) are given this.
+#: The fastest link recorded (bytes per second): a transfer that takes no
+#: measurable time is given this.
 _FASTEST = 1e12
 
 
@@ -157,8 +160,19 @@ def _device_speeds(device: str, scale: float) -> Tuple[Dict[str, float], float, 
     return speeds, overhead, bandwidth
 
 
+#: Hops of a tensor between two devices in one timed chain (`_link`).
+_HOPS = 16
+
+
 def _link(a: str, b: str, scale: float) -> Tuple[float, float]:
-    """(bandwidth in bytes per second, latency in seconds) from `a` to `b`."""
+    """(bandwidth in bytes per second, latency in seconds) from `a` to `b`.
+
+    A tensor crosses between the two devices `_HOPS` times in a chain
+    (each hop adds one to it on the other device, so it waits for the one
+    before), against the same chain on `a` alone. Timing one transfer by
+    itself instead measured a call's noise: between 1 us and 0.5 ms of
+    latency for logical CPU devices whose hops take 3 to 6 us, and up to
+    1000 GB/s for copies that run at 20 to 40 GB/s."""
     import tensorflow as tf
 
     big_n = max(int((1 << 20) * scale), 1024)  # 4 MiB of float32 at scale 1
@@ -166,24 +180,19 @@ def _link(a: str, b: str, scale: float) -> Tuple[float, float]:
         big = tf.random.stateless_normal((big_n,), seed=(9, 10))
         small = tf.constant([1.0])
 
-    @tf.function
-    def move(x):
-        with tf.device(a):
-            y = x + 0.0
-        with tf.device(b):
-            return tf.reduce_sum(y[:1]) + 0.0
+    def chain(devices):
+        @tf.function
+        def run(x):
+            for i in range(_HOPS):
+                with tf.device(devices[i % len(devices)]):
+                    x = x + 1.0
+            with tf.device(a):
+                return tf.reduce_sum(x[:1])
+        return run
 
-    @tf.function
-    def stay(x):
-        with tf.device(a):
-            y = x + 0.0
-            return tf.reduce_sum(y[:1]) + 0.0
-
-    latency = max(_timed(move, small, repeats=5) - _timed(stay, small, repeats=5), 1e-7)
-    extra = _timed(move, big) - _timed(stay, big) - latency
-    # Logical devices of one process share its memory, and TensorFlow hands
-    # the buffer over without a copy: no measurable time. Such a link is
-    # recorded at `_FASTEST` bytes per second.
+    across, stay = chain((b, a)), chain((a,))
+    latency = max((_timed(across, small, repeats=5) - _timed(stay, small, repeats=5)) / _HOPS, 1e-7)
+    extra = (_timed(across, big) - _timed(stay, big)) / _HOPS - latency
     return min(big_n * 4 / max(extra, 1e-9), _FASTEST), latency
 
 
@@ -252,13 +261,11 @@ def _same_cores(measured: List[Device]) -> List[Device]:
 
 
 def _same_memory(pairs: Dict[Tuple[str, str], Link], cpus: set) -> Dict[Tuple[str, str], Link]:
-    """Logical CPU devices of one process hand each other buffers in the
-    same memory: every pair of them gets the median of their links. Timed
-    one pair at a time, a transfer that costs nothing reads as whatever the
-    clock and the machine's load did in that moment (between 9 GB/s and
-    the most recorded, 1 us to 0.5 ms of latency, over the 6 pairs of 4
-    devices on one run), and a plan that used the slowest pairs for its
-    tensor-parallel groups was predicted 20 to 35 ms (4 to 6%) too long."""
+    """Logical CPU devices of one process copy tensors within one memory:
+    every pair of them gets the median of their links, which a moment's
+    load on the machine moves less than any one of them (a plan that used
+    the slowest measured pairs for its tensor-parallel groups was once
+    predicted 4 to 6% too long)."""
     same = [k for k in pairs if k[0] in cpus and k[1] in cpus]
     if len(same) < 2:
         return pairs
@@ -344,7 +351,7 @@ def cache_path(devices: Sequence[str], cache_dir: Optional[str] = None) -> str:
 
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     # The calibration's version: a cache written by an older one is measured again.
-    key = json.dumps([socket.gethostname(), tf.__version__, list(devices), cores, 2])
+    key = json.dumps([socket.gethostname(), tf.__version__, list(devices), cores, 3])
     folder = cache_dir or os.environ.get("SMP_TF_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "smp_tf")
     return os.path.join(folder, f"cluster-{hashlib.sha256(key.encode()).hexdigest()[:16]}.json")
 
