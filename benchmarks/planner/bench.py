@@ -39,6 +39,7 @@ file; the memory model's ratios per recompute mode are
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import statistics
@@ -187,12 +188,15 @@ def part_accuracy(args) -> None:
         row.measured = time_step(step, batch, {}, 3 if args.quick else 7, 2)
         measured[row.candidate.label()] = row.measured
     runs = [r for r in fitting if r.candidate.label() in measured]
-    # A second pass, in the opposite order: how much the machine itself
-    # moves between two measurements of the same candidate minutes apart.
-    again_measured: Dict[str, float] = {}
-    for row in reversed(runs):
-        smp.init(row.config)
-        again_measured[row.candidate.label()] = time_step(step, batch, {}, 3 if args.quick else 7, 2)
+    # More passes, alternating the order: a candidate's figure is the median
+    # of its passes (another process's burst slows one pass, not all), and
+    # the passes against each other show how much the machine itself moves
+    # between measurements of the same candidate minutes apart.
+    passes: Dict[str, List[float]] = {label: [m] for label, m in measured.items()}
+    for n in range(1, args.passes):
+        for row in (reversed(runs) if n % 2 else runs):
+            smp.init(row.config)
+            passes[row.candidate.label()].append(time_step(step, batch, {}, 3 if args.quick else 7, 2))
     learned = plan.learned()
     again = smp.plan(step, *batch, optimizer=opt, cluster=learned, replicas=[1], keep=60,
                      tensor_parallel_degrees=[1, 2], recompute=["never"])
@@ -201,8 +205,8 @@ def part_accuracy(args) -> None:
         "model": args.model, "cluster": graph.table(), "learned": learned.table(), "search_s": search_s,
         "candidates": plan.evaluated, "fitting": len(fitting),
         "rows": [{"label": r.candidate.label(), "predicted": r.step_time,
-                  "measured": (measured[r.candidate.label()] + again_measured[r.candidate.label()]) / 2,
-                  "passes": [measured[r.candidate.label()], again_measured[r.candidate.label()]],
+                  "measured": statistics.median(passes[r.candidate.label()]),
+                  "passes": passes[r.candidate.label()],
                   "learned": second.get(r.candidate.label()), "rank": fitting.index(r) + 1} for r in runs],
         "first_choice": fitting[0].candidate.label(), "measure3": picked.candidate.label(),
         "learned_choice": again.best.candidate.label(),
@@ -215,13 +219,13 @@ def _accuracy_table(res: Dict[str, Any]) -> List[str]:
     lines = [f"== planner against measurement: {res['model']} ({res['candidates']} candidates predicted in "
              f"{res['search_s']:.1f} s, {res['fitting']} fit; {len(rows)} run) ==",
              f"{'rank':>4}  {'candidate':<34} {'predicted ms':>12} {'measured ms':>12} {'error':>7} "
-             f"{'learned ms':>11} {'error':>7} {'pass 1, 2 ms':>15}"]
+             f"{'learned ms':>11} {'error':>7}  passes ms"]
     for r in sorted(rows, key=lambda r: r["rank"]):
         err = (r["predicted"] - r["measured"]) / r["measured"]
         le = "" if r["learned"] is None else f"{r['learned'] * 1e3:11.2f} {(r['learned'] - r['measured']) / r['measured']:+7.1%}"
         passes = " / ".join(f"{x * 1e3:.1f}" for x in r.get("passes", ()))
         lines.append(f"{r['rank']:>4}  {r['label']:<34} {r['predicted'] * 1e3:12.2f} {r['measured'] * 1e3:12.2f} "
-                     f"{err:+7.1%} {le} {passes:>15}")
+                     f"{err:+7.1%} {le}  {passes}")
     meas = [r["measured"] for r in rows]
     best = min(meas)
     by_label = {r["label"]: r["measured"] for r in rows}
@@ -248,13 +252,22 @@ def _accuracy_table(res: Dict[str, Any]) -> List[str]:
         lines.append(f"measure(3)'s choice {res['measure3']}: {m3 * 1e3:.2f} ms, {m3 / best:.3f} x the best measured "
                      f"(target <= 1.05: {verdict(m3 <= 1.05 * best)})")
     lines.append(f"second plan's choice (learned cluster): {res['learned_choice']}")
-    both = [r["passes"] for r in rows if len(r.get("passes", ())) == 2]
-    if both:
-        # The measurement against itself: what no prediction can beat.
-        first_pass, second_pass = [p[0] for p in both], [p[1] for p in both]
-        drift = statistics.mean(abs(a - b) / ((a + b) / 2) for a, b in both)
-        lines.append(f"the measurement against itself (pass 1 against pass 2, minutes apart): Spearman "
-                     f"{_spearman(first_pass, second_pass):.2f}, mean |difference| / mean {drift:.1%}")
+    n = min((len(r.get("passes", ())) for r in rows), default=0)
+    if n >= 2:
+        # The measurement against itself: what no prediction can beat. Each
+        # pair of passes, and one pass against the median of the others.
+        pairs = list(itertools.combinations(range(n), 2))
+        rho_pairs = [_spearman([r["passes"][i] for r in rows], [r["passes"][j] for r in rows]) for i, j in pairs]
+        drift = statistics.mean(abs(r["passes"][i] - r["passes"][j]) / ((r["passes"][i] + r["passes"][j]) / 2)
+                                for r in rows for i, j in pairs)
+        lines.append(f"the measurement against itself ({n} passes, minutes apart): Spearman between two passes "
+                     f"{' / '.join(f'{x:.2f}' for x in rho_pairs)}, mean |difference| / mean {drift:.1%}")
+        if n >= 3:
+            rho_rest = [_spearman([r["passes"][i] for r in rows],
+                                  [statistics.median(r["passes"][:i] + r["passes"][i + 1:]) for r in rows])
+                        for i in range(n)]
+            lines.append(f"  one pass against the median of the others: Spearman "
+                         f"{' / '.join(f'{x:.2f}' for x in rho_rest)}")
     return lines
 
 
@@ -347,6 +360,8 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--config", default=None)
     ap.add_argument("--limit-mb", type=int, default=0)
+    ap.add_argument("--passes", type=int, default=3,
+                    help="accuracy: timed passes over the candidates (a candidate's figure is their median)")
     args = ap.parse_args()
     if args.part == "accuracy" and args.model:
         return part_accuracy(args)
@@ -363,7 +378,7 @@ def main() -> None:
     started = time.perf_counter()
     if args.part in ("all", "accuracy"):
         for model in ("mlp", "gpt2"):
-            res = _run("accuracy", ["--model", model] + quick, {}, 1500)[0]
+            res = _run("accuracy", ["--model", model, "--passes", str(args.passes)] + quick, {}, 2400)[0]
             if "error" in res:
                 print(f"== planner against measurement: {model}: {res['error']}")
                 continue
