@@ -176,8 +176,9 @@ def part_accuracy(args) -> None:
     search_s = time.perf_counter() - t0
     fitting = [r for r in plan.rows if r.fits]
     chosen_rows = _spread(fitting, 6 if args.quick else 14)
+    steps = 3 if args.quick else 7
     # measure(3) first: it profiles its runs, which the learned cluster needs.
-    picked = plan.measure(3, steps=3 if args.quick else 7, warmup=2)
+    picked = plan.measure(3, steps=steps, warmup=2)
     measure_three = {r.candidate.label(): r.measured for r in fitting[:3]}
     measured: Dict[str, float] = dict(measure_three)
     for row in chosen_rows:
@@ -185,7 +186,7 @@ def part_accuracy(args) -> None:
             row.measured = measured[row.candidate.label()]
             continue
         smp.init(row.config)
-        row.measured = time_step(step, batch, {}, 3 if args.quick else 7, 2)
+        row.measured = time_step(step, batch, {}, steps, 2)
         measured[row.candidate.label()] = row.measured
     runs = [r for r in fitting if r.candidate.label() in measured]
     # More passes, alternating the order: a candidate's figure is the median
@@ -196,7 +197,7 @@ def part_accuracy(args) -> None:
     for n in range(1, args.passes):
         for row in (reversed(runs) if n % 2 else runs):
             smp.init(row.config)
-            passes[row.candidate.label()].append(time_step(step, batch, {}, 3 if args.quick else 7, 2))
+            passes[row.candidate.label()].append(time_step(step, batch, {}, steps, 2))
     learned = plan.learned()
     again = smp.plan(step, *batch, optimizer=opt, cluster=learned, replicas=[1], keep=60,
                      tensor_parallel_degrees=[1, 2], recompute=["never"])
@@ -252,22 +253,27 @@ def _accuracy_table(res: Dict[str, Any]) -> List[str]:
         lines.append(f"measure(3)'s choice {res['measure3']}: {m3 * 1e3:.2f} ms, {m3 / best:.3f} x the best measured "
                      f"(target <= 1.05: {verdict(m3 <= 1.05 * best)})")
     lines.append(f"second plan's choice (learned cluster): {res['learned_choice']}")
+    return lines + _self_agreement(rows)
+
+
+def _self_agreement(rows: List[Dict[str, Any]]) -> List[str]:
+    """The measurement against itself, what no prediction can beat: each
+    pair of passes, and (with three or more) one pass against the median of
+    the others. No lines with fewer than two passes."""
     n = min((len(r.get("passes", ())) for r in rows), default=0)
-    if n >= 2:
-        # The measurement against itself: what no prediction can beat. Each
-        # pair of passes, and one pass against the median of the others.
-        pairs = list(itertools.combinations(range(n), 2))
-        rho_pairs = [_spearman([r["passes"][i] for r in rows], [r["passes"][j] for r in rows]) for i, j in pairs]
-        drift = statistics.mean(abs(r["passes"][i] - r["passes"][j]) / ((r["passes"][i] + r["passes"][j]) / 2)
-                                for r in rows for i, j in pairs)
-        lines.append(f"the measurement against itself ({n} passes, minutes apart): Spearman between two passes "
-                     f"{' / '.join(f'{x:.2f}' for x in rho_pairs)}, mean |difference| / mean {drift:.1%}")
-        if n >= 3:
-            rho_rest = [_spearman([r["passes"][i] for r in rows],
-                                  [statistics.median(r["passes"][:i] + r["passes"][i + 1:]) for r in rows])
-                        for i in range(n)]
-            lines.append(f"  one pass against the median of the others: Spearman "
-                         f"{' / '.join(f'{x:.2f}' for x in rho_rest)}")
+    if n < 2:
+        return []
+    passes = [r["passes"] for r in rows]
+    pairs = list(itertools.combinations(range(n), 2))
+    rho_pairs = [_spearman([p[i] for p in passes], [p[j] for p in passes]) for i, j in pairs]
+    drift = statistics.mean(abs(p[i] - p[j]) / ((p[i] + p[j]) / 2) for p in passes for i, j in pairs)
+    lines = [f"the measurement against itself ({n} passes, minutes apart): Spearman between two passes "
+             f"{' / '.join(f'{x:.2f}' for x in rho_pairs)}, mean |difference| / mean {drift:.1%}"]
+    if n >= 3:
+        rho_rest = [_spearman([p[i] for p in passes], [statistics.median(p[:i] + p[i + 1:]) for p in passes])
+                    for i in range(n)]
+        lines.append(f"  one pass against the median of the others: Spearman "
+                     f"{' / '.join(f'{x:.2f}' for x in rho_rest)}")
     return lines
 
 
