@@ -594,8 +594,8 @@ def run_round(args, cpus: List[int], order: int) -> dict:
             for rank in range(P):
                 env = dict(os.environ, SMP_TF_RANK=str(rank), SMP_TF_SIZE=str(P), SMP_TF_LOCAL_RANK=str(rank),
                            SMP_TF_LOCAL_SIZE=str(P), SMP_TF_ADDRESSES=addresses, PYTHONPATH=str(ROOT))
-                # Rank 0 alone on the first CPU; ranks 1 and 2 share the second.
-                cpu = cpus[0] if rank == 0 else cpus[1]
+                # One rank (--alone) on the first CPU; the other two share the second.
+                cpu = cpus[0] if rank == args.alone else cpus[1]
                 cmd = [sys.executable, __file__, "--part", "driver" if rank == 0 else "stage", "--cpu", str(cpu),
                        "--order", str(order), "--repeats", str(args.repeats), "--warmup", str(args.warmup)]
                 cmd += ["--quick"] if args.quick else []
@@ -648,6 +648,32 @@ def _gf(flops: float) -> str:
     return f"{flops / 1e9:.2f}"
 
 
+def split_bound(speeds: List[float], layers: int) -> float:
+    """How much faster the best split of `layers` equal layers over stages
+    of these `speeds` is than the equal split, counting each stage's compute
+    alone (no bubble, no transfers): the most a speed-aware partition can
+    gain. Exhaustive over the splits (a few hundred for 3 stages)."""
+    def slowest(counts) -> float:
+        return max(n / v for n, v in zip(counts, speeds))
+
+    def splits(n: int, k: int):
+        if k == 1:
+            yield (n,)
+            return
+        for first in range(n + 1):
+            for rest in splits(n - first, k - 1):
+                yield (first,) + rest
+
+    k = len(speeds)
+    equal = [layers // k + (i < layers % k) for i in range(k)]
+    return slowest(equal) / min(slowest(c) for c in splits(layers, k))
+
+
+def _shared(args) -> List[int]:
+    """The two ranks that share the second CPU."""
+    return [k for k in range(P) if k != args.alone]
+
+
 def build_table(args, rounds: List[dict], cpus: List[int], elapsed: float) -> str:
     med = statistics.median
     s = sizes(args)
@@ -657,9 +683,10 @@ def build_table(args, rounds: List[dict], cpus: List[int], elapsed: float) -> st
         "smp_tf speed-aware partitioning on unequal devices%s: MLP %d x Dense(%d), batch %d, P=%d over %d processes,"
         " M=%d, interleaved" % (" (--quick: figures mean nothing)" if args.quick else "", s["layers"], s["width"],
                                 s["batch"], P, P, M),
-        "%s; rank 0 on CPU %d alone, ranks 1 and 2 sharing CPU %d; %d timed steps after %d warm-up per variant and"
-        " round, %d round(s), medians; run took %.0f s" % (versions(), cpus[0], cpus[1], args.repeats, args.warmup,
-                                                          len(rounds), elapsed),
+        "%s; rank %d on CPU %d alone, ranks %s sharing CPU %d; %d timed steps after %d warm-up per variant and"
+        " round, %d round(s), medians; run took %.0f s" % (versions(), args.alone, cpus[0],
+                                                          " and ".join(str(k) for k in _shared(args)), cpus[1],
+                                                          args.repeats, args.warmup, len(rounds), elapsed),
         "",
         "Device speeds measured under concurrent load (all three chains at once), per round; learned: the matmul"
         " speed divided by the",
@@ -670,20 +697,21 @@ def build_table(args, rounds: List[dict], cpus: List[int], elapsed: float) -> st
     for k in range(P):
         devs = [r["measured"]["devices"][k] for r in rounds]
         lines.append("%-6d %-5d %22s %22s %22s %16s %22s" % (
-            k, cpus[0] if k == 0 else cpus[1],
+            k, cpus[0] if k == args.alone else cpus[1],
             " / ".join(_gf(d["matmul"]) for d in devs), " / ".join(_gf(d["elementwise"]) for d in devs),
             " / ".join(_gf(d["update_elementwise"]) for d in devs),
             " / ".join("%.1f" % (d["overhead"] * 1e6) for d in devs),
             " / ".join(_gf(r["learned"]["devices"][k]["matmul"]) for r in rounds)))
     for r_i, r in enumerate(rounds):
         m = r["measured"]
-        ratio = [m["devices"][0]["matmul"] / m["devices"][k]["matmul"] for k in (1, 2)]
-        lr = [r["learned"]["devices"][0]["matmul"] / r["learned"]["devices"][k]["matmul"] for k in (1, 2)]
+        a, shared = args.alone, _shared(args)
+        ratio = [m["devices"][a]["matmul"] / m["devices"][k]["matmul"] for k in shared]
+        lr = [r["learned"]["devices"][a]["matmul"] / r["learned"]["devices"][k]["matmul"] for k in shared]
         links = ", ".join("%d-%d %.0f us + %.0f MB/s" % (p["a"], p["b"], p["latency"] * 1e6, p["bandwidth"] / 1e6)
                           for p in m["pairs"])
-        lines.append("round %d: rank 0 / rank 1, rank 2 matmul speed %.2f, %.2f (learned %.2f, %.2f; factors %s);"
+        lines.append("round %d: rank %d / rank %d, rank %d matmul speed %.2f, %.2f (learned %.2f, %.2f; factors %s);"
                      " links %s; call with one op per process %.1f ms"
-                     % (r_i + 1, ratio[0], ratio[1], lr[0], lr[1],
+                     % (r_i + 1, a, shared[0], shared[1], ratio[0], ratio[1], lr[0], lr[1],
                         ",".join("%.2f" % f for f in r["learned_factors"]), links, m["call_s"] * 1e3))
     last = rounds[-1]
     lines += ["", "Partitions (last round): Dense layers and share of the step's flops; the declared (learned: learned)"
@@ -779,6 +807,10 @@ def build_table(args, rounds: List[dict], cpus: List[int], elapsed: float) -> st
         "%-66s %25s" % ("  per round", " / ".join(
             "%.3f" % (med(r["variants"]["oblivious"]["step_s"]) / med(r["variants"]["learned"]["step_s"]))
             for r in rounds)),
+        "%-66s %25s" % ("bound: the best split of %d equal layers at the learned speeds," % s["layers"],
+                        " / ".join("%.3f" % split_bound([d["matmul"] for d in r["learned"]["devices"]], s["layers"])
+                                   for r in rounds)),
+        "%-66s" % "  against an equal one, compute only (per round)",
         "%-66s %25s" % ("predicted speed-oblivious / speed-aware", "%.3f" % (p_m["oblivious"] / p_m["aware"])),
         "%-66s %25s" % ("predicted speed-oblivious (learned speeds) / learned",
                         "%.3f" % (med(r["variants"]["oblivious"]["learned_prediction"]["step_s"] for r in rounds)
@@ -797,6 +829,8 @@ def main(argv=None) -> int:
                         help="rounds of three fresh processes, alternating the variants' order (default 2)")
     parser.add_argument("--width", type=int, default=1024, help="the Dense layers' width (default 1024)")
     parser.add_argument("--microbatches", type=int, default=M, help="micro-batches per step (default %d)" % M)
+    parser.add_argument("--alone", type=int, default=0, choices=range(P),
+                        help="the rank with a core to itself (default 0: the driver, stage 0)")
     parser.add_argument("--json", help="write the raw results to this file")
     parser.add_argument("--part", default="all", choices=["all", "driver", "stage"], help=argparse.SUPPRESS)
     parser.add_argument("--cpu", type=int, default=None, help=argparse.SUPPRESS)
