@@ -416,3 +416,19 @@ def test_planner_bench_quick_prints_its_tables():
 def test_heterogeneous_bench_quick_prints_its_table():
     out = _run(HETEROGENEOUS_BENCH, timeout=900)
     assert "speed-oblivious / speed-aware step" in out and "speed-oblivious / learned step" in out
+    assert "bound: the best split of" in out
+
+
+def test_heterogeneous_split_bound_tries_every_split():
+    bench = _bench_module(HETEROGENEOUS_BENCH)
+    assert bench.split_bound([1.0, 1.0, 1.0], 12) == pytest.approx(1.0)
+    # Twice as fast: 6:3:3 takes 6 layers' time against 4 x 2 for 4:4:4.
+    assert bench.split_bound([2.0, 1.0, 1.0], 12) == pytest.approx(8 / 6)
+    # 1.8 times: 6:3:3 takes 6 against 7.2; no split of 12 does better.
+    assert bench.split_bound([1.8, 1.0, 1.0], 12) == pytest.approx(7.2 / 6)
+    # The order of the stages does not matter, nor does which is fast.
+    assert bench.split_bound([1.0, 1.0, 1.8], 12) == pytest.approx(7.2 / 6)
+    # 13 layers: the equal split is 5:4:4 (the fast stage first: its
+    # slowest is a slow stage's 4 layers); 7:3:3 takes 3.5.
+    assert bench.split_bound([1.0, 1.0, 1.0], 13) == pytest.approx(1.0)
+    assert bench.split_bound([2.0, 1.0, 1.0], 13) == pytest.approx(4 / 3.5)

@@ -8,10 +8,12 @@ run the MLP of ``benchmarks/pipeline`` (12 x Dense(1024), batch 256, MSE,
 SGD) at M=8 under the interleaved (1F1B) schedule, on 127.0.0.1. Each
 process pins itself with ``os.sched_setaffinity`` before TensorFlow starts:
 rank 0 (the driver, stage 0) has the first core to itself, ranks 1 and 2
-(stages 1 and 2) share the second. Each process has one intra-op thread
+(stages 1 and 2) share the second (``--alone R``: rank R alone, the other
+two sharing; rank k runs stage k). Each process has one intra-op thread
 (``smp.init`` sets it for a process bound to one core) and the library's
 inter-op pool (its device's thread and 8 for the transfers, not spinning).
-So the two stages on the shared core run about half as fast as stage 0.
+So the two stages on the shared core run about half as fast as the one
+alone.
 
 Each round starts the three processes, then, in the driver:
 
@@ -85,6 +87,11 @@ Each round starts the three processes, then, in the driver:
    batch, sends the labels and receives the results) counts as a slower
    device. (c) is predicted as in step 3 on the learned devices its plan
    declares; its target is the same as (b)'s.
+
+The table ends with the speed-ups and their bound per round: the best
+split of the equal layers at the learned speeds against the equal split,
+each stage's compute alone (`split_bound`, every split tried): what no
+partition can beat, before the pipeline's fill and drain and transfers.
 
 Run ``python benchmarks/planner/heterogeneous.py`` (``--quick`` for tiny
 sizes: checks that the script runs, the figures mean nothing). Every
