@@ -181,6 +181,33 @@ def test_the_resource_graph_keeps_cores_runtime_and_bandwidth():
         ResourceGraph.from_dict(bad)
 
 
+def test_a_tensor_crosses_to_another_device_of_the_stage_once():
+    from smp_tf.graph_view import OpGraph
+    from smp_tf.planner.search import GraphInfo, _Timer
+    from smp_tf.rewrite import Task
+
+    # `a` on the stage's first device is read by two ops of its second.
+    graph = OpGraph.from_spec([
+        {"name": "a", "bytes": 10**6, "flops": 0},
+        {"name": "b", "inputs": ["a"], "flops": 0},
+        {"name": "c", "inputs": ["a"], "flops": 0},
+        {"name": "d", "inputs": ["b", "c"], "bytes": 10**6, "flops": 0},
+    ])
+    cluster = ResourceGraph.from_dict(_cluster(devices=2))
+    task = Task(0, 0, members=[0, 1, 2, 3])
+
+    def exchange(shards):
+        timer = _Timer(GraphInfo(graph, [3], shard_of_op=shards), cluster, [["h0/CPU:0", "h0/CPU:1"]])
+        timer.task_seconds(task, [0, 0, 0, 0])
+        return timer.parts[task.key][2]
+
+    hop = cluster.link("h0/CPU:0", "h0/CPU:1").seconds(10**6)
+    assert exchange([0, 0, 0, 0]) == 0.0
+    assert exchange([0, 1, 1, 1]) == pytest.approx(hop)  # once, not once per reader
+    # And `d`, back on the first device, reads `b` and `c`: two tensors.
+    assert exchange([0, 1, 1, 0]) == pytest.approx(hop + 2 * cluster.link("h0/CPU:1", "h0/CPU:0").seconds(4))
+
+
 # -- the planner on declared clusters -----------------------------------------------------
 
 def test_the_plan_ranks_by_predicted_time_and_never_puts_a_misfit_first():

@@ -515,6 +515,9 @@ class _Timer:
         per_shard: Dict[int, float] = {}
         counts: Dict[int, int] = {}
         exchange = 0.0
+        # A tensor crosses to another device of the stage once, however many
+        # of that device's ops read it (one send and one receive per pair).
+        crossed: set = set()
         for i in ops:
             k = shard[i] if shard is not None else 0
             k = min(k, len(devices) - 1)
@@ -525,7 +528,8 @@ class _Timer:
                 for tid in graph.ops[i].inputs:
                     j = graph.tensors[tid].producer
                     kj = min(shard[j], len(devices) - 1)
-                    if kj != k and partition_of_op[j] == task.partition:
+                    if kj != k and partition_of_op[j] == task.partition and (tid, k) not in crossed:
+                        crossed.add((tid, k))
                         exchange += self.cluster.link(devices[kj], devices[k]).seconds(graph.tensors[tid].bytes)
         compute = max(per_shard.values(), default=0.0)
         receive = 0.0
