@@ -480,14 +480,15 @@ class _Timer:
     """Seconds of each task of a candidate on its devices."""
 
     def __init__(self, info: GraphInfo, cluster: ResourceGraph, stage_devices: Sequence[Sequence[str]],
-                 shared: Optional[Dict[Any, Callable[[int], float]]] = None):
+                 shared: Optional[Dict[Any, Any]] = None):
         self.info = info
         self.cluster = cluster
         self.stage_devices = stage_devices
         # Op seconds per kind of device (its speeds, overhead and bandwidth),
+        # and each task's compute on its stage's kinds of device (`_compute`),
         # shared by the timers of one graph: the candidates of a search run
         # on the same few kinds of devices.
-        self._seconds: Dict[Any, Callable[[int], float]] = {} if shared is None else shared
+        self._seconds: Dict[Any, Any] = {} if shared is None else shared
         self._by_name: Dict[str, Callable[[int], float]] = {}
         #: task -> (seconds of its operations and streamed bytes, ops run,
         #: seconds of transfers and dispatch) on its slowest device: what
@@ -496,52 +497,80 @@ class _Timer:
         #: task -> its ops' average parallelism (`_parallelism`).
         self.parallelism: Dict[Tuple[int, int], float] = {}
 
+    def _key(self, name: str) -> Any:
+        device = self.cluster.device(name)
+        return (tuple(sorted(device.flops.items())), device.overhead, device.bandwidth)
+
     def _on(self, name: str) -> Callable[[int], float]:
         f = self._by_name.get(name)
         if f is None:
-            device = self.cluster.device(name)
-            key = (tuple(sorted(device.flops.items())), device.overhead, device.bandwidth)
+            key = self._key(name)
             f = self._seconds.get(key)
             if f is None:
-                f = self._seconds[key] = _op_seconds(self.info.graph, device)
+                f = self._seconds[key] = _op_seconds(self.info.graph, self.cluster.device(name))
             self._by_name[name] = f
         return f
+
+    def _compute(self, task: Any, partition_of_op: Sequence[int], devices: Sequence[str]) -> Tuple[Any, ...]:
+        """A task's ops on its stage's devices: seconds and op counts per
+        device, the tensors that cross between them (bytes, from, to) and
+        the ops' parallelism on the busiest. Depends on the devices' kinds
+        only, so candidates that map a stage to other devices of the same
+        kinds share it."""
+        key = ("task", id(task), tuple(self._key(d) for d in devices))
+        found = self._seconds.get(key)
+        if found is not None:
+            return found
+        graph = self.info.graph
+        ops_of, tensors = graph.ops, graph.tensors
+        shard = self.info.shard_of_op
+        last = len(devices) - 1
+        on = [self._on(d) for d in devices]
+        ops = list(task.members) + list(task.recomputed)
+        per_shard: Dict[int, float] = {}
+        counts: Dict[int, int] = {}
+        # A tensor crosses to another device of the stage once, however many
+        # of that device's ops read it (one send and one receive per pair).
+        crossed: Dict[Tuple[int, int], Tuple[int, int]] = {}
+        split = shard is not None and last > 0
+        for i in ops:
+            k = min(shard[i], last) if shard is not None else 0
+            per_shard[k] = per_shard.get(k, 0.0) + on[k](i)
+            op = ops_of[i]
+            counts[k] = counts.get(k, 0) + (op.kind == "op")
+            if split:
+                # Bytes a device of the stage reads from another of its devices.
+                for tid in op.inputs:
+                    j = tensors[tid].producer
+                    kj = min(shard[j], last)
+                    if kj != k and partition_of_op[j] == task.partition:
+                        crossed.setdefault((tid, k), (kj, k))
+        moves = [(tensors[tid].bytes, kj, k) for (tid, _), (kj, k) in crossed.items()]
+        slowest = max(per_shard, key=per_shard.get, default=0)
+        found = self._seconds[key] = (per_shard, counts, moves, slowest, self._parallelism(ops, devices, slowest))
+        return found
 
     def task_seconds(self, task: Any, partition_of_op: Sequence[int]) -> float:
         graph = self.info.graph
         devices = self.stage_devices[task.partition]
-        shard = self.info.shard_of_op
-        ops = list(task.members) + list(task.recomputed)
-        per_shard: Dict[int, float] = {}
-        counts: Dict[int, int] = {}
+        per_shard, counts, moves, slowest, parallelism = self._compute(task, partition_of_op, devices)
+        links: Dict[Tuple[int, int], Any] = {}
         exchange = 0.0
-        # A tensor crosses to another device of the stage once, however many
-        # of that device's ops read it (one send and one receive per pair).
-        crossed: set = set()
-        for i in ops:
-            k = shard[i] if shard is not None else 0
-            k = min(k, len(devices) - 1)
-            per_shard[k] = per_shard.get(k, 0.0) + self._on(devices[k])(i)
-            counts[k] = counts.get(k, 0) + (graph.ops[i].kind == "op")
-            if shard is not None and len(devices) > 1:
-                # Bytes a device of the stage reads from another of its devices.
-                for tid in graph.ops[i].inputs:
-                    j = graph.tensors[tid].producer
-                    kj = min(shard[j], len(devices) - 1)
-                    if kj != k and partition_of_op[j] == task.partition and (tid, k) not in crossed:
-                        crossed.add((tid, k))
-                        exchange += self.cluster.link(devices[kj], devices[k]).seconds(graph.tensors[tid].bytes)
+        for nbytes, kj, k in moves:
+            link = links.get((kj, k))
+            if link is None:
+                link = links[(kj, k)] = self.cluster.link(devices[kj], devices[k])
+            exchange += link.seconds(nbytes)
         compute = max(per_shard.values(), default=0.0)
         receive = 0.0
         for tid in task.boundary_inputs():
             src = self.stage_devices[task.producer_of_input[tid][0]][0]
             receive += self.cluster.link(src, devices[0]).seconds(graph.tensors[tid].bytes)
         fixed = exchange + receive + self.cluster.runtime.get("action", 0.0)
-        slowest = max(per_shard, key=per_shard.get, default=0)
         n = counts.get(slowest, 0)
         overhead = self.cluster.device(devices[slowest]).overhead
         self.parts[task.key] = (max(compute - n * overhead, 0.0), n, fixed)
-        self.parallelism[task.key] = self._parallelism(ops, devices, slowest)
+        self.parallelism[task.key] = parallelism
         return compute + fixed
 
     def _parallelism(self, ops: Sequence[int], devices: Sequence[str], k: int) -> float:
