@@ -208,6 +208,30 @@ def test_a_tensor_crosses_to_another_device_of_the_stage_once():
     assert exchange([0, 1, 1, 0]) == pytest.approx(hop + 2 * cluster.link("h0/CPU:1", "h0/CPU:0").seconds(4))
 
 
+def test_stages_on_other_devices_of_the_same_kinds_share_their_task_compute():
+    from smp_tf.graph_view import OpGraph
+    from smp_tf.planner.search import GraphInfo, _Timer
+    from smp_tf.rewrite import Task
+
+    graph = OpGraph.from_spec([{"name": "a", "bytes": 10**6, "flops": 1e6},
+                               {"name": "b", "inputs": ["a"], "flops": 2e6}])
+    cluster = ResourceGraph.from_dict(_cluster(devices=4))
+    info = GraphInfo(graph, [1], shard_of_op=[0, 1])
+    task = Task(0, 0, members=[0, 1])
+    shared = {}
+    first = _Timer(info, cluster, [["h0/CPU:0", "h0/CPU:1"]], shared=shared).task_seconds(task, [0, 0])
+    computed = {k for k in shared if isinstance(k, tuple) and k[:1] == ("task",)}
+    second = _Timer(info, cluster, [["h0/CPU:2", "h0/CPU:3"]], shared=shared).task_seconds(task, [0, 0])
+    assert second == first and len(computed) == 1
+    assert {k for k in shared if isinstance(k, tuple) and k[:1] == ("task",)} == computed
+    # A device of another kind is computed on its own.
+    spec = _cluster(devices=4)
+    spec["hosts"]["h0"]["devices"][3]["flops"] = {"matmul": 1e10, "conv": 1e10, "elementwise": 1e9}
+    slow = ResourceGraph.from_dict(spec)
+    third = _Timer(info, slow, [["h0/CPU:2", "h0/CPU:3"]], shared=shared).task_seconds(task, [0, 0])
+    assert third > first
+
+
 # -- the planner on declared clusters -----------------------------------------------------
 
 def test_the_plan_ranks_by_predicted_time_and_never_puts_a_misfit_first():
