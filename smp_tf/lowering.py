@@ -677,6 +677,8 @@ class CompiledStep:
         held, combined = self._output_holds()
         if not (self.outputs_held if outputs_held is None else outputs_held):
             held, combined = None, None
+        if workspace is None:
+            workspace = self._rewritten_workspaces()
         report = predict_memory(
             g, self.plan.partition_of_op, self.tasks, self.simulation,
             num_partitions=self.plan.num_partitions,
@@ -697,6 +699,32 @@ class CompiledStep:
         )
         report.schedule = f"{self.schedule.kind}, {self.num_microbatches} micro-batches"
         return report
+
+    def _rewritten_workspaces(self) -> Optional[Dict[Tuple[int, int], int]]:
+        """Each task's peak on the graph TensorFlow runs: its function after
+        Grappler (`smp_tf.rewritten`), once the functions exist (not while
+        the compile chooses what to recompute); a task whose rewritten
+        graph cannot be read keeps its traced prediction. Not with tensor
+        parallelism, whose devices' shares are predicted on the traced
+        graph."""
+        functions = getattr(self, "_functions", None)
+        if not functions or self.plan.shard_of_op is not None:
+            return None
+        cached = getattr(self, "_rewritten", None)
+        if cached is None:
+            from smp_tf.rewritten import rewritten_workspace
+
+            cpu_scratch = cpu_kernels_allocate_scratch()
+            cached = {}
+            for task in self.tasks:
+                device = str(self.devices[task.partition]) if task.partition < len(self.devices) else ""
+                on_gpu = device.rsplit("device:", 1)[-1].upper().startswith("GPU")
+                peak = rewritten_workspace(functions[task.key], task.partition, task.wave,
+                                           cpu_scratch=cpu_scratch and not on_gpu, on_cpu=not on_gpu)
+                if peak is not None:
+                    cached[task.key] = peak
+            self._rewritten = cached
+        return dict(cached) or None
 
     def _output_holds(self) -> Tuple[Dict[int, str], Dict[int, int]]:
         """`smp_tf.memory.output_holds` of the step's outputs; a fused output

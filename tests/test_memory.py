@@ -1275,3 +1275,55 @@ def test_prediction_within_target_on_large_models(case, partitions):
         # (EAGER_REQUESTED) against the prediction without it.
         low = 0.80 if row[0] == "PROCESS" else 0.85
         assert low * predicted <= measured <= 1.05 * predicted, row
+
+
+# -- the graph TensorFlow runs: a task's function after Grappler ---------------------------
+
+def test_a_functions_rewritten_graph_drops_what_grappler_prunes():
+    import tensorflow as tf
+
+    from smp_tf.graph_view import from_tf_graph
+    from smp_tf.rewrite import Task
+    from smp_tf.rewritten import rewritten_workspace
+
+    @tf.function
+    def with_dead_work(x):
+        _ = tf.ones((512, 512)) * x[0, 0]  # 1 MiB nothing reads: pruned by Grappler
+        return x * 2.0
+
+    @tf.function
+    def without(x):
+        return x * 2.0
+
+    spec = tf.TensorSpec((64, 64), tf.float32)
+
+    def traced_peak(fn):
+        g = from_tf_graph(fn.graph)
+        names = {op.name: op.index for op in g.ops}
+        outs = [g.ops[names[t.name.split(":")[0]]].outputs[0] for t in fn.outputs]
+        return task_workspace(g, Task(0, 0, members=[op.index for op in g.ops if op.kind == "op"], outputs=outs))
+
+    dead, alive = with_dead_work.get_concrete_function(spec), without.get_concrete_function(spec)
+    assert traced_peak(dead) >= 512 * 512 * 4 > traced_peak(alive)
+    assert rewritten_workspace(dead, 0, 0) == rewritten_workspace(alive, 0, 0) == traced_peak(alive)
+    # What cannot be read keeps the traced prediction (None).
+    assert rewritten_workspace(object(), 0, 0) is None
+
+
+def test_a_compiled_steps_report_predicts_each_task_on_its_rewritten_graph():
+    import numpy as np
+
+    import smp_tf as smp
+    from tests.models import BATCH, mlp
+
+    smp.init({"partitions": 2, "microbatches": 4})
+    step = _mlp_step(mlp())
+    step(np.ones((BATCH, 16), "float32"), np.ones((BATCH, 4), "float32"))
+    entry = step.last_compiled
+    report = step.memory_report()
+    assert set(entry._rewritten) == {t.key for t in entry.tasks}
+    assert all(v > 0 for v in entry._rewritten.values())
+    # The report's transient parts come from those peaks: the same as
+    # predicting with them given explicitly.
+    again = entry.memory_report(workspace=dict(entry._rewritten), outputs_held=entry.outputs_held)
+    assert [r.total for r in again] == [r.total for r in report]
