@@ -30,7 +30,7 @@ from tensorflow.python.framework import op_def_registry
 from smp_tf.boundary import raw_input, raw_output
 from smp_tf.config import Config
 from smp_tf.memory import (
-    MemoryReport, choose_recompute, is_gradient_output, optimizer_slots, output_holds, predict_memory,
+    MemoryReport, _kind_of, choose_recompute, is_gradient_output, optimizer_slots, output_holds, predict_memory,
 )
 from smp_tf.partitioner.plan import DEFAULT_SLOTS, PartitionPlan
 from smp_tf.placement import partition_of_device
@@ -379,6 +379,10 @@ class CompiledStep:
         removed = [i for f, _ in self.fused.values() for i in f.removed]
         outputs = sorted(set(task_outputs))
         self.budget = budget
+        # The tasks' functions (built last) and their peaks on the graphs
+        # Grappler makes of them (`_rewritten_workspaces`, on demand).
+        self._functions: Dict[Tuple[int, int], Any] = {}
+        self._rewritten: Optional[Dict[Tuple[int, int], int]] = None
 
         def cut(modes: Sequence[str]) -> None:
             self.recompute = list(modes)
@@ -707,24 +711,20 @@ class CompiledStep:
         graph cannot be read keeps its traced prediction. Not with tensor
         parallelism, whose devices' shares are predicted on the traced
         graph."""
-        functions = getattr(self, "_functions", None)
-        if not functions or self.plan.shard_of_op is not None:
+        if not self._functions or self.plan.shard_of_op is not None:
             return None
-        cached = getattr(self, "_rewritten", None)
-        if cached is None:
+        if self._rewritten is None:
             from smp_tf.rewritten import rewritten_workspace
 
             cpu_scratch = cpu_kernels_allocate_scratch()
-            cached = {}
+            self._rewritten = {}
             for task in self.tasks:
-                device = str(self.devices[task.partition]) if task.partition < len(self.devices) else ""
-                on_gpu = device.rsplit("device:", 1)[-1].upper().startswith("GPU")
-                peak = rewritten_workspace(functions[task.key], task.partition, task.wave,
+                on_gpu = task.partition < len(self.devices) and _kind_of(str(self.devices[task.partition])) == "GPU"
+                peak = rewritten_workspace(self._functions[task.key], task.partition, task.wave,
                                            cpu_scratch=cpu_scratch and not on_gpu, on_cpu=not on_gpu)
                 if peak is not None:
-                    cached[task.key] = peak
-            self._rewritten = cached
-        return dict(cached) or None
+                    self._rewritten[task.key] = peak
+        return dict(self._rewritten) or None
 
     def _output_holds(self) -> Tuple[Dict[int, str], Dict[int, int]]:
         """`smp_tf.memory.output_holds` of the step's outputs; a fused output
