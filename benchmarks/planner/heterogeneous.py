@@ -601,9 +601,8 @@ def run_round(args, cpus: List[int], order: int) -> dict:
             for rank in range(P):
                 env = dict(os.environ, SMP_TF_RANK=str(rank), SMP_TF_SIZE=str(P), SMP_TF_LOCAL_RANK=str(rank),
                            SMP_TF_LOCAL_SIZE=str(P), SMP_TF_ADDRESSES=addresses, PYTHONPATH=str(ROOT))
-                # One rank (--alone) on the first CPU; the other two share the second.
-                cpu = cpus[0] if rank == args.alone else cpus[1]
-                cmd = [sys.executable, __file__, "--part", "driver" if rank == 0 else "stage", "--cpu", str(cpu),
+                cmd = [sys.executable, __file__, "--part", "driver" if rank == 0 else "stage",
+                       "--cpu", str(_cpu_of(rank, args, cpus)),
                        "--order", str(order), "--repeats", str(args.repeats), "--warmup", str(args.warmup)]
                 cmd += ["--quick"] if args.quick else []
                 cmd += ["--width", str(args.width), "--microbatches", str(M)]
@@ -681,12 +680,15 @@ def _shared(args) -> List[int]:
     return [k for k in range(P) if k != args.alone]
 
 
-def build_table(args, rounds: List[dict], cpus: List[int], elapsed: float) -> str:
-    med = statistics.median
+def _cpu_of(rank: int, args, cpus: List[int]) -> int:
+    """The CPU rank `rank` is pinned to: the first for ``--alone``, the
+    second for the two others."""
+    return cpus[0] if rank == args.alone else cpus[1]
+
+
+def _header_lines(args, rounds: List[dict], cpus: List[int], elapsed: float) -> List[str]:
     s = sizes(args)
-    step = {v: [t for r in rounds for t in r["variants"][v]["step_s"]] for v in VARIANTS}
-    t_m = {v: med(step[v]) for v in VARIANTS}
-    lines = [
+    return [
         "smp_tf speed-aware partitioning on unequal devices%s: MLP %d x Dense(%d), batch %d, P=%d over %d processes,"
         " M=%d, interleaved" % (" (--quick: figures mean nothing)" if args.quick else "", s["layers"], s["width"],
                                 s["batch"], P, P, M),
@@ -694,7 +696,13 @@ def build_table(args, rounds: List[dict], cpus: List[int], elapsed: float) -> st
         " round, %d round(s), medians; run took %.0f s" % (versions(), args.alone, cpus[0],
                                                           " and ".join(str(k) for k in _shared(args)), cpus[1],
                                                           args.repeats, args.warmup, len(rounds), elapsed),
-        "",
+    ]
+
+
+def _speed_lines(args, rounds: List[dict], cpus: List[int]) -> List[str]:
+    """Each device's measured and learned speeds, and per round the ratios
+    of the one alone to the others, the links and the call's cost."""
+    lines = [
         "Device speeds measured under concurrent load (all three chains at once), per round; learned: the matmul"
         " speed divided by the",
         "speed-oblivious profile's busy time over its predicted one (all speeds divided, the overhead multiplied):",
@@ -704,14 +712,14 @@ def build_table(args, rounds: List[dict], cpus: List[int], elapsed: float) -> st
     for k in range(P):
         devs = [r["measured"]["devices"][k] for r in rounds]
         lines.append("%-6d %-5d %22s %22s %22s %16s %22s" % (
-            k, cpus[0] if k == args.alone else cpus[1],
+            k, _cpu_of(k, args, cpus),
             " / ".join(_gf(d["matmul"]) for d in devs), " / ".join(_gf(d["elementwise"]) for d in devs),
             " / ".join(_gf(d["update_elementwise"]) for d in devs),
             " / ".join("%.1f" % (d["overhead"] * 1e6) for d in devs),
             " / ".join(_gf(r["learned"]["devices"][k]["matmul"]) for r in rounds)))
+    a, shared = args.alone, _shared(args)
     for r_i, r in enumerate(rounds):
         m = r["measured"]
-        a, shared = args.alone, _shared(args)
         ratio = [m["devices"][a]["matmul"] / m["devices"][k]["matmul"] for k in shared]
         lr = [r["learned"]["devices"][a]["matmul"] / r["learned"]["devices"][k]["matmul"] for k in shared]
         links = ", ".join("%d-%d %.0f us + %.0f MB/s" % (p["a"], p["b"], p["latency"] * 1e6, p["bandwidth"] / 1e6)
@@ -720,8 +728,14 @@ def build_table(args, rounds: List[dict], cpus: List[int], elapsed: float) -> st
                      " links %s; call with one op per process %.1f ms"
                      % (r_i + 1, a, shared[0], shared[1], ratio[0], ratio[1], lr[0], lr[1],
                         ",".join("%.2f" % f for f in r["learned_factors"]), links, m["call_s"] * 1e3))
+    return lines
+
+
+def _partition_lines(rounds: List[dict]) -> List[str]:
+    """The last round's split per variant: each stage's layers, speed and
+    tasks predicted against profiled; notes where rounds split differently."""
     last = rounds[-1]
-    lines += ["", "Partitions (last round): Dense layers and share of the step's flops; the declared (learned: learned)"
+    lines = ["", "Partitions (last round): Dense layers and share of the step's flops; the declared (learned: learned)"
               " device's speed on the stage's work; per micro-batch the forward / backward task predicted (at that"
               " speed) and",
               "measured (profiled steps, median task); per step the stage's busy time predicted (M micro-batches)"
@@ -754,6 +768,15 @@ def build_table(args, rounds: List[dict], cpus: List[int], elapsed: float) -> st
         if len(splits[v]) > 1:
             lines.append("note: the %s split differed between rounds: %s" % (label, sorted(splits[v])))
 
+    return lines
+
+
+def _figure_lines(rounds: List[dict], t_m: Dict[str, float], p_m: Dict[str, float]) -> List[str]:
+    """The step measured against its predicted parts, the profile's view of
+    the step, and the diagnostic fit, one column per variant."""
+    med = statistics.median
+    lines: List[str] = []
+
     def pred(v: str, key: str) -> float:
         return med(r["variants"][v]["prediction"][key] for r in rounds)
 
@@ -773,7 +796,6 @@ def build_table(args, rounds: List[dict], cpus: List[int], elapsed: float) -> st
     row("  + gradient running sums in the backward tasks [ms]", *each(lambda v: _ms(pred(v, "accumulate_s"))))
     row("  + update after each stage's last task [ms]", *each(lambda v: _ms(pred(v, "update_s"))))
     row("  + call with one op per process (measured) [ms]", *each(lambda v: _ms(pred(v, "call_s"))))
-    p_m = {v: med(r["variants"][v]["prediction"]["step_s"] for r in rounds) for v in VARIANTS}
     row("predicted step [ms] (learned: at the learned speeds)", *each(lambda v: _ms(p_m[v])))
     err = {v: p_m[v] / t_m[v] - 1 for v in VARIANTS}
     row("predicted / measured - 1 (target for aware, learned: within %d%%)" % (100 * PREDICTION_TARGET),
@@ -804,8 +826,15 @@ def build_table(args, rounds: List[dict], cpus: List[int], elapsed: float) -> st
     row("diagnostic: chain speeds scaled to the oblivious profile's busy", *([""] * len(VARIANTS)))
     row("  times, by stage (per round) %s; predicted step [ms]" % factors, *each(lambda v: _ms(r_m[v])))
     row("  predicted / measured - 1 (oblivious: fitted)", *each(lambda v: "%+.1f%%" % (100 * (r_m[v] / t_m[v] - 1))))
+    return lines
+
+
+def _verdict_lines(args, rounds: List[dict], t_m: Dict[str, float], p_m: Dict[str, float]) -> List[str]:
+    """The speed-ups against their target, their bound and their predictions."""
+    med = statistics.median
+    s = sizes(args)
     ratio = {v: t_m["oblivious"] / t_m[v] for v in ("aware", "learned")}
-    lines += [
+    return [
         "",
         "%-66s %25s" % ("speed-oblivious / speed-aware step (target >= %.2f)" % SPEEDUP_TARGET,
                         "%.3f %s" % (ratio["aware"], "PASS" if ratio["aware"] >= SPEEDUP_TARGET else "FAIL")),
@@ -823,6 +852,14 @@ def build_table(args, rounds: List[dict], cpus: List[int], elapsed: float) -> st
                         "%.3f" % (med(r["variants"]["oblivious"]["learned_prediction"]["step_s"] for r in rounds)
                                   / p_m["learned"])),
     ]
+
+
+def build_table(args, rounds: List[dict], cpus: List[int], elapsed: float) -> str:
+    med = statistics.median
+    t_m = {v: med([t for r in rounds for t in r["variants"][v]["step_s"]]) for v in VARIANTS}
+    p_m = {v: med(r["variants"][v]["prediction"]["step_s"] for r in rounds) for v in VARIANTS}
+    lines = (_header_lines(args, rounds, cpus, elapsed) + [""] + _speed_lines(args, rounds, cpus)
+             + _partition_lines(rounds) + _figure_lines(rounds, t_m, p_m) + _verdict_lines(args, rounds, t_m, p_m))
     return "\n".join(lines)
 
 
