@@ -480,7 +480,7 @@ class _Timer:
     """Seconds of each task of a candidate on its devices."""
 
     def __init__(self, info: GraphInfo, cluster: ResourceGraph, stage_devices: Sequence[Sequence[str]],
-                 shared: Optional[Dict[Any, Any]] = None):
+                 shared: Optional[Dict[str, Dict[Any, Any]]] = None):
         self.info = info
         self.cluster = cluster
         self.stage_devices = stage_devices
@@ -488,8 +488,11 @@ class _Timer:
         # and each task's compute on its stage's kinds of device (`_compute`),
         # shared by the timers of one graph: the candidates of a search run
         # on the same few kinds of devices.
-        self._seconds: Dict[Any, Any] = {} if shared is None else shared
+        shared = {} if shared is None else shared
+        self._seconds: Dict[Any, Callable[[int], float]] = shared.setdefault("op seconds", {})
+        self._tasks: Dict[Any, Tuple[Any, ...]] = shared.setdefault("task compute", {})
         self._by_name: Dict[str, Callable[[int], float]] = {}
+        self._kinds: Dict[str, Any] = {}
         #: task -> (seconds of its operations and streamed bytes, ops run,
         #: seconds of transfers and dispatch) on its slowest device: what
         #: `smp_tf.planner.learn` fits measured durations to.
@@ -498,8 +501,12 @@ class _Timer:
         self.parallelism: Dict[Tuple[int, int], float] = {}
 
     def _key(self, name: str) -> Any:
-        device = self.cluster.device(name)
-        return (tuple(sorted(device.flops.items())), device.overhead, device.bandwidth)
+        """The device's kind as the op seconds see it: speeds, overhead, bandwidth."""
+        key = self._kinds.get(name)
+        if key is None:
+            device = self.cluster.device(name)
+            key = self._kinds[name] = (tuple(sorted(device.flops.items())), device.overhead, device.bandwidth)
+        return key
 
     def _on(self, name: str) -> Callable[[int], float]:
         f = self._by_name.get(name)
@@ -517,8 +524,8 @@ class _Timer:
         the ops' parallelism on the busiest. Depends on the devices' kinds
         only, so candidates that map a stage to other devices of the same
         kinds share it."""
-        key = ("task", id(task), tuple(self._key(d) for d in devices))
-        found = self._seconds.get(key)
+        key = (id(task), tuple(self._key(d) for d in devices))
+        found = self._tasks.get(key)
         if found is not None:
             return found
         graph = self.info.graph
@@ -547,7 +554,7 @@ class _Timer:
                         crossed.setdefault((tid, k), (kj, k))
         moves = [(tensors[tid].bytes, kj, k) for (tid, _), (kj, k) in crossed.items()]
         slowest = max(per_shard, key=per_shard.get, default=0)
-        found = self._seconds[key] = (per_shard, counts, moves, slowest, self._parallelism(ops, devices, slowest))
+        found = self._tasks[key] = (per_shard, counts, moves, slowest, self._parallelism(ops, devices, slowest))
         return found
 
     def task_seconds(self, task: Any, partition_of_op: Sequence[int]) -> float:
@@ -747,7 +754,7 @@ def predict_time(info: GraphInfo, cand: Candidate, cluster: ResourceGraph, *, sl
     stage_devices = [groups[(0, c % P)] for c in range(S)]
     ckey = ("seconds", tkey, tuple(stage_devices), id(graph))
     if ckey not in mine:
-        timer = _Timer(info, cluster, stage_devices, shared=mine.setdefault(("op seconds", id(graph)), {}))
+        timer = _Timer(info, cluster, stage_devices, shared=mine.setdefault(("timer caches", id(graph)), {}))
         mine[ckey] = ({t.key: timer.task_seconds(t, assignment) for t in tasks}, timer.parts, timer.parallelism)
     seconds, parts, parallel = mine[ckey]
     # Gradients are summed over the micro-batches as each task makes them.
