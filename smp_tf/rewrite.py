@@ -27,7 +27,7 @@ protobuf; it creates no TensorFlow ops.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable, Dict, List, Optional, Sequence, Set, Tuple, Union
+from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple, Union
 
 from smp_tf.graph_view import OpGraph, OpNode, strongly_connected
 from smp_tf.partitioner.groups import ROUNDING_DTYPES, free_ops
@@ -230,11 +230,12 @@ def waves(
     partition_of_op: Sequence[int],
     dup: Sequence[bool],
     carried: Optional[Sequence[bool]] = None,
+    prelude: Optional[Sequence[bool]] = None,
 ) -> List[Optional[int]]:
     """The wave of every non-duplicable op (None for duplicable ones).
 
-    `carried` is `forward_values_in_gradients(graph, dup)`, computed here
-    when not given.
+    `carried` is `forward_values_in_gradients(graph, dup)` and `prelude`
+    `gradient_preludes(graph, dup)`, computed here when not given.
 
     Rules, in order:
 
@@ -387,7 +388,8 @@ def waves(
     # GELU's gradient) are preludes of the backward: they run with the
     # backward that reads them, not in the forward task, which then stays a
     # forward (the schedule runs it as one) and keeps ``x``, not its prelude.
-    prelude = gradient_preludes(graph, dup)
+    if prelude is None:
+        prelude = gradient_preludes(graph, dup)
     comp_prelude = [True] * ncomp
     for i in range(n):
         if not dup[i] and not prelude[i]:
@@ -819,6 +821,7 @@ def build_tasks(
     exclude: Sequence[int] = (),
     recompute: Union[str, Sequence[str]] = "never",
     split_weight: bool = False,
+    memo: Optional[Dict[Any, Any]] = None,
 ) -> List[Task]:
     """Cuts a partitioned graph into tasks (see the module doc).
 
@@ -836,6 +839,11 @@ def build_tasks(
         exclude: op indices computed outside the tasks (fused gradients);
             nothing left in the tasks may read them.
         recompute: one of `RECOMPUTE_MODES`, or one per partition.
+        memo: a dict kept by a caller that cuts one graph under many
+            splits (the planner): what does not depend on the split (the
+            duplicable ops, the forward values gradients read, the
+            gradients' preludes) is computed once per outputs and
+            exclusions.
         split_weight: split every backward task with weight-gradient work
             into B and a W task (`split_backward`), for the ``zero_bubble``
             schedule; a fused task gives W only its weight-gradient
@@ -849,15 +857,20 @@ def build_tasks(
     Raises:
         ValueError: an unknown recompute mode.
     """
-    keep = [graph.tensors[t].producer for t in output_tensors]
-    dup = duplicable_ops(graph, keep)
-    excluded = set(exclude)
-    for i in excluded:
-        # Marked duplicable, they join no task; nothing reads them, so no
-        # task copies them in either.
-        dup[i] = True
-    carried = forward_values_in_gradients(graph, dup)
-    wave = waves(graph, partition_of_op, dup, carried)
+    key = (tuple(output_tensors), tuple(sorted(set(exclude))))
+    found = None if memo is None else memo.get(key)
+    if found is None:
+        keep = [graph.tensors[t].producer for t in output_tensors]
+        dup = duplicable_ops(graph, keep)
+        for i in exclude:
+            # Marked duplicable, they join no task; nothing reads them, so no
+            # task copies them in either.
+            dup[i] = True
+        found = (dup, forward_values_in_gradients(graph, dup), gradient_preludes(graph, dup))
+        if memo is not None:
+            memo[key] = found
+    dup, carried, prelude = found
+    wave = waves(graph, partition_of_op, dup, carried, prelude)
     modes = _recompute_modes(recompute, partition_of_op)
     tasks = _assemble(graph, partition_of_op, output_tensors, dup, carried, wave, modes, set())
     if not split_weight:

@@ -280,6 +280,41 @@ def test_the_best_rows_config_runs_and_matches_one_device():
     assert ran == 2
 
 
+def test_each_row_predicts_the_split_its_config_runs():
+    """The runtime splits the graph of one micro-batch, and which ops join a
+    variable's group can depend on the bytes they exchange: a tied output
+    projection stays with its embedding at small micro-batches (moving the
+    matrix would cost more than moving the activations) and not at large
+    ones. Each row's prediction is for the split `smp.init(row.config)`
+    makes, so rows of other micro-batch sizes come to other splits."""
+    import tensorflow as tf
+
+    from tests.models import TiedTransformer
+
+    model = TiedTransformer(vocab=64, dim=32)
+    rng = np.random.default_rng(0)
+    x = rng.integers(0, 64, size=(8, 6)).astype("int32")
+    y = rng.integers(0, 64, size=(8, 6)).astype("int32")
+    model(x[:2])
+
+    @smp.step
+    def step(x, y):
+        with tf.GradientTape() as tape:
+            logits = model(x)
+            loss = tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(labels=y, logits=logits))
+        return loss, tape.gradient(loss, model.trainable_variables)
+
+    smp.init({"partitions": 1})
+    plan = smp.plan(step, x, y, cluster=_cluster(devices=2), partitions=[2], microbatches=[1, 8], replicas=[1],
+                    tensor_parallel_degrees=[1], pipelines=["simple"], virtual_stages=[1], recompute=["never"])
+    splits = {}
+    for row in plan.rows:
+        smp.init(row.config)
+        assert list(step.get_plan(x, y).partition_of_op) == list(row.partition_of_op), row.candidate.label()
+        splits[row.candidate.microbatches] = tuple(row.partition_of_op)
+    assert sorted(splits) == [1, 8] and splits[1] != splits[8]
+
+
 def test_a_faster_device_and_a_slow_network_shape_the_plan():
     """On two hosts joined by a slow network, with tensor parallelism
     allowed, a stage's devices share a host; and the predicted time falls

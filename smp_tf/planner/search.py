@@ -178,6 +178,9 @@ class PlanRow:
         task_parts: ``(partition, wave)`` -> (seconds of its operations,
             ops it runs, seconds of its transfers and dispatch), on its
             slowest device alone.
+        partition_of_op: the split the prediction is for: op index (of
+            the step's graph) -> stage, as `smp.init` with ``config``
+            splits the step (`PartitionPlan.partition_of_op`).
     """
 
     candidate: Candidate
@@ -192,6 +195,7 @@ class PlanRow:
     task_seconds: Dict[Tuple[int, int], float] = field(default_factory=dict)
     task_elapsed: Dict[Tuple[int, int], float] = field(default_factory=dict)
     task_parts: Dict[Tuple[int, int], Tuple[float, int, float]] = field(default_factory=dict)
+    partition_of_op: Sequence[int] = ()
 
     @property
     def replicas(self) -> int:
@@ -722,10 +726,15 @@ def predict_time(info: GraphInfo, cand: Candidate, cluster: ResourceGraph, *, sl
         devices = [cluster.device(groups[(0, c % P)][0]) for c in range(S)]
         speeds = effective_speeds(devices, mine["mix"])
         unequal = max(speeds) > min(speeds) * (1 + 1e-9)
-        key = ("split", S, tuple(speeds) if unequal else None)
+        key = ("split", S, tuple(speeds) if unequal else None, id(graph))
         if key not in mine:
             # With optimize="speed" the split does not depend on the recompute mode.
-            mine[key] = assign_partitions(shape, S, optimize="speed", slots=slots, groups=mine["groups"],
+            # The runtime splits the graph of the micro-batch it runs, with
+            # that graph's groups (which ops join a variable's group can
+            # depend on the bytes they exchange): so does the prediction.
+            if ("groups", id(graph)) not in mine:
+                mine[("groups", id(graph))] = (mine["groups"] if graph is shape else colocation_groups(graph))
+            mine[key] = assign_partitions(graph, S, optimize="speed", slots=slots, groups=mine[("groups", id(graph))],
                                           stage_speeds=speeds if unequal else None)
         return mine[key]
 
@@ -742,7 +751,7 @@ def predict_time(info: GraphInfo, cand: Candidate, cluster: ResourceGraph, *, sl
     built = ("tasks", akey, cand.recompute, builder.split_weight)
     if built not in mine:
         mine[built] = build_tasks(shape, assignment, sorted(set(info.outputs)), recompute=cand.recompute,
-                                  split_weight=builder.split_weight)
+                                  split_weight=builder.split_weight, memo=mine.setdefault("cuts", {}))
     tkey = built + (P,)
     if tkey not in mine:
         mine[tkey] = (mine[built], task_specs(mine[built], device_of))
@@ -776,6 +785,7 @@ def predict_time(info: GraphInfo, cand: Candidate, cluster: ResourceGraph, *, sl
     )
     row.task_seconds = seconds
     row.task_parts = parts
+    row.partition_of_op = assignment
     # What each action takes as it runs, sharing cores: what a profile measures.
     row.task_elapsed = {k: (sum(by_task[k]) / len(by_task[k]) if k in by_task else v) for k, v in seconds.items()}
     return row, (assignment, groups, tasks)

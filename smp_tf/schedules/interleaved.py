@@ -177,10 +177,17 @@ def list_order(tasks: Tuple[TaskSpec, ...], m: int, defer_weight: bool = False) 
     group = num_dev if virtual else 1
     # Unfinished dependencies of each (task, micro-batch).
     waiting = {(t.key, mb): len(t.deps) for t in tasks for mb in range(m)}
-    ready: Dict[int, List[Action]] = {d: [] for d in range(num_dev)}
+    # Ready actions per device, one list per kind (backward, deferred
+    # weight, forward), each in the order its actions became ready: `pick`
+    # runs for every idle device at every step of the build, and reads one
+    # list instead of sorting all of a device's ready actions by kind.
+    deferred_keys = {k for k, t in by_key.items() if defer_weight and t.weight}
+    kind_of = {k: ("W" if k in deferred_keys else "B" if t.backward else "F") for k, t in by_key.items()}
+    ready: Dict[str, Dict[int, List[Action]]] = {c: {d: [] for d in range(num_dev)} for c in "BWF"}
     for t in tasks:
         if not t.deps:
-            ready[t.device].extend(Action(t.partition, t.wave, mb) for mb in range(m))
+            ready[kind_of[t.key]][t.device].extend(Action(t.partition, t.wave, mb) for mb in range(m))
+    ready_b, ready_w, ready_f = ready["B"], ready["W"], ready["F"]
     left = {(p, mb): n for p, n in tasks_of_partition.items() for mb in range(m)}
     inflight: Dict[int, Set[Tuple[int, int]]] = {d: set() for d in range(num_dev)}
     limit = in_flight_limits(tasks)
@@ -196,23 +203,16 @@ def list_order(tasks: Tuple[TaskSpec, ...], m: int, defer_weight: bool = False) 
 
     loss_devices = {t.device for t in tasks if t.fused}
 
-    # Each task's kind, looked up once: `pick` runs for every idle device at
-    # every step of the build.
-    deferred_keys = {k for k, t in by_key.items() if defer_weight and t.weight}
-    backward_keys = {k for k, t in by_key.items() if t.backward and k not in deferred_keys}
-    forward_keys = {k for k, t in by_key.items() if not t.backward}
-
     def pick(d: int, relax: bool) -> Optional[Action]:
-        cands = ready[d]
-        bwd = [a for a in cands if a.task in backward_keys]
+        bwd = ready_b[d]
         if bwd:
             return min(bwd, key=priority)
-        deferred = [a for a in cands if a.task in deferred_keys]
+        deferred = ready_w[d]
         if deferred and d in loss_devices:
             return min(deferred, key=priority)
         held = inflight[d]
         room = relax or len(held) < limit[d]
-        fwd = [a for a in cands if a.task in forward_keys and (room or (a.partition, a.microbatch) in held)]
+        fwd = ready_f[d] if room else [a for a in ready_f[d] if (a.partition, a.microbatch) in held]
         if fwd:
             return min(fwd, key=priority)
         # W actions wait for a gap: nothing on the critical path is ready.
@@ -220,7 +220,7 @@ def list_order(tasks: Tuple[TaskSpec, ...], m: int, defer_weight: bool = False) 
 
     def begin(d: int, a: Action) -> None:
         nonlocal seq
-        ready[d].remove(a)
+        ready[kind_of[(a.partition, a.wave)]][d].remove(a)
         order[d].append(a)
         inflight[d].add((a.partition, a.microbatch))
         busy[d] = True
@@ -229,13 +229,14 @@ def list_order(tasks: Tuple[TaskSpec, ...], m: int, defer_weight: bool = False) 
 
     while remaining:
         for d in range(num_dev):
-            if not busy[d] and ready[d]:  # nothing ready: nothing to pick
+            # Nothing ready: nothing to pick.
+            if not busy[d] and (ready_b[d] or ready_w[d] or ready_f[d]):
                 a = pick(d, relax=False)
                 if a is not None:
                     begin(d, a)
         if not events:
             for d in range(num_dev):
-                a = pick(d, relax=True) if ready[d] else None
+                a = pick(d, relax=True) if (ready_b[d] or ready_w[d] or ready_f[d]) else None
                 if a is not None:
                     begin(d, a)
                     break
@@ -256,7 +257,7 @@ def list_order(tasks: Tuple[TaskSpec, ...], m: int, defer_weight: bool = False) 
             for u in users[a.task]:
                 waiting[(u, a.microbatch)] -= 1
                 if waiting[(u, a.microbatch)] == 0:
-                    ready[by_key[u].device].append(Action(u[0], u[1], a.microbatch))
+                    ready[kind_of[u]][by_key[u].device].append(Action(u[0], u[1], a.microbatch))
     return order
 
 
