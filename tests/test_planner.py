@@ -54,12 +54,52 @@ def test_a_given_graph_has_hosts_devices_and_classed_links():
     (lambda s: s["hosts"]["b"].update(devices=[]), r"Host 'b' needs a non-empty 'devices' list"),
     (lambda s: s["links"].update(rack={"bandwidth": 1}), r"Unknown link classes \['rack'\]"),
     (lambda s: s["hosts"]["a"]["devices"].append(dict(s["hosts"]["a"]["devices"][0])), r"repeated: \['a/GPU:0'\]"),
+    (lambda s: s["hosts"]["a"]["devices"][0].update(ops={"Softmax": 0}), r"ops\['Softmax'\] must be positive"),
+    (lambda s: s["hosts"]["a"]["devices"][0].update(ops=[1e9]), r"ops must be a dict of op type"),
 ])
 def test_a_malformed_graph_names_what_is_wrong(change, message):
     spec = _spec()
     change(spec)
     with pytest.raises(ValueError, match=message):
         ResourceGraph.from_dict(spec)
+
+
+def test_a_device_may_give_its_own_speed_for_an_op_type():
+    """An op type with its own figure runs at it; every other op at its
+    class's speed. The figures print and come back from the dict."""
+    from smp_tf.graph_view import OpGraph, OpNode, TensorInfo
+    from smp_tf.planner.search import _op_seconds
+
+    spec = _spec()
+    spec["hosts"]["a"]["devices"][0]["ops"] = {"SparseSoftmaxCrossEntropyWithLogits": 1e9}
+    g = ResourceGraph.from_dict(spec)
+    fast, plain = g.device("a/GPU:0"), g.device("a/GPU:1")
+    assert fast.op_speed("SparseSoftmaxCrossEntropyWithLogits") == 1e9
+    assert plain.op_speed("SparseSoftmaxCrossEntropyWithLogits") == 3e12  # its class: element-wise
+    assert fast.op_speed("MatMul") == 3e14
+    ops = [OpNode(0, "loss", "SparseSoftmaxCrossEntropyWithLogits", [], [0], flops=1e9),
+           OpNode(1, "relu", "Relu", [0], [1], flops=1e9)]
+    tensors = [TensorInfo(0, 0, 0, 4, shape=(1,), consumers=[1]), TensorInfo(1, 1, 0, 4, shape=(1,))]
+    graph = OpGraph(ops, tensors, {})
+    assert _op_seconds(graph, fast)(0) == pytest.approx(1.0 + 5e-6)
+    assert _op_seconds(graph, plain)(0) == pytest.approx(1e9 / 3e12 + 5e-6)
+    assert _op_seconds(graph, fast)(1) == _op_seconds(graph, plain)(1)
+    assert "SparseSoftmaxCrossEntropyWithLogits 1.00" in str(g)
+    assert ResourceGraph.from_dict(g.to_dict()).device("a/GPU:0").ops == fast.ops
+
+
+def test_the_product_figures_reproduce_both_calibration_chains():
+    """Speed and bandwidth come from two chains under the model that
+    predicts with them (operations at the speed plus bytes at the
+    bandwidth): recovered exactly from times that model makes."""
+    from smp_tf.planner.calibrate import _solve2
+
+    speed, bandwidth = 2.5e11, 2e10
+    square, skinny = (3.4e7, 7.9e5), (8.4e6, 1.1e6)
+    times = [(f, b, f / speed + b / bandwidth) for f, b in (square, skinny)]
+    per_flop, per_byte = _solve2(*times)
+    assert 1 / per_flop == pytest.approx(speed) and 1 / per_byte == pytest.approx(bandwidth)
+    assert _solve2((1.0, 2.0, 3.0), (2.0, 4.0, 6.0)) == (0.0, 0.0)  # not determined
 
 
 def test_cost_classes_of_the_flop_model():
@@ -90,7 +130,7 @@ def test_the_config_takes_a_dict_or_a_json_file(tmp_path):
 
 
 def test_calibration_measures_this_host_and_is_cached(tmp_path):
-    from smp_tf.planner.calibrate import cache_path, local_cluster
+    from smp_tf.planner.calibrate import MEASURED_OPS, cache_path, local_cluster
 
     smp.init({"partitions": 2})
     devices = ["/device:CPU:0", "/device:CPU:1"]
@@ -100,6 +140,7 @@ def test_calibration_measures_this_host_and_is_cached(tmp_path):
     for d in g.devices:
         assert d.kind == "CPU" and d.memory > 0 and d.overhead > 0
         assert all(d.flops[c] > 1e6 for c in COST_CLASSES), d.flops
+        assert set(d.ops) == set(MEASURED_OPS) and all(v > 1e6 for v in d.ops.values()), d.ops
     link = g.link(g.devices[0].name, g.devices[1].name)
     assert link.kind == "host" and link.bandwidth > 0 and link.latency > 0
     # Later runs read the cache; refresh measures again.

@@ -6,14 +6,18 @@ TensorFlow has), a few small `tf.function`s run on that device alone:
 * ``matmul``: a chain of products of 256 x 256 matrices (512 on GPUs);
 * ``conv``: a chain of 3 x 3 convolutions of 32 channels on 32 x 32 images;
 * ``elementwise``: a chain of additions and multiplications of 2^18 floats;
-* the per-op overhead: a chain of 200 additions of scalars.
+* the per-op overhead: a chain of 200 additions of scalars;
+* ``ops``: a chain of each of `MEASURED_OPS`, op types whose work per
+  element the element-wise class misses.
 
 Each figure is the median of three timed calls after one untimed one, in
 the flop units of `smp_tf.graph_view.estimate_flops`; logical CPU devices
 of one process (the same cores) each get the median of their figures.
-A chain of products of 1/16 as many rows by distinct large weights gives
-the bandwidth products stream their operands at; calling a one-op
-`tf.function` the runtime's cost of a step. Then, for every pair
+A chain of products of 1/16 as many rows by distinct large weights and
+the square chain together give the product speed and the bandwidth
+products stream their operands at (the prediction charges a product
+both); calling a one-op `tf.function` the runtime's cost of a step, and a
+function kept a call (as the pipeline's tasks are) the cost of an action. Then, for every pair
 of devices, a tensor of 4 bytes and one of 4 MiB go back and forth between
 them, each hop after the one before (a chain, as the ops of a step that
 exchange tensors wait for them), against the same chain on one device: the
@@ -47,7 +51,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 from smp_tf.planner.resources import COST_CLASSES, Device, Link, ResourceGraph
 
-__all__ = ["calibrate", "local_cluster", "cache_path"]
+__all__ = ["calibrate", "local_cluster", "cache_path", "MEASURED_OPS"]
 
 _SIZES = {"matmul": 256, "conv": 32, "elementwise": 1 << 18}
 _CHAIN = 8
@@ -150,14 +154,123 @@ def _device_speeds(device: str, scale: float) -> Tuple[Dict[str, float], float, 
     # Each chain also pays its ops' fixed cost; the speed is what is left.
     ops = {"matmul": _CHAIN, "conv": _CHAIN, "elementwise": 2 * _CHAIN}
     speeds = {c: flops[c] / max(seconds[c] - ops[c] * overhead, 1e-9) for c in COST_CLASSES}
-    # What the streamed products take beyond their operations at that speed
-    # is the weights' (and rows') bytes at the memory's bandwidth.
     streamed_s = _timed(on_device(streamed), skinny, *weights)
-    moved = _CHAIN * 4 * (k * k + 2 * rows * k)
-    left = streamed_s - _CHAIN * (estimate_flops("MatMul", [(rows, k), (k, k)], [(rows, k)]) / speeds["matmul"]
-                                  + overhead)
-    bandwidth = moved / left if left > 0.05 * streamed_s else 0.0
+    # The prediction charges a product (and a convolution) its operations at
+    # the class's speed plus its operands' and result's bytes at the
+    # bandwidth (`smp_tf.planner.search`), so both figures come from the two
+    # product chains under that same model: the square chain (mostly
+    # operations) and the skinny one (mostly the weights' bytes), two
+    # equations in 1 / speed and 1 / bandwidth. Then each chain is
+    # predicted as measured.
+    square_bytes = _CHAIN * 4 * 3 * n * n
+    skinny_flops = _CHAIN * estimate_flops("MatMul", [(rows, k), (k, k)], [(rows, k)])
+    skinny_bytes = _CHAIN * 4 * (k * k + 2 * rows * k)
+    per_flop, per_byte = _solve2(
+        (flops["matmul"], square_bytes, seconds["matmul"] - ops["matmul"] * overhead),
+        (skinny_flops, skinny_bytes, streamed_s - _CHAIN * overhead),
+    )
+    bandwidth = 0.0
+    if per_flop > 0 and per_byte > 0 and skinny_bytes * per_byte > 0.05 * streamed_s:
+        bandwidth = 1.0 / per_byte
+        speeds["matmul"] = 1.0 / per_flop
+        conv_bytes = _CHAIN * 4 * (2 * 8 * c * c * 32 + 3 * 3 * 32 * 32)
+        conv_left = seconds["conv"] - ops["conv"] * overhead - conv_bytes * per_byte
+        if conv_left > 0.05 * seconds["conv"]:
+            speeds["conv"] = flops["conv"] / conv_left
     return speeds, overhead, bandwidth
+
+
+#: Op types whose work per element the element-wise class (additions and
+#: multiplications) misses, each timed on its own by the calibration: the
+#: softmax cross-entropies (a softmax, a logarithm and the gradient per
+#: logit: on a 2-core EPYC about 12 multiplications' time per logit, and
+#: the largest op of a language model's loss), the softmax itself, and the
+#: transcendental activations.
+MEASURED_OPS = (
+    "SparseSoftmaxCrossEntropyWithLogits",
+    "SoftmaxCrossEntropyWithLogits",
+    "Softmax",
+    "Tanh",
+    "Erf",
+    "Exp",
+)
+
+
+def _op_speeds(device: str, scale: float, overhead: float, elementwise: float) -> Dict[str, float]:
+    """The speed of each of `MEASURED_OPS` on `device`, in the flop model's
+    units (`estimate_flops` of the op) per second: a chain of 8 of the op
+    on rows of 1024 (2^18 elements at scale 1), less the ops' fixed cost
+    and the element-wise work around them (at `elementwise`, the class's
+    speed)."""
+    import tensorflow as tf
+
+    from smp_tf.graph_view import estimate_flops
+
+    cols = 1024
+    rows = max(int((1 << 18) * scale) // cols, 8)
+    with tf.device(device):
+        logits = tf.random.stateless_normal((rows, cols), seed=(14, 15))
+        labels = tf.zeros((rows,), tf.int32)
+        dense = tf.nn.softmax(tf.random.stateless_normal((rows, cols), seed=(16, 17)))
+
+    def run_of(body):
+        @tf.function
+        def run(x):
+            with tf.device(device):
+                return body(x)
+        return run
+
+    def chain(op):
+        def body(x):
+            for _ in range(_CHAIN):
+                x = op(x)
+            return tf.reduce_sum(x[:1, :1])
+        return body
+
+    def losses(op):
+        # Not chainable (a loss and a gradient per call): independent calls
+        # on shifted logits, each kept alive by the sum.
+        def body(x):
+            total = tf.constant(0.0)
+            for k in range(_CHAIN):
+                loss, grad = op(x + float(k))
+                total += loss[0] + grad[0, 0]
+            return total
+        return body
+
+    shape = (rows, cols)
+    bodies = {
+        "SparseSoftmaxCrossEntropyWithLogits": (
+            losses(lambda x: tf.raw_ops.SparseSoftmaxCrossEntropyWithLogits(features=x, labels=labels)),
+            estimate_flops("SparseSoftmaxCrossEntropyWithLogits", [shape, (rows,)], [(rows,), shape]), 2),
+        "SoftmaxCrossEntropyWithLogits": (
+            losses(lambda x: tf.raw_ops.SoftmaxCrossEntropyWithLogits(features=x, labels=dense)),
+            estimate_flops("SoftmaxCrossEntropyWithLogits", [shape, shape], [(rows,), shape]), 2),
+        "Softmax": (chain(tf.nn.softmax), estimate_flops("Softmax", [shape], [shape]), 1),
+        "Tanh": (chain(tf.tanh), estimate_flops("Tanh", [shape], [shape]), 1),
+        "Erf": (chain(tf.math.erf), estimate_flops("Erf", [shape], [shape]), 1),
+        # Scaled down first (one multiplication, at the class's cost) so the
+        # chain stays finite.
+        "Exp": (chain(lambda x: tf.exp(x * 1e-3)), estimate_flops("Exp", [shape], [shape]), 2),
+    }
+    out: Dict[str, float] = {}
+    for op_type in MEASURED_OPS:
+        body, units, per_call = bodies[op_type]
+        # Each call's other op (the scaling, or the shift) at the class's speed.
+        around = (per_call - 1) * (rows * cols / elementwise + overhead)
+        seconds = _timed(run_of(body), logits) / _CHAIN - overhead - around
+        out[op_type] = units / max(seconds, 1e-9)
+    return out
+
+
+def _solve2(first: Tuple[float, float, float], second: Tuple[float, float, float]) -> Tuple[float, float]:
+    """``(x, y)`` with ``a x + b y = r`` for both ``(a, b, r)``; ``(0, 0)``
+    when the two equations do not determine them."""
+    (a1, b1, r1), (a2, b2, r2) = first, second
+    det = a1 * b2 - a2 * b1
+    if abs(det) <= 1e-12 * abs(a1 * b2):
+        return 0.0, 0.0
+    return (r1 * b2 - r2 * b1) / det, (a1 * r2 - a2 * r1) / det
 
 
 #: Hops of a tensor between two devices in one timed chain (`_link`).
@@ -215,6 +328,7 @@ def calibrate(devices: Sequence[str], budget_s: float = 10.0, host: Optional[str
     for k, d in enumerate(devices):
         t0 = time.perf_counter()
         speeds, overhead, bandwidth = _device_speeds(d, scale)
+        ops = _op_speeds(d, scale, overhead, speeds["elementwise"])
         spent = time.perf_counter() - t0
         # Leave half the budget for the links and the other devices.
         left = max(len(devices) - k - 1, 0)
@@ -222,7 +336,7 @@ def calibrate(devices: Sequence[str], budget_s: float = 10.0, host: Optional[str
             scale = max(scale / 2, 0.125)
         cpus = sum(_kind(x) == "CPU" for x in devices)
         measured.append(Device(f"{host}/{_short(d)}", host, _kind(d), _memory_of(d, cpus), speeds, overhead,
-                               bandwidth))
+                               bandwidth, ops))
     measured = _same_cores(measured)
     pairs: Dict[Tuple[str, str], Link] = {}
     for i, a in enumerate(devices):
@@ -256,7 +370,9 @@ def _same_cores(measured: List[Device]) -> List[Device]:
     flops = {c: statistics.median(d.flops[c] for d in cpus) for c in COST_CLASSES}
     overhead = statistics.median(d.overhead for d in cpus)
     bandwidth = statistics.median(d.bandwidth for d in cpus)
-    return [Device(d.name, d.host, d.kind, d.memory, dict(flops), overhead, bandwidth) if d.kind == "CPU" else d
+    types = set.intersection(*(set(d.ops) for d in cpus))
+    ops = {t: statistics.median(d.ops[t] for d in cpus) for t in sorted(types)}
+    return [Device(d.name, d.host, d.kind, d.memory, dict(flops), overhead, bandwidth, dict(ops)) if d.kind == "CPU" else d
             for d in measured]
 
 
@@ -285,7 +401,9 @@ def _runtime(device: str) -> Dict[str, float]:
     with tf.device(device):
         one = tf.constant(1.0)
 
-    @tf.function
+    # Kept a call, as the pipeline's task functions are (`smp_tf.lowering`):
+    # an inlined call costs nothing, and measured so the action's cost was 0.
+    @tf.function(experimental_attributes={"_noinline": True})
     def inner(x):
         return x + 1.0
 
@@ -351,7 +469,7 @@ def cache_path(devices: Sequence[str], cache_dir: Optional[str] = None) -> str:
 
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     # The calibration's version: a cache written by an older one is measured again.
-    key = json.dumps([socket.gethostname(), tf.__version__, list(devices), cores, 3])
+    key = json.dumps([socket.gethostname(), tf.__version__, list(devices), cores, 4])
     folder = cache_dir or os.environ.get("SMP_TF_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "smp_tf")
     return os.path.join(folder, f"cluster-{hashlib.sha256(key.encode()).hexdigest()[:16]}.json")
 

@@ -6,7 +6,9 @@ of smp_tf's cost model (`smp_tf.graph_view.estimate_flops`):
 * a **device** has a kind (``"CPU"``, ``"GPU"``), a host, a memory capacity,
   a speed per cost class of the flop model (floating-point operations per
   second for ``"matmul"``: products, ``"conv"``: convolutions,
-  ``"elementwise"``: everything else) and a fixed overhead per op;
+  ``"elementwise"``: everything else), optionally the speed of particular
+  op types the element-wise class misses (``"ops"``), and a fixed
+  overhead per op;
 * a **link** between two devices has a bandwidth (bytes per second) and a
   latency (seconds), and a class: ``"device"`` (the same device),
   ``"host"`` (two devices of one host), ``"network"`` (two hosts).
@@ -21,7 +23,7 @@ The dict::
     {"hosts": {"a": {"devices": [
          {"name": "GPU:0", "kind": "GPU", "memory": 80e9,
           "flops": {"matmul": 3e14, "conv": 2e14, "elementwise": 1e12},
-          "overhead": 5e-6},
+          "overhead": 5e-6, "ops": {"SparseSoftmaxCrossEntropyWithLogits": 2e11}},
          ...]},
        "b": {...}},
      "links": {"host": {"bandwidth": 2e11, "latency": 5e-6},
@@ -83,6 +85,11 @@ class Device:
             operands at (weights that do not stay in a cache); 0: not
             modelled. A product of few rows by a large weight costs its
             bytes at this rate besides its operations.
+        ops: op type -> its own speed (flop-model units per second), used
+            instead of its class's: op types whose work per element the
+            element-wise class misses (the calibration measures
+            `smp_tf.planner.calibrate.MEASURED_OPS`: a softmax
+            cross-entropy costs about ten multiplications per logit).
     """
 
     name: str
@@ -92,6 +99,12 @@ class Device:
     flops: Mapping[str, float]
     overhead: float = 0.0
     bandwidth: float = 0.0
+    ops: Mapping[str, float] = field(default_factory=dict)
+
+    def op_speed(self, op_type: str) -> float:
+        """The speed an op of `op_type` runs at here (flop-model units per second)."""
+        own = self.ops.get(op_type)
+        return own if own is not None else self.flops[cost_class(op_type)]
 
     def seconds(self, flops_by_class: Mapping[str, float], ops: int = 0) -> float:
         """Predicted time of `ops` ops doing `flops_by_class` operations here."""
@@ -269,6 +282,7 @@ class ResourceGraph:
                     flops={c: _positive(flops[c], f"{where}.flops[{c!r}]") for c in COST_CLASSES},
                     overhead=_positive(d.get("overhead", 0.0), f"{where}.overhead", allow_zero=True),
                     bandwidth=_positive(d.get("bandwidth", 0.0), f"{where}.bandwidth", allow_zero=True),
+                    ops=_op_speeds(d.get("ops"), where),
                 ))
         links_spec = spec.get("links", {}) or {}
         if not isinstance(links_spec, Mapping):
@@ -307,7 +321,8 @@ class ResourceGraph:
         for d in self.devices:
             hosts.setdefault(d.host, {"devices": []})["devices"].append({
                 "name": d.name.split("/", 1)[1], "kind": d.kind, "memory": d.memory,
-                "flops": dict(d.flops), "overhead": d.overhead, "bandwidth": d.bandwidth})
+                "flops": dict(d.flops), "overhead": d.overhead, "bandwidth": d.bandwidth,
+                **({"ops": dict(d.ops)} if d.ops else {})})
         for host, n in self.cores.items():
             hosts[host]["cores"] = n
         links: Dict[str, Any] = {k: {"bandwidth": l.bandwidth, "latency": l.latency} for k, l in self.links.items()}
@@ -345,6 +360,14 @@ class ResourceGraph:
             lines.append(f"{d.name:<{w}}  {d.kind:<4}  {d.memory / 2**30:>9.2f}  {d.flops['matmul'] / 1e9:>9.2f}  "
                          f"{d.flops['conv'] / 1e9:>9.2f}  {d.flops['elementwise'] / 1e9:>11.2f}  "
                          f"{d.overhead * 1e6:>9.1f}  {d.bandwidth / 1e9:>7.1f}")
+        # Measured op types: one line per set of devices with the same figures.
+        by_ops: Dict[Tuple[Tuple[str, float], ...], List[str]] = {}
+        for d in self.devices:
+            if d.ops:
+                by_ops.setdefault(tuple(sorted(d.ops.items())), []).append(d.name)
+        for ops, names in by_ops.items():
+            lines.append(f"op types (GFLOP/s) on {', '.join(names)}: "
+                         + ", ".join(f"{t} {v / 1e9:.2f}" for t, v in ops))
         for host, n in self.cores.items():
             shared = sum(d.host == host and d.kind == "CPU" for d in self.devices)
             lines.append(f"host {host}: its {shared} CPU device(s) share {n:g} core(s)")
@@ -359,6 +382,15 @@ class ResourceGraph:
 
     def __str__(self) -> str:
         return self.table()
+
+
+def _op_speeds(spec: Any, where: str) -> Dict[str, float]:
+    """A device's ``ops`` entry: op type -> positive speed."""
+    if spec is None:
+        return {}
+    if not isinstance(spec, Mapping):
+        raise ValueError(f"{where}.ops must be a dict of op type -> operations per second. Received: {spec!r:.200}")
+    return {str(t): _positive(v, f"{where}.ops[{t!r}]") for t, v in spec.items()}
 
 
 def graph_flops_by_class(op_types: Iterable[str], flops: Iterable[float]) -> Dict[str, float]:

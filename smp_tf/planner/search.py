@@ -468,7 +468,7 @@ def _op_seconds(graph: OpGraph, device: Any) -> Callable[[int], float]:
             s = 0.0
             if op.kind == "op":
                 cls = cost_class(op.type)
-                s = op.flops / device.flops[cls] + device.overhead
+                s = op.flops / device.op_speed(op.type) + device.overhead
                 if device.bandwidth and cls != "elementwise":
                     # Products and convolutions also stream their operands: a
                     # product of few rows by a large weight reads the weight.
@@ -509,7 +509,8 @@ class _Timer:
         key = self._kinds.get(name)
         if key is None:
             device = self.cluster.device(name)
-            key = self._kinds[name] = (tuple(sorted(device.flops.items())), device.overhead, device.bandwidth)
+            key = self._kinds[name] = (tuple(sorted(device.flops.items())), device.overhead, device.bandwidth,
+                                       tuple(sorted(device.ops.items())))
         return key
 
     def _on(self, name: str) -> Callable[[int], float]:
