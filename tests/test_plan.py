@@ -353,6 +353,35 @@ def test_measure_runs_the_best_rows_and_keeps_the_fastest():
     assert "<" in str(plan)
     with pytest.raises(ValueError, match="k >= 1"):
         plan.measure(k=0)
+    with pytest.raises(ValueError, match="rounds >= 1"):
+        plan.measure(rounds=0)
+
+
+def test_measure_keeps_each_rows_fastest_round(monkeypatch):
+    """A burst that slows one round of a row (here the first row's first
+    round, as a process's first compile can) does not decide the choice:
+    rounds alternate their order, and a row's figure is its fastest."""
+    import smp_tf.planner.plan as plan_module
+
+    _, step, x, y = _mlp(width=64, layers=4, batch=8)
+    smp.init({"partitions": 2})
+    plan = smp.plan(step, x, y, cluster=_cluster(devices=2), replicas=[1], pipelines=["interleaved"],
+                    virtual_stages=[1], recompute=["never"])
+    first, second = [r for r in plan.rows if r.fits][:2]
+    seen = []
+    times = {(0, first.candidate): 10.0, (0, second.candidate): 2.0,
+             (1, second.candidate): 3.0, (1, first.candidate): 1.0}
+
+    def fake_time_step(step, args, kwargs, steps, warmup):
+        cfg = smp.current_config()
+        current = next(r for r in (first, second) if all(getattr(cfg, k) == v for k, v in r.config.items()))
+        seen.append(current.candidate)
+        return times[(len(seen) - 1) // 2, current.candidate]
+
+    monkeypatch.setattr(plan_module, "time_step", fake_time_step)
+    chosen = plan.measure(k=2, profile=False)
+    assert seen == [first.candidate, second.candidate, second.candidate, first.candidate]
+    assert (first.measured, second.measured) == (1.0, 2.0) and chosen is first
 
 
 def test_the_cluster_learns_from_measured_runs():

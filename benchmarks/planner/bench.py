@@ -10,7 +10,8 @@ Prints one table per part; every figure is measured by this invocation:
     shared, as they are) predicts every candidate of up to 4 devices; at
     least 12 fitting candidates spread over the ranking are then run for
     real (`smp.init` with the row's config, 2 untimed and 7 timed steps,
-    median). Reported: mean |predicted - measured| / measured, Spearman's
+    median), in 5 passes over them in alternating order (``--passes``; a
+    candidate's figure is the median of its passes). Reported: mean |predicted - measured| / measured, Spearman's
     rank correlation, the planner's first choice against the best measured
     candidate, and `plan.measure(3)`'s choice likewise. Then the cost model
     learns from the three runs `measure` profiled (`plan.learned()`) and a
@@ -366,7 +367,7 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--config", default=None)
     ap.add_argument("--limit-mb", type=int, default=0)
-    ap.add_argument("--passes", type=int, default=3,
+    ap.add_argument("--passes", type=int, default=5,
                     help="accuracy: timed passes over the candidates (a candidate's figure is their median)")
     args = ap.parse_args()
     if args.part == "accuracy" and args.model:

@@ -86,40 +86,47 @@ class Plan:
         raise ValueError("No candidate is predicted to fit the devices' memory." + detail +
                          " Give more devices, a smaller batch, or allow more partitions or recomputation.")
 
-    def measure(self, k: int = 3, steps: int = 5, warmup: int = 2, profile: bool = True) -> PlanRow:
+    def measure(self, k: int = 3, steps: int = 5, warmup: int = 2, profile: bool = True, rounds: int = 2) -> PlanRow:
         """Runs the best `k` fitting rows for a few steps each and picks the
         fastest measured one.
 
         Each row's config is given to `smp.init` (so this process needs the
         row's ``P * t`` devices; rows with several replicas need one process
         each and are passed over), the step runs `warmup` untimed and
-        `steps` timed times on the planned arguments, and ``row.measured``
-        is the median. With `profile`, two more steps run inside
-        `smp.profile` and their timeline is kept in ``plan.runs``, for
-        `learned` (not under op determinism, where the profile's clock
-        cannot run). The step's gradients are not applied; state the step
-        itself writes (BatchNorm statistics) does change. Afterwards
-        `smp.init` is left with the chosen row's config.
+        `steps` timed times on the planned arguments; that is one round.
+        The rows are measured in `rounds` rounds, in alternating order, and
+        ``row.measured`` is the least of a row's rounds' medians: a burst of
+        other work on the machine (or the first compile of a process) slows
+        one round, not all, and only ever slows. With `profile`, two more
+        steps of each row's last round run inside `smp.profile` and their
+        timeline is kept in ``plan.runs``, for `learned` (not under op
+        determinism, where the profile's clock cannot run). The step's
+        gradients are not applied; state the step itself writes (BatchNorm
+        statistics) does change. Afterwards `smp.init` is left with the
+        chosen row's config.
 
         Returns:
             The chosen row (also ``plan.chosen`` and ``plan.best``).
         """
         from smp_tf import state
 
-        if k < 1 or steps < 1 or warmup < 0:
-            raise ValueError(f"measure needs k >= 1, steps >= 1 and warmup >= 0. Received: k={k}, steps={steps}, "
-                             f"warmup={warmup}")
+        if k < 1 or steps < 1 or warmup < 0 or rounds < 1:
+            raise ValueError(f"measure needs k >= 1, steps >= 1, warmup >= 0 and rounds >= 1. Received: k={k}, "
+                             f"steps={steps}, warmup={warmup}, rounds={rounds}")
         if self._step is None:
             raise ValueError("This plan has no step to run (it was built from graphs): measure needs smp.plan's.")
         rows = [r for r in self.rows if r.fits and r.replicas == 1][:k]
         if not rows:
             raise ValueError("No fitting single-replica candidate to measure.")
-        for row in rows:
-            state.init(row.config)
-            row.measured = time_step(self._step, self._args, self._kwargs, steps, warmup)
-            run = profile_run(row, self._step, self._args, self._kwargs) if profile else None
-            if run is not None:
-                self.runs.append(run)
+        for n in range(rounds):
+            for row in (rows if n % 2 == 0 else rows[::-1]):
+                state.init(row.config)
+                t = time_step(self._step, self._args, self._kwargs, steps, warmup)
+                row.measured = t if n == 0 else min(row.measured, t)
+                if profile and n == rounds - 1:
+                    run = profile_run(row, self._step, self._args, self._kwargs)
+                    if run is not None:
+                        self.runs.append(run)
         self.chosen = min(rows, key=lambda r: r.measured)
         state.init(self.chosen.config)
         return self.chosen
