@@ -395,7 +395,11 @@ def test_the_cluster_learns_from_measured_runs():
     # Negative per-op figures fall back to the given overhead.
     assert fit([(1.0, 10, 1.0), (2.0, 1, 2.5)], 3e-6)[1] == 3e-6
 
-    g = ResourceGraph.from_dict(_cluster(devices=2, hosts=2))
+    spec = _cluster(devices=2, hosts=2)
+    for host in spec["hosts"].values():
+        for d in host["devices"]:
+            d["ops"] = {"Relu": 4e9}  # an op type timed on its own is learned with the rest
+    g = ResourceGraph.from_dict(spec)
     _, step, x, y = _mlp(width=64, layers=4, batch=8)
     smp.init({"partitions": 1})
     dims = dict(partitions=[2], replicas=[1], tensor_parallel_degrees=[1], pipelines=["interleaved"],
@@ -414,6 +418,7 @@ def test_the_cluster_learns_from_measured_runs():
     slow, same = (learned.device(row.devices[(0, p)][0]) for p in (0, 1))
     was = g.devices[0]
     assert slow.flops["matmul"] == pytest.approx(was.flops["matmul"] / 2, rel=1e-6)
+    assert slow.ops["Relu"] == pytest.approx(was.ops["Relu"] / 2, rel=1e-6)
     assert slow.overhead == pytest.approx(5e-6, rel=1e-6)
     assert same.flops["matmul"] == pytest.approx(was.flops["matmul"], rel=1e-6)
     assert same.overhead == pytest.approx(2e-6, rel=1e-6)

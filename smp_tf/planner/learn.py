@@ -133,7 +133,9 @@ def fit(samples: Sequence[Tuple[float, float, float]], overhead: float) -> Tuple
 def _scaled(d: Device, slowdown: float, overhead: float) -> Device:
     return dataclasses.replace(
         d, flops={c: d.flops[c] / slowdown for c in COST_CLASSES}, overhead=overhead,
-        bandwidth=d.bandwidth / slowdown if d.bandwidth else 0.0)
+        bandwidth=d.bandwidth / slowdown if d.bandwidth else 0.0,
+        # The fitted work counts these op types at their own speeds too.
+        ops={t: v / slowdown for t, v in d.ops.items()})
 
 
 def _level(runs: Sequence[Run], per_run: Sequence[List[Tuple[Tuple[str, str], float, float, float]]],
