@@ -13,11 +13,14 @@ would do, without running anything:
    (`smp_tf.planner.mapping.map_ranks`: exact on small clusters, a stated
    heuristic beyond).
 2. **Split.** `assign_partitions` with ``optimize="speed"``, each stage
-   weighted by its device's speed on the step's mix of work.
+   weighted by its device's speed on the step's mix of work, on the graph
+   of the candidate's micro-batch with that graph's colocation groups, as
+   `smp.init` with the candidate's config splits it.
 3. **Tasks.** `rewrite.build_tasks` with the candidate's recompute mode.
 4. **Time.** Each task's seconds on its device: every op it runs (its
    members and what it recomputes) at the device's speed for the op's cost
-   class plus the device's per-op overhead (products and convolutions
+   class (or for its type, `Device.op_speed`) plus the device's per-op
+   overhead (products and convolutions
    also their operands' bytes at the device's streaming bandwidth); with
    ``t > 1`` the slowest of
    the stage's devices plus the bytes its devices exchange; plus the time
