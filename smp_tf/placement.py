@@ -479,6 +479,12 @@ def _place(v: Any, device: str, split_on: Optional[Tuple[int, List[str]]], moved
     Records the old handle -> the new one in `moved`, and where it went
     (a device, or `split_on`) in `targets`."""
     if storage.is_sharded(v):
+        if split_on is not None and _split_as(v, split_on):
+            # Already split this way: the pieces stay. Gathering and splitting
+            # again would make new pieces, and the task functions of a step
+            # compiled for this config (kept across `smp.init` with the same
+            # config) read the old ones, which nothing updates any more.
+            return
         moved[id(storage.unshard_variable(v))] = v.handle
         targets[id(v)] = device
     if split_on is not None:
@@ -489,6 +495,15 @@ def _place(v: Any, device: str, split_on: Optional[Tuple[int, List[str]]], moved
     if old is not None:
         moved[id(old)] = v.handle
         targets[id(v)] = device
+
+
+def _split_as(v: Any, split_on: Tuple[int, List[str]]) -> bool:
+    """Whether split variable `v` is split along ``split_on[0]`` with its
+    pieces on the devices ``split_on[1]``, in that order."""
+    dim, devices = split_on
+    pieces = storage.shards_of(v) or []
+    return (storage.split_dim_of(v) == dim and len(pieces) == len(devices)
+            and all(same_device(piece.device, d) for piece, d in zip(pieces, devices)))
 
 
 def _place_slots(live: Mapping[str, Any], moved: Dict[int, Any], targets: Dict[int, Any], generation: Any) -> None:

@@ -668,3 +668,36 @@ def test_a_later_init_gathers_split_variables_and_their_slots_whole_and_splits_t
         twin_opt.apply_gradients(zip([(a + b) / 2 for a, b in zip(outs[0][1], outs[1][1])], twin.trainable_variables))
         reference.append(float(np.mean([float(l) for l, _ in outs])))
     np.testing.assert_allclose(losses, reference, rtol=1e-5)
+
+
+def test_a_step_kept_across_init_with_the_same_config_reads_the_variables_current_pieces():
+    """`smp.init` again with the same config keeps the compiled step (what
+    `Plan.measure` and a second `fit` do); the split variables keep their
+    pieces, which the step's task functions read. Gathered and split
+    anew, the step read the first pieces, which the optimizer no longer
+    updates: from the second update on, the losses left the
+    single-device ones."""
+    x, y = _data()
+    config = {"partitions": 1, "tensor_parallel_degree": 2, "microbatches": 2}
+    smp.init(config)
+    model = _mlp(width=64)
+    twin = keras.models.clone_model(model)
+    twin.set_weights(model.get_weights())
+    opt, twin_opt = keras.optimizers.SGD(0.1), keras.optimizers.SGD(0.1)
+    step = smp.step(_body(model))
+    step(tf.constant(x), tf.constant(y))  # compiled, then kept
+    smp.init(config)
+
+    @tf.function
+    def train(x, y):
+        loss, grads = step(x, y)
+        opt.apply_gradients(zip([g.accumulate() for g in grads], model.trainable_variables))
+        return loss.reduce_mean()
+
+    losses, reference = [], []
+    for _ in range(3):
+        losses.append(float(train(tf.constant(x), tf.constant(y))))
+        outs = [_body(twin)(tf.constant(x[k::2]), tf.constant(y[k::2])) for k in range(2)]
+        twin_opt.apply_gradients(zip([(a + b) / 2 for a, b in zip(outs[0][1], outs[1][1])], twin.trainable_variables))
+        reference.append(float(np.mean([float(l) for l, _ in outs])))
+    np.testing.assert_allclose(losses, reference, rtol=1e-5)
