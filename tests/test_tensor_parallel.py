@@ -71,6 +71,24 @@ def _assert_within_rounding(got, expected, contracted):
             assert np.max(np.abs(g - r)) <= contracted * eps * scale, (np.max(np.abs(g - r)), scale)
 
 
+def _trainer(step, opt, model):
+    """A `tf.function` of one step of `step` and `opt`'s update; returns the mean loss."""
+    @tf.function
+    def train(x, y):
+        loss, grads = step(x, y)
+        opt.apply_gradients(zip([g.accumulate() for g in grads], model.trainable_variables))
+        return loss.reduce_mean()
+    return train
+
+
+def _twin_update(twin, opt, x, y, m=2):
+    """The single-device loop's step on `twin`: `m` micro-batches' gradients
+    averaged and applied by `opt`; returns the mean loss."""
+    outs = [_body(twin)(tf.constant(x[k::m]), tf.constant(y[k::m])) for k in range(m)]
+    opt.apply_gradients(zip([sum(gs) / m for gs in zip(*[g for _, g in outs])], twin.trainable_variables))
+    return float(np.mean([float(l) for l, _ in outs]))
+
+
 def test_column_parallel_is_bit_exact_and_runs_on_the_stage_devices():
     # The first layer column-parallel: its product, bias, activation and
     # weight gradient are split, and gathered where the next layer reads
@@ -650,23 +668,14 @@ def test_a_later_init_gathers_split_variables_and_their_slots_whole_and_splits_t
             twin = keras.models.clone_model(model)
             twin.set_weights(model.get_weights())
             twin_opt = keras.optimizers.Adam(0.01)
-        step = smp.step(_body(model))
-
-        @tf.function
-        def train(x, y):
-            loss, grads = step(x, y)
-            opt.apply_gradients(zip([g.accumulate() for g in grads], model.trainable_variables))
-            return loss.reduce_mean()
-
+        train = _trainer(smp.step(_body(model)), opt, model)
         losses.append(float(train(tf.constant(x), tf.constant(y))))
         kernel = model.get_layer("up").kernel
         moments = [v for v in opt.variables if v.path.split("/")[-1].startswith("up_kernel")]
         split = config.get("tensor_parallel_degree", 1) > 1
         assert storage.is_sharded(kernel) == split and all(storage.is_sharded(m) == split for m in moments)
         # The single-device loop, for the losses.
-        outs = [_body(twin)(tf.constant(x[k::2]), tf.constant(y[k::2])) for k in range(2)]
-        twin_opt.apply_gradients(zip([(a + b) / 2 for a, b in zip(outs[0][1], outs[1][1])], twin.trainable_variables))
-        reference.append(float(np.mean([float(l) for l, _ in outs])))
+        reference.append(_twin_update(twin, twin_opt, x, y))
     np.testing.assert_allclose(losses, reference, rtol=1e-5)
 
 
@@ -687,17 +696,9 @@ def test_a_step_kept_across_init_with_the_same_config_reads_the_variables_curren
     step = smp.step(_body(model))
     step(tf.constant(x), tf.constant(y))  # compiled, then kept
     smp.init(config)
-
-    @tf.function
-    def train(x, y):
-        loss, grads = step(x, y)
-        opt.apply_gradients(zip([g.accumulate() for g in grads], model.trainable_variables))
-        return loss.reduce_mean()
-
+    train = _trainer(step, opt, model)
     losses, reference = [], []
     for _ in range(3):
         losses.append(float(train(tf.constant(x), tf.constant(y))))
-        outs = [_body(twin)(tf.constant(x[k::2]), tf.constant(y[k::2])) for k in range(2)]
-        twin_opt.apply_gradients(zip([(a + b) / 2 for a, b in zip(outs[0][1], outs[1][1])], twin.trainable_variables))
-        reference.append(float(np.mean([float(l) for l, _ in outs])))
+        reference.append(_twin_update(twin, twin_opt, x, y))
     np.testing.assert_allclose(losses, reference, rtol=1e-5)
