@@ -30,7 +30,7 @@ from tensorflow.python.framework import op_def_registry
 from smp_tf.boundary import raw_input, raw_output
 from smp_tf.config import Config
 from smp_tf.memory import (
-    MemoryReport, _kind_of, choose_recompute, is_gradient_output, optimizer_slots, output_holds, predict_memory,
+    MemoryReport, device_kind, choose_recompute, is_gradient_output, optimizer_slots, output_holds, predict_memory,
 )
 from smp_tf.partitioner.plan import DEFAULT_SLOTS, PartitionPlan
 from smp_tf.placement import partition_of_device
@@ -719,7 +719,7 @@ class CompiledStep:
             cpu_scratch = cpu_kernels_allocate_scratch()
             self._rewritten = {}
             for task in self.tasks:
-                on_gpu = task.partition < len(self.devices) and _kind_of(str(self.devices[task.partition])) == "GPU"
+                on_gpu = task.partition < len(self.devices) and device_kind(str(self.devices[task.partition])) == "GPU"
                 peak = rewritten_workspace(self._functions[task.key], task.partition, task.wave,
                                            cpu_scratch=cpu_scratch and not on_gpu, on_cpu=not on_gpu)
                 if peak is not None:

@@ -295,10 +295,10 @@ def _one_allocator(devices: Sequence[str]) -> bool:
     where a device is not known."""
     if not devices or not all(devices):
         return True
-    return {_kind_of(d) for d in devices} == {"CPU"} and len(_processes(devices)) == 1
+    return {device_kind(d) for d in devices} == {"CPU"} and len(_processes(devices)) == 1
 
 
-def _kind_of(device: str) -> str:
+def device_kind(device: str) -> str:
     """``"CPU"`` for ``/job:w/task:1/device:CPU:0``, ``/device:CPU:1``,
     ``/cpu:0`` or ``CPU:0``; ``"GPU"`` likewise."""
     last = device.rsplit("/", 1)[-1]

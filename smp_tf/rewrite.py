@@ -857,19 +857,7 @@ def build_tasks(
     Raises:
         ValueError: an unknown recompute mode.
     """
-    key = (tuple(output_tensors), tuple(sorted(set(exclude))))
-    found = None if memo is None else memo.get(key)
-    if found is None:
-        keep = [graph.tensors[t].producer for t in output_tensors]
-        dup = duplicable_ops(graph, keep)
-        for i in exclude:
-            # Marked duplicable, they join no task; nothing reads them, so no
-            # task copies them in either.
-            dup[i] = True
-        found = (dup, forward_values_in_gradients(graph, dup), gradient_preludes(graph, dup))
-        if memo is not None:
-            memo[key] = found
-    dup, carried, prelude = found
+    dup, carried, prelude = _unsplit_analysis(graph, output_tensors, exclude, memo)
     wave = waves(graph, partition_of_op, dup, carried, prelude)
     modes = _recompute_modes(recompute, partition_of_op)
     tasks = _assemble(graph, partition_of_op, output_tensors, dup, carried, wave, modes, set())
@@ -905,6 +893,27 @@ def build_tasks(
     if not weight_ops:
         return tasks
     return _assemble(graph, partition_of_op, output_tensors, dup, carried, wave, modes, weight_ops)
+
+
+def _unsplit_analysis(
+    graph: OpGraph, output_tensors: Sequence[int], exclude: Sequence[int], memo: Optional[Dict[Any, Any]]
+) -> Tuple[List[bool], List[bool], List[bool]]:
+    """What `build_tasks` needs that does not depend on the split: the
+    duplicable ops (`exclude` among them), `forward_values_in_gradients` and
+    `gradient_preludes`; kept in `memo` per outputs and exclusions."""
+    key = (tuple(output_tensors), tuple(sorted(set(exclude))))
+    found = None if memo is None else memo.get(key)
+    if found is None:
+        keep = [graph.tensors[t].producer for t in output_tensors]
+        dup = duplicable_ops(graph, keep)
+        for i in exclude:
+            # Marked duplicable, they join no task; nothing reads them, so no
+            # task copies them in either.
+            dup[i] = True
+        found = (dup, forward_values_in_gradients(graph, dup), gradient_preludes(graph, dup))
+        if memo is not None:
+            memo[key] = found
+    return found
 
 
 #: Kernels that compute a weight gradient from an activation and an output gradient.

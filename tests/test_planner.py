@@ -102,6 +102,21 @@ def test_the_product_figures_reproduce_both_calibration_chains():
     assert _solve2((1.0, 2.0, 3.0), (2.0, 4.0, 6.0)) == (0.0, 0.0)  # not determined
 
 
+def test_the_streaming_figures_come_from_the_chains_or_not_at_all():
+    from smp_tf.planner.calibrate import _streaming_figures
+
+    speed, conv_speed, bandwidth, fixed = 2.5e11, 3e11, 2e10, 1e-5
+
+    def chain(flops, nbytes, s):
+        return (flops, nbytes, flops / s + nbytes / bandwidth + fixed, fixed)
+
+    got = _streaming_figures(chain(3.4e7, 7.9e5, speed), chain(8.4e6, 1.1e6, speed), chain(1.5e8, 2.1e6, conv_speed))
+    assert got == pytest.approx((speed, conv_speed, bandwidth))
+    # Bytes that do not show in the skinny chain's time: streaming is not modelled.
+    assert _streaming_figures((3.4e7, 7.9e5, 1.36e-4, 0.0), (8.4e6, 1.1e6, 3.36e-5, 0.0), (1.5e8, 2.1e6, 5e-4, 0.0)) \
+        is None
+
+
 def test_cost_classes_of_the_flop_model():
     assert cost_class("MatMul") == cost_class("BatchMatMulV2") == cost_class("Einsum") == "matmul"
     assert cost_class("Conv2D") == cost_class("Conv2DBackpropFilter") == cost_class("DepthwiseConv2dNative") == "conv"

@@ -47,7 +47,7 @@ import os
 import socket
 import statistics
 import time
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from smp_tf.planner.resources import COST_CLASSES, Device, Link, ResourceGraph
 
@@ -128,18 +128,6 @@ def _device_speeds(device: str, scale: float) -> Tuple[Dict[str, float], float, 
             x = x + 1.0
         return x
 
-    # Products of few rows by large weights stream the weights from memory:
-    # distinct weights, so that none stays in a cache.
-    k, rows = (2 * n, max(n // 16, 1))
-    with tf.device(device):
-        weights = [tf.random.stateless_normal((k, k), seed=(11, i)) / k ** 0.5 for i in range(_CHAIN)]
-        skinny = tf.random.stateless_normal((rows, k), seed=(12, 13))
-
-    def streamed(x, *ws):
-        for w in ws:
-            x = tf.matmul(x, w)
-        return tf.reduce_sum(x[:1, :1])
-
     flops = {
         "matmul": _CHAIN * estimate_flops("MatMul", [(n, n), (n, n)], [(n, n)]),
         "conv": _CHAIN * estimate_flops("Conv2D", [(8, c, c, 32), (3, 3, 32, 32)], [(8, c, c, 32)]),
@@ -154,30 +142,64 @@ def _device_speeds(device: str, scale: float) -> Tuple[Dict[str, float], float, 
     # Each chain also pays its ops' fixed cost; the speed is what is left.
     ops = {"matmul": _CHAIN, "conv": _CHAIN, "elementwise": 2 * _CHAIN}
     speeds = {c: flops[c] / max(seconds[c] - ops[c] * overhead, 1e-9) for c in COST_CLASSES}
-    streamed_s = _timed(on_device(streamed), skinny, *weights)
-    # The prediction charges a product (and a convolution) its operations at
-    # the class's speed plus its operands' and result's bytes at the
-    # bandwidth (`smp_tf.planner.search`), so both figures come from the two
-    # product chains under that same model: the square chain (mostly
-    # operations) and the skinny one (mostly the weights' bytes), two
-    # equations in 1 / speed and 1 / bandwidth. Then each chain is
-    # predicted as measured.
-    square_bytes = _CHAIN * 4 * 3 * n * n
-    skinny_flops = _CHAIN * estimate_flops("MatMul", [(rows, k), (k, k)], [(rows, k)])
-    skinny_bytes = _CHAIN * 4 * (k * k + 2 * rows * k)
-    per_flop, per_byte = _solve2(
-        (flops["matmul"], square_bytes, seconds["matmul"] - ops["matmul"] * overhead),
-        (skinny_flops, skinny_bytes, streamed_s - _CHAIN * overhead),
+    fitted = _streaming_figures(
+        (flops["matmul"], _CHAIN * 4 * 3 * n * n, seconds["matmul"], ops["matmul"] * overhead),
+        _streamed_chain(device, n, on_device) + (_CHAIN * overhead,),
+        (flops["conv"], _CHAIN * 4 * (2 * 8 * c * c * 32 + 3 * 3 * 32 * 32), seconds["conv"], ops["conv"] * overhead),
     )
     bandwidth = 0.0
-    if per_flop > 0 and per_byte > 0 and skinny_bytes * per_byte > 0.05 * streamed_s:
-        bandwidth = 1.0 / per_byte
-        speeds["matmul"] = 1.0 / per_flop
-        conv_bytes = _CHAIN * 4 * (2 * 8 * c * c * 32 + 3 * 3 * 32 * 32)
-        conv_left = seconds["conv"] - ops["conv"] * overhead - conv_bytes * per_byte
-        if conv_left > 0.05 * seconds["conv"]:
-            speeds["conv"] = flops["conv"] / conv_left
+    if fitted is not None:
+        speeds["matmul"], conv_speed, bandwidth = fitted
+        if conv_speed is not None:
+            speeds["conv"] = conv_speed
     return speeds, overhead, bandwidth
+
+
+def _streamed_chain(device: str, n: int, on_device: Any) -> Tuple[float, float, float]:
+    """``(flops, bytes moved, seconds)`` of a chain of products of `n` / 16
+    rows by distinct weights of ``2 n x 2 n``: each reads its weight from
+    memory (distinct weights, so that none stays in a cache)."""
+    import tensorflow as tf
+
+    from smp_tf.graph_view import estimate_flops
+
+    k, rows = (2 * n, max(n // 16, 1))
+    with tf.device(device):
+        weights = [tf.random.stateless_normal((k, k), seed=(11, i)) / k ** 0.5 for i in range(_CHAIN)]
+        skinny = tf.random.stateless_normal((rows, k), seed=(12, 13))
+
+    def streamed(x, *ws):
+        for w in ws:
+            x = tf.matmul(x, w)
+        return tf.reduce_sum(x[:1, :1])
+
+    return (_CHAIN * estimate_flops("MatMul", [(rows, k), (k, k)], [(rows, k)]),
+            _CHAIN * 4 * (k * k + 2 * rows * k), _timed(on_device(streamed), skinny, *weights))
+
+
+_Chain = Tuple[float, float, float, float]
+
+
+def _streaming_figures(square: _Chain, skinny: _Chain, conv: _Chain) -> Optional[Tuple[float, Optional[float], float]]:
+    """(product speed, convolution speed, bandwidth) from timed chains,
+    each ``(flops, bytes moved, seconds, seconds of its ops' fixed cost)``.
+
+    The prediction charges a product (and a convolution) its operations at
+    the class's speed plus its operands' and result's bytes at the
+    bandwidth (`smp_tf.planner.search`), so both figures come from the two
+    product chains under that same model: the square chain (mostly
+    operations) and the skinny one (mostly the weights' bytes), two
+    equations in 1 / speed and 1 / bandwidth. Then each chain is predicted
+    as measured. None when the skinny chain's bytes do not show (under 5%
+    of its time): streaming is then not modelled. The convolution speed is
+    what its chain leaves after its bytes; None when that is under 5%.
+    """
+    per_flop, per_byte = _solve2(square[:2] + (square[2] - square[3],), skinny[:2] + (skinny[2] - skinny[3],))
+    if not (per_flop > 0 and per_byte > 0 and skinny[1] * per_byte > 0.05 * skinny[2]):
+        return None
+    conv_left = conv[2] - conv[3] - conv[1] * per_byte
+    conv_speed = conv[0] / conv_left if conv_left > 0.05 * conv[2] else None
+    return 1.0 / per_flop, conv_speed, 1.0 / per_byte
 
 
 #: Op types whose work per element the element-wise class (additions and

@@ -282,7 +282,7 @@ class ResourceGraph:
                     flops={c: _positive(flops[c], f"{where}.flops[{c!r}]") for c in COST_CLASSES},
                     overhead=_positive(d.get("overhead", 0.0), f"{where}.overhead", allow_zero=True),
                     bandwidth=_positive(d.get("bandwidth", 0.0), f"{where}.bandwidth", allow_zero=True),
-                    ops=_op_speeds(d.get("ops"), where),
+                    ops=_parse_ops(d.get("ops"), where),
                 ))
         links_spec = spec.get("links", {}) or {}
         if not isinstance(links_spec, Mapping):
@@ -384,7 +384,7 @@ class ResourceGraph:
         return self.table()
 
 
-def _op_speeds(spec: Any, where: str) -> Dict[str, float]:
+def _parse_ops(spec: Any, where: str) -> Dict[str, float]:
     """A device's ``ops`` entry: op type -> positive speed."""
     if spec is None:
         return {}

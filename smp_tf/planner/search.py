@@ -692,6 +692,33 @@ def _capacity(cluster: ResourceGraph, name: str, memory_budget: Optional[int], h
     return int(min(limits) * (1 - headroom)) if limits else 0
 
 
+def _split(mine: Dict[Any, Any], graph: OpGraph, cluster: ResourceGraph,
+           groups: Mapping[Tuple[int, int], Tuple[str, ...]], cand: Candidate, slots: float) -> List[int]:
+    """The split ``optimize="speed"`` makes of `graph` with the candidate's
+    stages on `groups`' devices, kept in `mine` (the structure's cache; its
+    ``"mix"`` weighs each device's speed).
+
+    The runtime splits the graph of the micro-batch it runs, with that
+    graph's colocation groups (which ops join a variable's group can depend
+    on the bytes they exchange), and so does this. With
+    ``optimize="speed"`` the split does not depend on the recompute mode.
+    """
+    from smp_tf.partitioner.groups import colocation_groups
+    from smp_tf.partitioner.plan import assign_partitions
+
+    P, S = cand.partitions, cand.stages
+    devices = [cluster.device(groups[(0, c % P)][0]) for c in range(S)]
+    speeds = effective_speeds(devices, mine["mix"])
+    unequal = max(speeds) > min(speeds) * (1 + 1e-9)
+    key = ("split", S, tuple(speeds) if unequal else None, id(graph))
+    if key not in mine:
+        if ("groups", id(graph)) not in mine:
+            mine[("groups", id(graph))] = colocation_groups(graph)
+        mine[key] = assign_partitions(graph, S, optimize="speed", slots=slots, groups=mine[("groups", id(graph))],
+                                      stage_speeds=speeds if unequal else None)
+    return mine[key]
+
+
 def predict_time(info: GraphInfo, cand: Candidate, cluster: ResourceGraph, *, slots: float = 2.0,
                  fixed: Optional[Mapping[str, Any]] = None, cache: Optional[Dict[Any, Any]] = None
                  ) -> Tuple[PlanRow, Any]:
@@ -708,44 +735,25 @@ def predict_time(info: GraphInfo, cand: Candidate, cluster: ResourceGraph, *, sl
         ValueError: the candidate cannot be built on this graph or cluster
             (the message says why).
     """
-    from smp_tf.partitioner.groups import colocation_groups
-    from smp_tf.partitioner.plan import assign_partitions
     from smp_tf.rewrite import build_tasks, task_specs
     from smp_tf.schedules import schedule_builder
 
     graph = info.graph
     # Graphs of one structure (extrapolated from the same traces) share the
-    # split, the tasks and the schedules, made on the structure's own graph;
-    # their sizes give each its own seconds and peaks.
+    # tasks and the schedules of a split, cut on the structure's own graph;
+    # their sizes give each its own split (`_split`), seconds and peaks.
     shape = info.structure if info.structure is not None else graph
     P, S = cand.partitions, cand.stages
     cache = {} if cache is None else cache
     groups = _stage_groups(cluster, cand, info, None)
     if "mix" not in cache.setdefault(id(shape), {}):
         cache[id(shape)]["mix"] = graph_flops_by_class([op.type for op in shape.ops], [op.flops for op in shape.ops])
-        cache[id(shape)]["groups"] = colocation_groups(shape)
     mine = cache[id(shape)]
 
-    def split(groups):
-        devices = [cluster.device(groups[(0, c % P)][0]) for c in range(S)]
-        speeds = effective_speeds(devices, mine["mix"])
-        unequal = max(speeds) > min(speeds) * (1 + 1e-9)
-        key = ("split", S, tuple(speeds) if unequal else None, id(graph))
-        if key not in mine:
-            # With optimize="speed" the split does not depend on the recompute mode.
-            # The runtime splits the graph of the micro-batch it runs, with
-            # that graph's groups (which ops join a variable's group can
-            # depend on the bytes they exchange): so does the prediction.
-            if ("groups", id(graph)) not in mine:
-                mine[("groups", id(graph))] = (mine["groups"] if graph is shape else colocation_groups(graph))
-            mine[key] = assign_partitions(graph, S, optimize="speed", slots=slots, groups=mine[("groups", id(graph))],
-                                          stage_speeds=speeds if unequal else None)
-        return mine[key]
-
-    assignment = split(groups)
+    assignment = _split(mine, graph, cluster, groups, cand, slots)
     mapped = _stage_groups(cluster, cand, info, assignment, mine)
     if mapped != groups:
-        groups, assignment = mapped, split(mapped)
+        groups, assignment = mapped, _split(mine, graph, cluster, mapped, cand, slots)
     builder = schedule_builder(cand.pipeline)
     device_of = [c % P for c in range(S)] if cand.virtual_stages > 1 else None
     # Candidates with as many stages on other devices (P x v alike) often
