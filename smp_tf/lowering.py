@@ -30,7 +30,7 @@ from tensorflow.python.framework import op_def_registry
 from smp_tf.boundary import raw_input, raw_output
 from smp_tf.config import Config
 from smp_tf.memory import (
-    MemoryReport, device_kind, choose_recompute, is_gradient_output, optimizer_slots, output_holds, predict_memory,
+    MemoryReport, choose_recompute, device_kind, is_gradient_output, optimizer_slots, output_holds, predict_memory,
 )
 from smp_tf.partitioner.plan import DEFAULT_SLOTS, PartitionPlan
 from smp_tf.placement import partition_of_device

@@ -14,6 +14,7 @@ import pytest
 import tensorflow as tf
 
 import smp_tf as smp
+from tests.dp.common import apply_accumulated
 from tests.zoo import zoo_models
 
 pytestmark = pytest.mark.xdist_group("tensor_parallel")
@@ -69,16 +70,6 @@ def _assert_within_rounding(got, expected, contracted):
         for g, r in zip(gs, rs):
             scale = max(float(np.max(np.abs(r))), 1e-3)
             assert np.max(np.abs(g - r)) <= contracted * eps * scale, (np.max(np.abs(g - r)), scale)
-
-
-def _trainer(step, opt, model):
-    """A `tf.function` of one step of `step` and `opt`'s update; returns the mean loss."""
-    @tf.function
-    def train(x, y):
-        loss, grads = step(x, y)
-        opt.apply_gradients(zip([g.accumulate() for g in grads], model.trainable_variables))
-        return loss.reduce_mean()
-    return train
 
 
 def _twin_update(twin, opt, x, y, m=2):
@@ -668,7 +659,7 @@ def test_a_later_init_gathers_split_variables_and_their_slots_whole_and_splits_t
             twin = keras.models.clone_model(model)
             twin.set_weights(model.get_weights())
             twin_opt = keras.optimizers.Adam(0.01)
-        train = _trainer(smp.step(_body(model)), opt, model)
+        train = apply_accumulated(smp.step(_body(model)), opt, model)
         losses.append(float(train(tf.constant(x), tf.constant(y))))
         kernel = model.get_layer("up").kernel
         moments = [v for v in opt.variables if v.path.split("/")[-1].startswith("up_kernel")]
@@ -696,7 +687,7 @@ def test_a_step_kept_across_init_with_the_same_config_reads_the_variables_curren
     step = smp.step(_body(model))
     step(tf.constant(x), tf.constant(y))  # compiled, then kept
     smp.init(config)
-    train = _trainer(step, opt, model)
+    train = apply_accumulated(step, opt, model)
     losses, reference = [], []
     for _ in range(3):
         losses.append(float(train(tf.constant(x), tf.constant(y))))

@@ -11,8 +11,9 @@ Prints one table per part; every figure is measured by this invocation:
     least 12 fitting candidates spread over the ranking are then run for
     real (`smp.init` with the row's config, 2 untimed and 7 timed steps,
     median), in 5 passes over them in alternating order (``--passes``; a
-    candidate's figure is the median of its passes). Reported: mean |predicted - measured| / measured, Spearman's
-    rank correlation, the planner's first choice against the best measured
+    candidate's figure is the median of its passes). Reported: mean
+    |predicted - measured| / measured, Spearman's rank correlation, the
+    planner's first choice against the best measured
     candidate, and `plan.measure(3)`'s choice likewise. Then the cost model
     learns from the three runs `measure` profiled (`plan.learned()`) and a
     second plan on the learned cluster predicts the same candidates again.

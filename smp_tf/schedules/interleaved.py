@@ -188,6 +188,10 @@ def list_order(tasks: Tuple[TaskSpec, ...], m: int, defer_weight: bool = False) 
         if not t.deps:
             ready[kind_of[t.key]][t.device].extend(Action(t.partition, t.wave, mb) for mb in range(m))
     ready_b, ready_w, ready_f = ready["B"], ready["W"], ready["F"]
+
+    def any_ready(d: int) -> bool:
+        return bool(ready_b[d] or ready_w[d] or ready_f[d])
+
     left = {(p, mb): n for p, n in tasks_of_partition.items() for mb in range(m)}
     inflight: Dict[int, Set[Tuple[int, int]]] = {d: set() for d in range(num_dev)}
     limit = in_flight_limits(tasks)
@@ -230,13 +234,13 @@ def list_order(tasks: Tuple[TaskSpec, ...], m: int, defer_weight: bool = False) 
     while remaining:
         for d in range(num_dev):
             # Nothing ready: nothing to pick.
-            if not busy[d] and (ready_b[d] or ready_w[d] or ready_f[d]):
+            if not busy[d] and any_ready(d):
                 a = pick(d, relax=False)
                 if a is not None:
                     begin(d, a)
         if not events:
             for d in range(num_dev):
-                a = pick(d, relax=True) if (ready_b[d] or ready_w[d] or ready_f[d]) else None
+                a = pick(d, relax=True) if any_ready(d) else None
                 if a is not None:
                     begin(d, a)
                     break

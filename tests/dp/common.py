@@ -50,6 +50,14 @@ def train_function(model, optimizer):
             batch_loss = loss(y, model(x, training=True))
         return batch_loss, tape.gradient(batch_loss, model.trainable_variables)
 
+    return apply_accumulated(step, optimizer, model)
+
+
+def apply_accumulated(step, optimizer, model):
+    """A `tf.function` of one call of the `smp.step` `step` (returning the
+    loss and the gradients) and `optimizer`'s update with the accumulated
+    gradients; returns the mean loss."""
+
     @tf.function
     def train(x, y):
         batch_loss, grads = step(x, y)
