@@ -492,3 +492,82 @@ def test_plan_rejects_what_it_cannot_plan():
     _, step, x, y = _mlp()
     with pytest.raises(TypeError, match="cluster must be a ResourceGraph"):
         smp.plan(step, x, y, cluster=42)
+
+
+# -- the probe: the step's own cost per op run ---------------------------------------------
+
+def test_a_dispatch_cost_adds_to_each_row_per_op_it_runs():
+    _, step, x, y = _mlp(width=64, layers=4, batch=16)
+    smp.init({"partitions": 1})
+    dims = dict(replicas=[1], recompute=["never"], keep=1000)
+    plain = smp.plan(step, x, y, cluster=_cluster(devices=4), **dims)
+    spec = _cluster(devices=4)
+    spec["runtime"] = {"dispatch": 3e-6}
+    costly = smp.plan(step, x, y, cluster=spec, **dims)
+    before = {r.candidate: r for r in plain.rows}
+    assert len(before) > 4 and {r.candidate for r in costly.rows} == set(before)
+    for row in costly.rows:
+        was = before[row.candidate]
+        ops = row.candidate.microbatches * sum(p[1] for p in row.task_parts.values())
+        assert row.ops_run == was.ops_run == ops > 0
+        assert row.times["dispatch"] == pytest.approx(3e-6 * ops) and was.times["dispatch"] == 0
+        assert row.step_time == pytest.approx(was.step_time + 3e-6 * ops)
+    # More micro-batches run the ops more often.
+    by_m = {r.candidate.microbatches: r.ops_run for r in costly.rows if r.candidate.partitions == 2
+            and r.candidate.tensor_parallel_degree == 1 and r.candidate.virtual_stages == 1}
+    assert by_m[4] == 2 * by_m[2]
+    g = ResourceGraph.from_dict(spec)
+    assert g.with_runtime(step=1e-4).runtime == {"dispatch": 3e-6, "step": 1e-4} and g.runtime == {"dispatch": 3e-6}
+    assert "dispatch 3.0 us" in str(g)
+    with pytest.raises(ValueError, match="runtime\\['dispatch'\\]"):
+        g.with_runtime(dispatch=-1e-6)
+    with pytest.raises(ValueError, match="unknown key 'per_op'"):
+        g.with_runtime(per_op=1e-6)
+
+
+def test_a_probe_measures_one_row_and_predicts_every_row_again(monkeypatch):
+    """The probe runs the row that runs the most ops, takes what its measured
+    step has beyond the prediction per op run, and plans again with it;
+    `smp.init` gets its config back."""
+    import smp_tf.planner.plan as plan_module
+    from smp_tf.planner.plan import probe_row
+
+    _, step, x, y = _mlp(width=64, layers=4, batch=16)
+    smp.init({"partitions": 2, "microbatches": 2})
+    dims = dict(cluster=_cluster(devices=2), replicas=[1], recompute=["never"], keep=1000)
+    first = smp.plan(step, x, y, **dims)
+    row = probe_row(first.rows)
+    assert row.ops_run == max(r.ops_run for r in first.rows if r.fits)
+    ran = []
+
+    def fake_time_step(step, args, kwargs, steps, warmup):
+        cfg = smp.current_config()
+        ran.append({k: getattr(cfg, k) for k in row.config})
+        return row.step_time + 0.01
+
+    monkeypatch.setattr(plan_module, "time_step", fake_time_step)
+    plan = smp.plan(step, x, y, probe=True, **dims)
+    assert ran and all(r == row.config for r in ran)
+    p = plan.probe
+    assert p.label == row.candidate.label() and p.ops_run == row.ops_run
+    assert p.measured == pytest.approx(row.step_time + 0.01) and p.predicted == pytest.approx(row.step_time)
+    assert p.dispatch == pytest.approx(0.01 / row.ops_run) and plan.cluster.runtime["dispatch"] == p.dispatch
+    again = {r.candidate: r.step_time for r in plan.rows}
+    for r in first.rows:
+        assert again[r.candidate] == pytest.approx(r.step_time + p.dispatch * r.ops_run)
+    assert smp.current_config().partitions == 2 and smp.current_config().microbatches == 2
+    # A step faster than predicted gives no negative cost.
+    monkeypatch.setattr(plan_module, "time_step", lambda *a: 1e-6)
+    assert smp.plan(step, x, y, probe=True, **dims).probe.dispatch == 0.0
+
+
+def test_a_probe_runs_the_step_for_real():
+    _, step, x, y = _mlp(width=64, layers=4, batch=16)
+    smp.init({"partitions": 2})
+    plan = smp.plan(step, x, y, cluster=_cluster(devices=2), replicas=[1], recompute=["never"], probe=True)
+    p = plan.probe
+    assert p.measured > 0 and p.dispatch >= 0 and p.seconds > 0 and p.label in {r.candidate.label() for r in plan.rows}
+    assert smp.current_config().partitions == 2
+    no_room = _cluster(devices=2, memory=1024)
+    with pytest.raises(ValueError, match="No fitting single-replica candidate to probe"):
+        smp.plan(step, x, y, cluster=no_room, replicas=[1], recompute=["never"], probe=True)

@@ -7,14 +7,18 @@ Prints one table per part; every figure is measured by this invocation:
     GPT-2 (keras_hub, 4 layers, width 256, sequence 64, vocabulary 2048,
     batch 16, Adam), each in its own process with 4 logical CPU devices on
     this machine's cores. `smp.plan` on the calibrated cluster (cores
-    shared, as they are) predicts every candidate of up to 4 devices; at
-    least 12 fitting candidates spread over the ranking are then run for
+    shared, as they are) with ``probe=True`` predicts every candidate of up
+    to 4 devices (after probing one candidate: the one that runs the most
+    ops; its measured step beyond its prediction, per op run, is the
+    dispatch cost every row is predicted again with); at least 12 fitting
+    candidates spread over the ranking are then run for
     real (`smp.init` with the row's config, 2 untimed and 7 timed steps,
     median), in 5 passes over them in alternating order (``--passes``; a
     candidate's figure is the median of its passes). Reported: mean
     |predicted - measured| / measured, Spearman's rank correlation, the
     planner's first choice against the best measured
-    candidate, and `plan.measure(3)`'s choice likewise. Then the cost model
+    candidate, and `plan.measure(3)`'s choice likewise, and the same
+    predictions without the probe's dispatch cost. Then the cost model
     learns from the three runs `measure` profiled (`plan.learned()`) and a
     second plan on the learned cluster predicts the same candidates again.
     Targets: error <= 15%, Spearman >= 0.8, choice within 10% of the best
@@ -41,6 +45,7 @@ file; the memory model's ratios per recompute mode are
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import itertools
 import json
 import os
@@ -174,8 +179,8 @@ def part_accuracy(args) -> None:
     graph = smp.cluster(refresh=True)
     t0 = time.perf_counter()
     plan = smp.plan(step, *batch, optimizer=opt, replicas=[1], keep=40, tensor_parallel_degrees=[1, 2],
-                    recompute=["never"])
-    search_s = time.perf_counter() - t0
+                    recompute=["never"], probe=True)
+    search_s = time.perf_counter() - t0 - plan.probe.seconds
     fitting = [r for r in plan.rows if r.fits]
     chosen_rows = _spread(fitting, 6 if args.quick else 14)
     steps = 3 if args.quick else 7
@@ -207,7 +212,9 @@ def part_accuracy(args) -> None:
     out = {
         "model": args.model, "cluster": graph.table(), "learned": learned.table(), "search_s": search_s,
         "candidates": plan.evaluated, "fitting": len(fitting),
+        "probe": dataclasses.asdict(plan.probe),
         "rows": [{"label": r.candidate.label(), "predicted": r.step_time,
+                  "unprobed": r.step_time - r.times.get("dispatch", 0.0),
                   "measured": statistics.median(passes[r.candidate.label()]),
                   "passes": passes[r.candidate.label()],
                   "learned": second.get(r.candidate.label()), "rank": fitting.index(r) + 1} for r in runs],
@@ -219,8 +226,12 @@ def part_accuracy(args) -> None:
 
 def _accuracy_table(res: Dict[str, Any]) -> List[str]:
     rows = res["rows"]
-    lines = [f"== planner against measurement: {res['model']} ({res['candidates']} candidates predicted in "
+    probe = res["probe"]
+    lines = [f"== planner against measurement: {res['model']} ({res['candidates']} candidates predicted twice in "
              f"{res['search_s']:.1f} s, {res['fitting']} fit; {len(rows)} run) ==",
+             f"probe ({probe['seconds']:.1f} s): {probe['label']} measured {probe['measured'] * 1e3:.2f} ms, predicted "
+             f"{probe['predicted'] * 1e3:.2f} ms, {probe['ops_run']} ops run: dispatch "
+             f"{probe['dispatch'] * 1e6:.2f} us per op, in every row below",
              f"{'rank':>4}  {'candidate':<34} {'predicted ms':>12} {'measured ms':>12} {'error':>7} "
              f"{'learned ms':>11} {'error':>7}  passes ms"]
     for r in sorted(rows, key=lambda r: r["rank"]):
@@ -245,6 +256,11 @@ def _accuracy_table(res: Dict[str, Any]) -> List[str]:
 
     lines.append(f"mean |predicted - measured| / measured: {mean_err:.1%} (target <= 15%: {verdict(mean_err <= 0.15)}); "
                  f"Spearman {rho:.2f} (target >= 0.8: {verdict(rho >= 0.8)})")
+    if all("unprobed" in r for r in rows):
+        unprobed = [r["unprobed"] for r in rows]
+        lines.append(f"  without the probe (dispatch 0): mean error "
+                     f"{statistics.mean(abs(u - m) / m for u, m in zip(unprobed, meas)):.1%}, "
+                     f"Spearman {_spearman(unprobed, meas):.2f}")
     if mean_learned is not None:
         lines.append(f"after learning from measure(3)'s profiled runs: mean error {mean_learned:.1%} "
                      f"({verdict(mean_learned <= 0.15)}), Spearman {rho_learned:.2f} ({verdict(rho_learned >= 0.8)})")

@@ -176,7 +176,7 @@ def _level(runs: Sequence[Run], per_run: Sequence[List[Tuple[Tuple[str, str], fl
         # (the tasks' transfers and dispatch do not), and its part measured.
         scaled = pipeline * was / (was + fixed)
         measured = (r.step - r.row.times.get("step", 0.0) - r.row.times.get("allreduce", 0.0)
-                    - (pipeline - scaled))
+                    - r.row.times.get("dispatch", 0.0) - (pipeline - scaled))
         fitted_prediction = scaled * now / was + update * slowdown
         ratios.append(max(measured, 0.25 * (scaled + update)) / fitted_prediction)
     return statistics.median(ratios) if ratios else None

@@ -4,8 +4,11 @@ The step is traced once per micro-batch size the candidates need (and once
 more per tensor-parallel degree, sharded); `smp_tf.planner.search` predicts
 every candidate's step time and every device's peak on the cluster and
 ranks them. `Plan.measure` runs the best few for a few steps each and keeps
-the fastest measured one. The config key ``auto`` applies the best plan at
-a step's first call (`apply_auto`).
+the fastest measured one. With ``probe=True`` the planner first runs one
+candidate, the one that runs the most ops per step, and takes what its
+measured step has beyond the prediction as the runtime's cost per op run
+(`Probe`), then predicts every candidate again with it. The config key
+``auto`` applies the best plan at a step's first call (`apply_auto`).
 """
 
 from __future__ import annotations
@@ -30,12 +33,55 @@ from smp_tf.planner.search import (
     search,
 )
 
-__all__ = ["Plan", "plan", "apply_auto", "profile_run", "time_step"]
+__all__ = ["Plan", "Probe", "plan", "probe_row", "apply_auto", "profile_run", "time_step"]
 
 #: Search dimensions `plan` accepts as keyword arguments (each a sequence of
 #: values to try), passed to `smp_tf.planner.search.candidates`.
 SEARCH_DIMENSIONS = ("partitions", "tensor_parallel_degrees", "replicas", "microbatches", "pipelines",
                      "virtual_stages", "recompute", "max_stages", "use_all")
+
+
+@dataclasses.dataclass
+class Probe:
+    """What ``smp.plan(..., probe=True)`` measured of the step.
+
+    Attributes:
+        label: the probed candidate (`Candidate.label`).
+        config: its config.
+        measured: its measured seconds per step (the least of the rounds'
+            medians).
+        predicted: its predicted seconds per step before the probe
+            (without a dispatch cost).
+        ops_run: the ops it runs per step (`PlanRow.ops_run`).
+        dispatch: seconds per op run, ``max(measured - predicted, 0) /
+            ops_run``: the cluster's ``runtime["dispatch"]`` the plan was
+            predicted again with.
+        seconds: how long the probe took (its compile included).
+    """
+
+    label: str
+    config: Dict[str, Any]
+    measured: float
+    predicted: float
+    ops_run: int
+    dispatch: float
+    seconds: float
+
+
+def probe_row(rows: Sequence[PlanRow]) -> PlanRow:
+    """The candidate a probe runs: of the fitting single-replica rows, the
+    one that runs the most ops per step (the most micro-batches, on the
+    most tensor-parallel shards), of those the one with the fewest actions
+    (the plainest schedule, the fewest costs beside the ops), then the
+    fastest predicted.
+
+    Raises:
+        ValueError: no fitting single-replica row.
+    """
+    fitting = [r for r in rows if r.fits and r.replicas == 1]
+    if not fitting:
+        raise ValueError("No fitting single-replica candidate to probe: give more devices or memory.")
+    return max(fitting, key=lambda r: (r.ops_run, -len(r.task_seconds) * r.candidate.microbatches, -r.step_time))
 
 
 class Plan:
@@ -52,6 +98,7 @@ class Plan:
         search_seconds: the search's time (tracing included).
         trace_seconds: the part of it spent tracing the step.
         chosen: the row `measure` picked (None before).
+        probe: what ``probe=True`` measured (a `Probe`; None without).
     """
 
     def __init__(self, result: SearchResult, cluster: ResourceGraph, step: Any, args: tuple, kwargs: dict,
@@ -64,6 +111,7 @@ class Plan:
         self.evaluated = result.evaluated
         self.batch_size = batch_size
         self.chosen: Optional[PlanRow] = None
+        self.probe: Optional[Probe] = None
         #: What `measure` measured of each row it ran (`smp_tf.planner.learn.Run`).
         self.runs: List[Any] = []
         self._step, self._args, self._kwargs = step, args, kwargs
@@ -376,6 +424,7 @@ def plan(
     config: Optional[Mapping[str, Any]] = None,
     headroom: float = HEADROOM,
     eager: Optional[bool] = None,
+    probe: bool = False,
     **kwargs: Any,
 ) -> Plan:
     """Searches the configuration of a step for a cluster.
@@ -414,6 +463,14 @@ def plan(
             sum takes each as it arrives. Default: True for a step function
             (the safe side), False for a model (``fit`` runs in a
             ``tf.function``).
+        probe: first run one candidate (`probe_row`: the one that runs
+            the most ops per step) for a few steps in this process, take
+            what its measured step has beyond its prediction as the
+            runtime's cost per op run (``runtime["dispatch"]``, `Probe`),
+            and predict every candidate again with it. This process needs
+            the probed row's devices (plan for this host,
+            ``cluster=None``); as in `Plan.measure`, the step's gradients
+            are not applied, and `smp.init` gets back the config it had.
         **kwargs: the step's keyword arguments, and search dimensions
             (``partitions=[2, 4]``, ``tensor_parallel_degrees``,
             ``replicas``, ``microbatches``, ``pipelines``,
@@ -452,9 +509,40 @@ def plan(
                      sorted({batch // (c.replicas * c.microbatches) for c in cands}))
     if memory_budget is None and state.is_initialized() and cluster is None:
         memory_budget = state.config().memory_budget
-    result = search(tracer, batch, graph, cands, slots=slots, memory_budget=memory_budget, fixed=config, keep=keep,
-                    skipped=skipped, headroom=headroom, outputs_held=eager)
-    return Plan(result, graph, step, args, kwargs, tracer.seconds, batch)
+    def searched(cluster: ResourceGraph) -> Plan:
+        result = search(tracer, batch, cluster, cands, slots=slots, memory_budget=memory_budget, fixed=config,
+                        keep=keep, skipped=list(skipped), headroom=headroom, outputs_held=eager)
+        return Plan(result, cluster, step, args, kwargs, tracer.seconds, batch)
+
+    first = searched(graph)
+    if not probe:
+        return first
+    found = _probe(first, step, args, kwargs)
+    again = searched(graph.with_runtime(dispatch=found.dispatch))
+    again.probe = found
+    return again
+
+
+def _probe(first: Plan, step: Any, args: tuple, kwargs: dict, steps: int = 5, warmup: int = 2,
+           rounds: int = 2) -> Probe:
+    """Runs `probe_row` of `first` (`plan`'s ``probe``): `rounds` rounds of
+    `warmup` untimed and `steps` timed steps, the least of the rounds'
+    medians (a burst of other work on the machine only ever slows one)."""
+    from smp_tf import state
+
+    row = probe_row(first.rows)
+    before = state.config().to_dict() if state.is_initialized() else None
+    t0 = time.perf_counter()
+    try:
+        state.init(row.config)
+        measured = min(time_step(step, args, kwargs, steps, warmup) for _ in range(rounds))
+    finally:
+        if before is not None:
+            state.init(before)
+    predicted = row.step_time - row.times.get("dispatch", 0.0)
+    dispatch = max(measured - predicted, 0.0) / row.ops_run if row.ops_run else 0.0
+    return Probe(row.candidate.label(), dict(row.config), measured, predicted, row.ops_run, dispatch,
+                 time.perf_counter() - t0)
 
 
 #: Keys of the config the planner chooses (not carried from the current config).

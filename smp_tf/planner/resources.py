@@ -138,6 +138,10 @@ class Link:
         return self.latency + nbytes / self.bandwidth
 
 
+#: The runtime figures a resource graph may hold (`ResourceGraph.runtime`).
+RUNTIME_KEYS = ("step", "action", "dispatch")
+
+
 @dataclass
 class ResourceGraph:
     """Hosts, devices and links (module doc).
@@ -151,8 +155,11 @@ class ResourceGraph:
         seconds: how long the calibration took (0 when given or cached).
         runtime: what the runtime costs besides the ops, in seconds:
             ``"step"`` per step (calling the compiled step), ``"action"``
-            per action of the pipeline (dispatching a task's function).
-            Missing keys count 0.
+            per action of the pipeline (dispatching a task's function),
+            ``"dispatch"`` per op each micro-batch runs, added to the
+            step's wall time (what the step's own ops cost beyond their
+            work as the step runs them: measured by a probe of the step,
+            ``smp.plan(..., probe=True)``). Missing keys count 0.
         cores: host -> the CPU cores its CPU devices share (logical CPU
             devices of one process, or processes pinned to the same
             cores): when more of them run at once than there are cores,
@@ -183,8 +190,9 @@ class ResourceGraph:
                     raise ValueError(f"A link names device {n!r}, which is not in the graph. Devices: {names}.")
         hosts = {d.host for d in self.devices}
         for key, value in self.runtime.items():
-            if key not in ("step", "action"):
-                raise ValueError(f"runtime has unknown key {key!r}: use 'step' and 'action' (seconds).")
+            if key not in RUNTIME_KEYS:
+                raise ValueError(f"runtime has unknown key {key!r}: use {', '.join(map(repr, RUNTIME_KEYS))} "
+                                 "(seconds).")
             _positive(value, f"runtime[{key!r}]", allow_zero=True)
         for host, n in self.cores.items():
             if host not in hosts:
@@ -312,7 +320,8 @@ class ResourceGraph:
             pairs[tuple(sorted((a, b)))] = link(kind, p, f"links.pairs[{k}]")
         runtime = spec.get("runtime", {}) or {}
         if not isinstance(runtime, Mapping):
-            raise ValueError(f"'runtime' must be a dict {{'step': seconds, 'action': seconds}}. Received: {runtime!r:.200}")
+            raise ValueError("'runtime' must be a dict {'step': seconds, 'action': seconds, 'dispatch': seconds}. "
+                             f"Received: {runtime!r:.200}")
         return cls(devices, links, pairs, source=source, cores=cores, runtime=dict(runtime))
 
     def to_dict(self) -> Dict[str, Any]:
@@ -333,6 +342,15 @@ class ResourceGraph:
         if self.runtime:
             out["runtime"] = dict(self.runtime)
         return out
+
+    def with_runtime(self, **figures: float) -> "ResourceGraph":
+        """A copy with these `runtime` figures (seconds) set, the rest kept.
+
+        Raises:
+            ValueError: an unknown figure, or a negative one.
+        """
+        return ResourceGraph(list(self.devices), dict(self.links), dict(self.pairs), source=self.source,
+                             seconds=self.seconds, cores=dict(self.cores), runtime={**self.runtime, **figures})
 
     @classmethod
     def from_json(cls, path: str) -> "ResourceGraph":

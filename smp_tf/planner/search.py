@@ -171,7 +171,11 @@ class PlanRow:
         devices: ``(replica, stage)`` -> that stage's device names.
         times: the parts of ``step_time``: ``pipeline`` (the schedule's
             span), ``update`` (the optimizer), ``allreduce`` (data
-            parallelism), ``step`` (the runtime's cost of a step).
+            parallelism), ``step`` (the runtime's cost of a step),
+            ``dispatch`` (the runtime's cost per op run, ``ops_run`` times
+            the cluster's ``runtime["dispatch"]``).
+        ops_run: the ops one replica runs per step: each task's ops (on
+            its slowest device) once per micro-batch.
         measured: seconds per step measured by `Plan.measure` (None until).
         task_seconds: ``(partition, wave)`` -> the predicted seconds of
             one action of that task (one micro-batch) on its device alone.
@@ -199,6 +203,7 @@ class PlanRow:
     task_elapsed: Dict[Tuple[int, int], float] = field(default_factory=dict)
     task_parts: Dict[Tuple[int, int], Tuple[float, int, float]] = field(default_factory=dict)
     partition_of_op: Sequence[int] = ()
+    ops_run: int = 0
 
     @property
     def replicas(self) -> int:
@@ -790,10 +795,17 @@ def predict_time(info: GraphInfo, cand: Candidate, cluster: ResourceGraph, *, sl
         allreduce = max(ring_allreduce_seconds(cluster, [groups[(r, p)][0] for r in range(cand.replicas)], grads[p])
                         for p in range(P))
     overhead = cluster.runtime.get("step", 0.0)
+    # Ops the step runs (each task once per micro-batch, on its slowest
+    # device): what the runtime's per-op dispatch cost, probed on the step
+    # itself, adds to the wall time (`ResourceGraph.runtime`).
+    ops_run = cand.microbatches * sum(p[1] for p in parts.values())
+    dispatch = cluster.runtime.get("dispatch", 0.0) * ops_run
     row = PlanRow(
         candidate=cand, config={**dict(fixed or {}), **cand.config()},
-        step_time=span + update + allreduce + overhead,
-        devices=dict(groups), times={"pipeline": span, "update": update, "allreduce": allreduce, "step": overhead},
+        step_time=span + update + allreduce + overhead + dispatch,
+        devices=dict(groups), times={"pipeline": span, "update": update, "allreduce": allreduce, "step": overhead,
+                                     "dispatch": dispatch},
+        ops_run=ops_run,
     )
     row.task_seconds = seconds
     row.task_parts = parts
