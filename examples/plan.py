@@ -3,7 +3,9 @@
 A Keras MLP (8 x Dense(1024), Adam, batch 256) compiled as an
 `smp.DistributedModel`; `smp.plan` predicts every configuration of this
 host's devices (partitions, tensor parallelism, micro-batches, schedule,
-virtual stages, recomputation) on the calibrated resource graph, discards
+virtual stages, recomputation) on the calibrated resource graph, after
+probing the step once (the candidate that runs the most ops, for a few
+steps: what its step costs beyond the prediction, per op run), discards
 those predicted not to fit, ranks the rest by predicted step time;
 `plan.measure(3)` runs the best three for a few steps and keeps the
 fastest measured, and `fit` trains with it. The loss of the first epoch
@@ -11,7 +13,7 @@ is checked against the same model trained on one device.
 
 Run from the repository root::
 
-    python examples/plan.py [--devices 4] [--width 1024] [--measure 3]
+    python examples/plan.py [--devices 4] [--width 1024] [--measure 3] [--no-probe]
 
 It takes about a minute on two CPU cores (the calibration is cached
 afterwards, in ``$SMP_TF_CACHE`` or ``~/.cache/smp_tf``).
@@ -51,6 +53,7 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--batch-size", type=int, default=256)
     ap.add_argument("--measure", type=int, default=3, help="run the best k rows and keep the fastest (0: skip)")
+    ap.add_argument("--no-probe", dest="probe", action="store_false", help="plan without probing the step")
     ap.add_argument("--epochs", type=int, default=2)
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
@@ -68,7 +71,11 @@ def main() -> None:
     y = rng.normal(size=(8 * args.batch_size, args.width)).astype("float32")
     model = build(smp, args.width, args.layers, args.seed)
 
-    plan = smp.plan(model, x[: args.batch_size], y[: args.batch_size])
+    plan = smp.plan(model, x[: args.batch_size], y[: args.batch_size], probe=args.probe)
+    if plan.probe is not None:
+        p = plan.probe
+        print(f"probe: {p.label} measured {p.measured * 1e3:.2f} ms, predicted {p.predicted * 1e3:.2f} ms, "
+              f"{p.ops_run} ops run: {p.dispatch * 1e6:.2f} us per op added to every row ({p.seconds:.1f} s)\n")
     if args.measure:
         plan.measure(args.measure)
     print(plan)

@@ -72,7 +72,7 @@ def test_gpt2_fit_example():
 
 def test_plan_example():
     out = _run(str(EXAMPLES / "plan.py"), "--width", "256", "--layers", "4", "--measure", "2", "--epochs", "1")
-    assert "ResourceGraph (" in out and "Plan: 4 device(s)" in out, out[-3000:]
+    assert "ResourceGraph (" in out and "Plan: 4 device(s)" in out and "probe: P" in out, out[-3000:]
     assert re.search(r"chosen: P\d t\d R1 M\d", out), out[-3000:]
     # The planned configuration's first epoch against one device's.
     assert _number(r"relative difference ([\d.e+-]+)\)", out) <= 1e-5, out[-3000:]

@@ -518,47 +518,81 @@ def test_a_dispatch_cost_adds_to_each_row_per_op_it_runs():
     assert by_m[4] == 2 * by_m[2]
     g = ResourceGraph.from_dict(spec)
     assert g.with_runtime(step=1e-4).runtime == {"dispatch": 3e-6, "step": 1e-4} and g.runtime == {"dispatch": 3e-6}
-    assert "dispatch 3.0 us" in str(g)
+    assert "dispatch 3.0 us" in str(g) and "parallel share 0.50" in str(g.with_runtime(parallel=0.5))
     with pytest.raises(ValueError, match="runtime\\['dispatch'\\]"):
         g.with_runtime(dispatch=-1e-6)
     with pytest.raises(ValueError, match="unknown key 'per_op'"):
         g.with_runtime(per_op=1e-6)
+    with pytest.raises(ValueError, match="share of the ops' parallelism, 0 to 1"):
+        g.with_runtime(parallel=1.5)
 
 
-def test_a_probe_measures_one_row_and_predicts_every_row_again(monkeypatch):
-    """The probe runs the row that runs the most ops, takes what its measured
-    step has beyond the prediction per op run, and plans again with it;
-    `smp.init` gets its config back."""
+def test_the_probe_fit_recovers_the_cost_per_op_and_the_parallel_share():
+    """Plain Python: predictions linear in both figures, each row moved by
+    both; the fit finds the figures that make both rows what was measured."""
+    from types import SimpleNamespace
+
+    from smp_tf.planner.plan import fit_probe
+
+    many = SimpleNamespace(name="many", ops_run=8000)
+    one = SimpleNamespace(name="one", ops_run=1000)
+    base = {"many": 0.080, "one": 0.100}
+    gain = {"many": 0.002, "one": 0.030}   # what the whole parallelism saves
+
+    def predict(row, dispatch, share):
+        return base[row.name] - gain[row.name] * share + dispatch * row.ops_run
+
+    d, share = 2.5e-6, 0.6
+    dispatch, fitted = fit_probe(predict, many, predict(many, d, share), one, predict(one, d, share), rounds=12)
+    assert dispatch == pytest.approx(d, rel=1e-3) and fitted == pytest.approx(share, abs=1e-3)
+    # Faster than predicted at every figure: no cost, the whole parallelism.
+    assert fit_probe(predict, many, 0.01, one, 0.01) == (0.0, 1.0)
+    # Slower than with no parallelism at all: a share of 0.
+    assert fit_probe(predict, many, 0.2, one, 0.5)[1] == 0.0
+    # Without a one-device row the share stays 1.
+    assert fit_probe(predict, many, 0.09, None, None) == (pytest.approx(0.012 / 8000), 1.0)
+
+
+def test_a_probe_measures_two_rows_and_predicts_every_row_again(monkeypatch):
+    """The probe runs the row that runs the most ops and the one device
+    alone, fits the cost per op and the parallel share to their measured
+    steps, and plans again with them; `smp.init` gets its config back."""
     import smp_tf.planner.plan as plan_module
-    from smp_tf.planner.plan import probe_row
+    from smp_tf.planner.plan import one_device_row, probe_row
 
     _, step, x, y = _mlp(width=64, layers=4, batch=16)
     smp.init({"partitions": 2, "microbatches": 2})
-    dims = dict(cluster=_cluster(devices=2), replicas=[1], recompute=["never"], keep=1000)
+    dims = dict(cluster=_cluster(devices=2, cores=2), replicas=[1], recompute=["never"], keep=1000)
     first = smp.plan(step, x, y, **dims)
-    row = probe_row(first.rows)
-    assert row.ops_run == max(r.ops_run for r in first.rows if r.fits)
+    many, one = probe_row(first.rows), one_device_row(first.rows)
+    assert many.ops_run == max(r.ops_run for r in first.rows if r.fits) and one.candidate.devices == 1
+    want = {many.candidate: many.step_time * 1.03, one.candidate: one.step_time * 1.15}
     ran = []
 
     def fake_time_step(step, args, kwargs, steps, warmup):
         cfg = smp.current_config()
-        ran.append({k: getattr(cfg, k) for k in row.config})
-        return row.step_time + 0.01
+        row = next(r for r in (many, one) if all(getattr(cfg, k) == v for k, v in r.config.items()))
+        ran.append(row.candidate)
+        return want[row.candidate]
 
     monkeypatch.setattr(plan_module, "time_step", fake_time_step)
     plan = smp.plan(step, x, y, probe=True, **dims)
-    assert ran and all(r == row.config for r in ran)
+    assert ran == [many.candidate, one.candidate, one.candidate, many.candidate, many.candidate, one.candidate]
     p = plan.probe
-    assert p.label == row.candidate.label() and p.ops_run == row.ops_run
-    assert p.measured == pytest.approx(row.step_time + 0.01) and p.predicted == pytest.approx(row.step_time)
-    assert p.dispatch == pytest.approx(0.01 / row.ops_run) and plan.cluster.runtime["dispatch"] == p.dispatch
-    again = {r.candidate: r.step_time for r in plan.rows}
-    for r in first.rows:
-        assert again[r.candidate] == pytest.approx(r.step_time + p.dispatch * r.ops_run)
+    assert p.label == many.candidate.label() and p.one_device == one.candidate.label()
+    assert p.measured == pytest.approx(want[many.candidate]) and p.predicted == pytest.approx(many.step_time)
+    assert p.dispatch > 0 and 0 <= p.parallel < 1
+    assert plan.cluster.runtime["dispatch"] == p.dispatch and plan.cluster.runtime["parallel"] == p.parallel
+    # Predicted again, both probed rows take what they measured.
+    again = {r.candidate: r for r in plan.rows}
+    assert again[many.candidate].step_time == pytest.approx(want[many.candidate], rel=2e-3)
+    assert again[one.candidate].step_time == pytest.approx(want[one.candidate], rel=2e-3)
+    assert again[many.candidate].times["dispatch"] == pytest.approx(p.dispatch * many.ops_run)
     assert smp.current_config().partitions == 2 and smp.current_config().microbatches == 2
-    # A step faster than predicted gives no negative cost.
+    # Steps faster than predicted: no cost per op, the whole parallelism.
     monkeypatch.setattr(plan_module, "time_step", lambda *a: 1e-6)
-    assert smp.plan(step, x, y, probe=True, **dims).probe.dispatch == 0.0
+    quick = smp.plan(step, x, y, probe=True, **dims).probe
+    assert (quick.dispatch, quick.parallel) == (0.0, 1.0)
 
 
 def test_a_probe_runs_the_step_for_real():

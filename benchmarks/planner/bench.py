@@ -8,17 +8,19 @@ Prints one table per part; every figure is measured by this invocation:
     batch 16, Adam), each in its own process with 4 logical CPU devices on
     this machine's cores. `smp.plan` on the calibrated cluster (cores
     shared, as they are) with ``probe=True`` predicts every candidate of up
-    to 4 devices (after probing one candidate: the one that runs the most
-    ops; its measured step beyond its prediction, per op run, is the
-    dispatch cost every row is predicted again with); at least 12 fitting
+    to 4 devices (after probing two candidates, the one that runs the most
+    ops and the one device alone: the runtime's cost per op run and the
+    share of the ops' parallelism a device realizes, fitted to their
+    measured steps, are what every row is predicted again with); at least
+    12 fitting
     candidates spread over the ranking are then run for
     real (`smp.init` with the row's config, 2 untimed and 7 timed steps,
     median), in 5 passes over them in alternating order (``--passes``; a
     candidate's figure is the median of its passes). Reported: mean
     |predicted - measured| / measured, Spearman's rank correlation, the
     planner's first choice against the best measured
-    candidate, and `plan.measure(3)`'s choice likewise, and the same
-    predictions without the probe's dispatch cost. Then the cost model
+    candidate, and `plan.measure(3)`'s choice likewise, and the first
+    search's predictions (before the probe). Then the cost model
     learns from the three runs `measure` profiled (`plan.learned()`) and a
     second plan on the learned cluster predicts the same candidates again.
     Targets: error <= 15%, Spearman >= 0.8, choice within 10% of the best
@@ -181,6 +183,10 @@ def part_accuracy(args) -> None:
     plan = smp.plan(step, *batch, optimizer=opt, replicas=[1], keep=40, tensor_parallel_degrees=[1, 2],
                     recompute=["never"], probe=True)
     search_s = time.perf_counter() - t0 - plan.probe.seconds
+    # The first search's predictions, before the probe (the same cluster).
+    unprobed = {r.candidate.label(): r.step_time for r in smp.plan(
+        step, *batch, optimizer=opt, cluster=graph, replicas=[1], keep=40, tensor_parallel_degrees=[1, 2],
+        recompute=["never"]).rows}
     fitting = [r for r in plan.rows if r.fits]
     chosen_rows = _spread(fitting, 6 if args.quick else 14)
     steps = 3 if args.quick else 7
@@ -214,7 +220,7 @@ def part_accuracy(args) -> None:
         "candidates": plan.evaluated, "fitting": len(fitting),
         "probe": dataclasses.asdict(plan.probe),
         "rows": [{"label": r.candidate.label(), "predicted": r.step_time,
-                  "unprobed": r.step_time - r.times.get("dispatch", 0.0),
+                  "unprobed": unprobed.get(r.candidate.label()),
                   "measured": statistics.median(passes[r.candidate.label()]),
                   "passes": passes[r.candidate.label()],
                   "learned": second.get(r.candidate.label()), "rank": fitting.index(r) + 1} for r in runs],
@@ -229,9 +235,12 @@ def _accuracy_table(res: Dict[str, Any]) -> List[str]:
     probe = res["probe"]
     lines = [f"== planner against measurement: {res['model']} ({res['candidates']} candidates predicted twice in "
              f"{res['search_s']:.1f} s, {res['fitting']} fit; {len(rows)} run) ==",
-             f"probe ({probe['seconds']:.1f} s): {probe['label']} measured {probe['measured'] * 1e3:.2f} ms, predicted "
-             f"{probe['predicted'] * 1e3:.2f} ms, {probe['ops_run']} ops run: dispatch "
-             f"{probe['dispatch'] * 1e6:.2f} us per op, in every row below",
+             f"probe ({probe['seconds']:.1f} s): {probe['label']} measured {probe['measured'] * 1e3:.2f} ms (predicted "
+             f"{probe['predicted'] * 1e3:.2f}, {probe['ops_run']} ops run), "
+             + (f"{probe['one_device']} {probe['one_device_measured'] * 1e3:.2f} ms (predicted "
+                f"{probe['one_device_predicted'] * 1e3:.2f}); " if probe.get("one_device") else "")
+             + f"fitted: dispatch {probe['dispatch'] * 1e6:.2f} us per op run, parallel share "
+             f"{probe['parallel']:.2f}; every row below predicted with them",
              f"{'rank':>4}  {'candidate':<34} {'predicted ms':>12} {'measured ms':>12} {'error':>7} "
              f"{'learned ms':>11} {'error':>7}  passes ms"]
     for r in sorted(rows, key=lambda r: r["rank"]):
@@ -256,9 +265,9 @@ def _accuracy_table(res: Dict[str, Any]) -> List[str]:
 
     lines.append(f"mean |predicted - measured| / measured: {mean_err:.1%} (target <= 15%: {verdict(mean_err <= 0.15)}); "
                  f"Spearman {rho:.2f} (target >= 0.8: {verdict(rho >= 0.8)})")
-    if all("unprobed" in r for r in rows):
+    if all(r.get("unprobed") is not None for r in rows):
         unprobed = [r["unprobed"] for r in rows]
-        lines.append(f"  without the probe (dispatch 0): mean error "
+        lines.append(f"  before the probe: mean error "
                      f"{statistics.mean(abs(u - m) / m for u, m in zip(unprobed, meas)):.1%}, "
                      f"Spearman {_spearman(unprobed, meas):.2f}")
     if mean_learned is not None:

@@ -4,10 +4,11 @@ The step is traced once per micro-batch size the candidates need (and once
 more per tensor-parallel degree, sharded); `smp_tf.planner.search` predicts
 every candidate's step time and every device's peak on the cluster and
 ranks them. `Plan.measure` runs the best few for a few steps each and keeps
-the fastest measured one. With ``probe=True`` the planner first runs one
-candidate, the one that runs the most ops per step, and takes what its
-measured step has beyond the prediction as the runtime's cost per op run
-(`Probe`), then predicts every candidate again with it. The config key
+the fastest measured one. With ``probe=True`` the planner first runs two
+candidates, the one that runs the most ops per step and the one device
+alone, and fits the runtime's cost per op run and the share of its ops'
+parallelism a device realizes to their measured steps (`Probe`), then
+predicts every candidate again with them. The config key
 ``auto`` applies the best plan at a step's first call (`apply_auto`).
 """
 
@@ -30,10 +31,12 @@ from smp_tf.planner.search import (
     SearchResult,
     Skipped,
     candidates,
+    predict_time,
     search,
 )
 
-__all__ = ["Plan", "Probe", "plan", "probe_row", "apply_auto", "profile_run", "time_step"]
+__all__ = ["Plan", "Probe", "plan", "probe_row", "one_device_row", "fit_probe", "apply_auto", "profile_run",
+           "time_step"]
 
 #: Search dimensions `plan` accepts as keyword arguments (each a sequence of
 #: values to try), passed to `smp_tf.planner.search.candidates`.
@@ -46,17 +49,22 @@ class Probe:
     """What ``smp.plan(..., probe=True)`` measured of the step.
 
     Attributes:
-        label: the probed candidate (`Candidate.label`).
+        label: the candidate that runs the most ops (`probe_row`).
         config: its config.
         measured: its measured seconds per step (the least of the rounds'
             medians).
-        predicted: its predicted seconds per step before the probe
-            (without a dispatch cost).
+        predicted: its predicted seconds per step before the probe.
         ops_run: the ops it runs per step (`PlanRow.ops_run`).
-        dispatch: seconds per op run, ``max(measured - predicted, 0) /
-            ops_run``: the cluster's ``runtime["dispatch"]`` the plan was
-            predicted again with.
-        seconds: how long the probe took (its compile included).
+        dispatch: the runtime's seconds per op run fitted to the two
+            measured steps (the cluster's ``runtime["dispatch"]`` the plan
+            was predicted again with).
+        parallel: the share of a task's ops' parallelism a device
+            realizes, fitted likewise (``runtime["parallel"]``; 1 when no
+            one-device candidate fits).
+        one_device: the one-device candidate (None when none fits).
+        one_device_measured, one_device_predicted: its measured seconds
+            per step, and its prediction before the probe.
+        seconds: how long the probe took (compiles included).
     """
 
     label: str
@@ -65,15 +73,19 @@ class Probe:
     predicted: float
     ops_run: int
     dispatch: float
+    parallel: float
+    one_device: Optional[str]
+    one_device_measured: Optional[float]
+    one_device_predicted: Optional[float]
     seconds: float
 
 
 def probe_row(rows: Sequence[PlanRow]) -> PlanRow:
-    """The candidate a probe runs: of the fitting single-replica rows, the
-    one that runs the most ops per step (the most micro-batches, on the
-    most tensor-parallel shards), of those the one with the fewest actions
-    (the plainest schedule, the fewest costs beside the ops), then the
-    fastest predicted.
+    """The candidate a probe runs for the cost per op: of the fitting
+    single-replica rows, the one that runs the most ops per step (the most
+    micro-batches, on the most tensor-parallel shards), of those the one
+    with the fewest actions (the plainest schedule, the fewest costs beside
+    the ops), then the fastest predicted.
 
     Raises:
         ValueError: no fitting single-replica row.
@@ -82,6 +94,51 @@ def probe_row(rows: Sequence[PlanRow]) -> PlanRow:
     if not fitting:
         raise ValueError("No fitting single-replica candidate to probe: give more devices or memory.")
     return max(fitting, key=lambda r: (r.ops_run, -len(r.task_seconds) * r.candidate.microbatches, -r.step_time))
+
+
+def one_device_row(rows: Sequence[PlanRow]) -> Optional[PlanRow]:
+    """The candidate a probe runs for the ops' parallelism: one device
+    alone (one stage, ``t=1``, one replica), fitting; the fastest predicted
+    of those (None when none fits)."""
+    alone = [r for r in rows if r.fits and r.candidate.devices == 1]
+    return min(alone, key=lambda r: r.step_time, default=None)
+
+
+def fit_probe(predict: Any, many: PlanRow, many_measured: float, one: Optional[PlanRow],
+              one_measured: Optional[float], rounds: int = 4) -> Tuple[float, float]:
+    """(seconds per op run, share of the ops' parallelism) that make the
+    predictions of the two probed rows their measured steps.
+
+    `predict(row, dispatch, parallel)` predicts a row's step with those
+    runtime figures. The share is fitted to the one-device row (which the
+    ops' parallelism speeds up most, its device having the host's cores to
+    itself), the cost per op to the row that runs the most ops, in turn
+    (each moves the other row a little); a step faster than its prediction
+    at no cost per op, or at the whole parallelism, gives 0 and 1. Without
+    a one-device row the share stays 1.
+    """
+    dispatch, share = 0.0, 1.0
+    for _ in range(rounds):
+        if one is not None and one_measured is not None:
+            # The prediction falls as the share grows: bisect on it.
+            lo, hi = 0.0, 1.0
+            if predict(one, dispatch, 1.0) >= one_measured:
+                share = 1.0
+            elif predict(one, dispatch, 0.0) <= one_measured:
+                share = 0.0
+            else:
+                for _ in range(20):
+                    mid = (lo + hi) / 2
+                    if predict(one, dispatch, mid) > one_measured:
+                        lo = mid
+                    else:
+                        hi = mid
+                share = (lo + hi) / 2
+        rest = predict(many, 0.0, share)
+        dispatch = max(many_measured - rest, 0.0) / many.ops_run if many.ops_run else 0.0
+        if one is None:
+            break
+    return dispatch, share
 
 
 class Plan:
@@ -463,14 +520,16 @@ def plan(
             sum takes each as it arrives. Default: True for a step function
             (the safe side), False for a model (``fit`` runs in a
             ``tf.function``).
-        probe: first run one candidate (`probe_row`: the one that runs
-            the most ops per step) for a few steps in this process, take
-            what its measured step has beyond its prediction as the
-            runtime's cost per op run (``runtime["dispatch"]``, `Probe`),
-            and predict every candidate again with it. This process needs
-            the probed row's devices (plan for this host,
-            ``cluster=None``); as in `Plan.measure`, the step's gradients
-            are not applied, and `smp.init` gets back the config it had.
+        probe: first run two candidates for a few steps in this process,
+            the one that runs the most ops per step (`probe_row`) and the
+            one device alone (`one_device_row`), fit the runtime's cost
+            per op run (``runtime["dispatch"]``) and the share of the
+            ops' parallelism a device realizes (``runtime["parallel"]``)
+            to their measured steps (`fit_probe`, `Probe`), and predict
+            every candidate again with them. This process needs the
+            probed rows' devices (plan for this host, ``cluster=None``);
+            as in `Plan.measure`, the step's gradients are not applied,
+            and `smp.init` gets back the config it had.
         **kwargs: the step's keyword arguments, and search dimensions
             (``partitions=[2, 4]``, ``tensor_parallel_degrees``,
             ``replicas``, ``microbatches``, ``pipelines``,
@@ -517,32 +576,52 @@ def plan(
     first = searched(graph)
     if not probe:
         return first
-    found = _probe(first, step, args, kwargs)
-    again = searched(graph.with_runtime(dispatch=found.dispatch))
+    cache: Dict[Any, Any] = {}
+
+    def predict(row: PlanRow, dispatch: float, parallel: float) -> float:
+        cand = row.candidate
+        info = tracer(batch // (cand.replicas * cand.microbatches), cand.tensor_parallel_degree)
+        cluster = graph.with_runtime(dispatch=dispatch, parallel=parallel)
+        # The cache keeps the tasks' seconds, which these two figures do not change.
+        return predict_time(info, cand, cluster, slots=slots, fixed=config, cache=cache)[0].step_time
+
+    found = _probe(first, step, args, kwargs, predict)
+    again = searched(graph.with_runtime(dispatch=found.dispatch, parallel=found.parallel))
     again.probe = found
     return again
 
 
-def _probe(first: Plan, step: Any, args: tuple, kwargs: dict, steps: int = 5, warmup: int = 2,
-           rounds: int = 2) -> Probe:
-    """Runs `probe_row` of `first` (`plan`'s ``probe``): `rounds` rounds of
-    `warmup` untimed and `steps` timed steps, the least of the rounds'
-    medians (a burst of other work on the machine only ever slows one)."""
+def _probe(first: Plan, step: Any, args: tuple, kwargs: dict, predict: Any, steps: int = 5, warmup: int = 2,
+           rounds: int = 3) -> Probe:
+    """Runs `probe_row` and `one_device_row` of `first` (`plan`'s
+    ``probe``): `rounds` rounds in alternating order of `warmup` untimed
+    and `steps` timed steps, a row's figure the least of its rounds'
+    medians (a burst of other work on the machine only ever slows one);
+    then `fit_probe`."""
     from smp_tf import state
 
-    row = probe_row(first.rows)
+    many = probe_row(first.rows)
+    one = one_device_row(first.rows)
+    if one is many:  # one row cannot give both figures: the share stays 1
+        one = None
+    rows = [many] + ([one] if one is not None else [])
     before = state.config().to_dict() if state.is_initialized() else None
+    measured: Dict[int, float] = {}
     t0 = time.perf_counter()
     try:
-        state.init(row.config)
-        measured = min(time_step(step, args, kwargs, steps, warmup) for _ in range(rounds))
+        for n in range(rounds):
+            for row in (rows if n % 2 == 0 else rows[::-1]):
+                state.init(row.config)
+                t = time_step(step, args, kwargs, steps, warmup)
+                measured[id(row)] = min(measured.get(id(row), t), t)
     finally:
         if before is not None:
             state.init(before)
-    predicted = row.step_time - row.times.get("dispatch", 0.0)
-    dispatch = max(measured - predicted, 0.0) / row.ops_run if row.ops_run else 0.0
-    return Probe(row.candidate.label(), dict(row.config), measured, predicted, row.ops_run, dispatch,
-                 time.perf_counter() - t0)
+    one_measured = measured[id(one)] if one is not None else None
+    dispatch, share = fit_probe(predict, many, measured[id(many)], one, one_measured)
+    return Probe(many.candidate.label(), dict(many.config), measured[id(many)], many.step_time, many.ops_run,
+                 dispatch, share, one.candidate.label() if one is not None else None, one_measured,
+                 one.step_time if one is not None else None, time.perf_counter() - t0)
 
 
 #: Keys of the config the planner chooses (not carried from the current config).

@@ -139,7 +139,7 @@ class Link:
 
 
 #: The runtime figures a resource graph may hold (`ResourceGraph.runtime`).
-RUNTIME_KEYS = ("step", "action", "dispatch")
+RUNTIME_KEYS = ("step", "action", "dispatch", "parallel")
 
 
 @dataclass
@@ -158,8 +158,10 @@ class ResourceGraph:
             per action of the pipeline (dispatching a task's function),
             ``"dispatch"`` per op each micro-batch runs, added to the
             step's wall time (what the step's own ops cost beyond their
-            work as the step runs them: measured by a probe of the step,
-            ``smp.plan(..., probe=True)``). Missing keys count 0.
+            work as the step runs them), and ``"parallel"``, the share of
+            a task's ops' side-by-side parallelism the runtime realizes
+            (0 to 1; missing: 1): both measured by a probe of the step
+            (``smp.plan(..., probe=True)``). Other missing keys count 0.
         cores: host -> the CPU cores its CPU devices share (logical CPU
             devices of one process, or processes pinned to the same
             cores): when more of them run at once than there are cores,
@@ -194,6 +196,8 @@ class ResourceGraph:
                 raise ValueError(f"runtime has unknown key {key!r}: use {', '.join(map(repr, RUNTIME_KEYS))} "
                                  "(seconds).")
             _positive(value, f"runtime[{key!r}]", allow_zero=True)
+            if key == "parallel" and value > 1:
+                raise ValueError(f"runtime['parallel'] is a share of the ops' parallelism, 0 to 1. Received: {value}")
         for host, n in self.cores.items():
             if host not in hosts:
                 raise ValueError(f"cores names host {host!r}, which has no device. Hosts: {sorted(hosts)}.")
@@ -320,7 +324,8 @@ class ResourceGraph:
             pairs[tuple(sorted((a, b)))] = link(kind, p, f"links.pairs[{k}]")
         runtime = spec.get("runtime", {}) or {}
         if not isinstance(runtime, Mapping):
-            raise ValueError("'runtime' must be a dict {'step': seconds, 'action': seconds, 'dispatch': seconds}. "
+            raise ValueError("'runtime' must be a dict {'step': seconds, 'action': seconds, 'dispatch': seconds, "
+                             "'parallel': share}. "
                              f"Received: {runtime!r:.200}")
         return cls(devices, links, pairs, source=source, cores=cores, runtime=dict(runtime))
 
@@ -390,7 +395,8 @@ class ResourceGraph:
             shared = sum(d.host == host and d.kind == "CPU" for d in self.devices)
             lines.append(f"host {host}: its {shared} CPU device(s) share {n:g} core(s)")
         if self.runtime:
-            lines.append("runtime: " + ", ".join(f"{k} {v * 1e6:.1f} us" for k, v in sorted(self.runtime.items())))
+            lines.append("runtime: " + ", ".join(f"{k} share {v:.2f}" if k == "parallel" else f"{k} {v * 1e6:.1f} us"
+                                                 for k, v in sorted(self.runtime.items())))
         lines.append("links:")
         for kind, l in sorted(self.links.items()):
             lines.append(f"  {kind:<8} {l.bandwidth / 1e9:>9.2f} GB/s  {l.latency * 1e6:>8.1f} us")

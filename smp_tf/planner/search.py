@@ -846,8 +846,11 @@ def _span(order: Mapping[int, Sequence[Any]], specs: Sequence[Any], seconds: Map
             raise ValueError(f"the {cand.pipeline} schedule deadlocks on these tasks")
         return max(run.end.values(), default=0.0), by_task
     elapsed: Dict[Any, float] = {}
+    # The share of the ops' parallelism the runtime realizes (a probe of the
+    # step measures it; the longest chain is a bound no executor reaches).
+    share = cluster.runtime.get("parallel", 1.0)
     span = simulate_shared(order, deps, lambda a: seconds[a.task] * t, host_of, shared, elapsed,
-                           cap=lambda a: parallel[a.task] * t)
+                           cap=lambda a: (1.0 + share * (parallel[a.task] - 1.0)) * t)
     for a, e in elapsed.items():
         by_task.setdefault(a.task, []).append(e)
     return span, by_task
