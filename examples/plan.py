@@ -4,8 +4,9 @@ A Keras MLP (8 x Dense(1024), Adam, batch 256) compiled as an
 `smp.DistributedModel`; `smp.plan` predicts every configuration of this
 host's devices (partitions, tensor parallelism, micro-batches, schedule,
 virtual stages, recomputation) on the calibrated resource graph, after
-probing the step once (the candidate that runs the most ops, for a few
-steps: what its step costs beyond the prediction, per op run), discards
+probing the step (two candidates for a few steps each: the runtime's cost
+per op run and the share of the ops' parallelism a device realizes are
+fitted to them), discards
 those predicted not to fit, ranks the rest by predicted step time;
 `plan.measure(3)` runs the best three for a few steps and keeps the
 fastest measured, and `fit` trains with it. The loss of the first epoch
@@ -74,8 +75,10 @@ def main() -> None:
     plan = smp.plan(model, x[: args.batch_size], y[: args.batch_size], probe=args.probe)
     if plan.probe is not None:
         p = plan.probe
-        print(f"probe: {p.label} measured {p.measured * 1e3:.2f} ms, predicted {p.predicted * 1e3:.2f} ms, "
-              f"{p.ops_run} ops run: {p.dispatch * 1e6:.2f} us per op added to every row ({p.seconds:.1f} s)\n")
+        print(f"probe: {p.label} measured {p.measured * 1e3:.2f} ms (predicted {p.predicted * 1e3:.2f}), "
+              f"{p.one_device} {(p.one_device_measured or 0) * 1e3:.2f} ms "
+              f"(predicted {(p.one_device_predicted or 0) * 1e3:.2f}): {p.dispatch * 1e6:.2f} us per op run, "
+              f"parallel share {p.parallel:.2f} ({p.seconds:.1f} s)\n")
     if args.measure:
         plan.measure(args.measure)
     print(plan)
