@@ -185,7 +185,7 @@ def part_accuracy(args) -> None:
     search_s = time.perf_counter() - t0 - plan.probe.seconds
     # The first search's predictions, before the probe (the same cluster).
     unprobed = {r.candidate.label(): r.step_time for r in smp.plan(
-        step, *batch, optimizer=opt, cluster=graph, replicas=[1], keep=40, tensor_parallel_degrees=[1, 2],
+        step, *batch, optimizer=opt, cluster=graph, replicas=[1], keep=200, tensor_parallel_degrees=[1, 2],
         recompute=["never"]).rows}
     fitting = [r for r in plan.rows if r.fits]
     chosen_rows = _spread(fitting, 6 if args.quick else 14)
