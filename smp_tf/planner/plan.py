@@ -18,7 +18,7 @@ import dataclasses
 import statistics
 import time
 import types
-from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
 import tensorflow as tf
 
@@ -104,8 +104,8 @@ def one_device_row(rows: Sequence[PlanRow]) -> Optional[PlanRow]:
     return min(alone, key=lambda r: r.step_time, default=None)
 
 
-def fit_probe(predict: Any, many: PlanRow, many_measured: float, one: Optional[PlanRow],
-              one_measured: Optional[float], rounds: int = 4) -> Tuple[float, float]:
+def fit_probe(predict: Callable[[PlanRow, float, float], float], many: PlanRow, many_measured: float,
+              one: Optional[PlanRow], one_measured: Optional[float], rounds: int = 4) -> Tuple[float, float]:
     """(seconds per op run, share of the ops' parallelism) that make the
     predictions of the two probed rows their measured steps.
 
@@ -568,6 +568,7 @@ def plan(
                      sorted({batch // (c.replicas * c.microbatches) for c in cands}))
     if memory_budget is None and state.is_initialized() and cluster is None:
         memory_budget = state.config().memory_budget
+
     def searched(cluster: ResourceGraph) -> Plan:
         result = search(tracer, batch, cluster, cands, slots=slots, memory_budget=memory_budget, fixed=config,
                         keep=keep, skipped=list(skipped), headroom=headroom, outputs_held=eager)
@@ -591,8 +592,8 @@ def plan(
     return again
 
 
-def _probe(first: Plan, step: Any, args: tuple, kwargs: dict, predict: Any, steps: int = 5, warmup: int = 2,
-           rounds: int = 3) -> Probe:
+def _probe(first: Plan, step: Any, args: tuple, kwargs: dict, predict: Callable[[PlanRow, float, float], float],
+           steps: int = 5, warmup: int = 2, rounds: int = 3) -> Probe:
     """Runs `probe_row` and `one_device_row` of `first` (`plan`'s
     ``probe``): `rounds` rounds in alternating order of `warmup` untimed
     and `steps` timed steps, a row's figure the least of its rounds'

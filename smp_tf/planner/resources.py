@@ -193,8 +193,8 @@ class ResourceGraph:
         hosts = {d.host for d in self.devices}
         for key, value in self.runtime.items():
             if key not in RUNTIME_KEYS:
-                raise ValueError(f"runtime has unknown key {key!r}: use {', '.join(map(repr, RUNTIME_KEYS))} "
-                                 "(seconds).")
+                raise ValueError(f"runtime has unknown key {key!r}: use 'step', 'action', 'dispatch' (seconds) "
+                                 "or 'parallel' (a share, 0 to 1).")
             _positive(value, f"runtime[{key!r}]", allow_zero=True)
             if key == "parallel" and value > 1:
                 raise ValueError(f"runtime['parallel'] is a share of the ops' parallelism, 0 to 1. Received: {value}")
@@ -349,10 +349,11 @@ class ResourceGraph:
         return out
 
     def with_runtime(self, **figures: float) -> "ResourceGraph":
-        """A copy with these `runtime` figures (seconds) set, the rest kept.
+        """A copy with these `runtime` figures set (seconds; ``parallel``
+        a share), the rest kept.
 
         Raises:
-            ValueError: an unknown figure, or a negative one.
+            ValueError: an unknown figure, a negative one, or a share above 1.
         """
         return ResourceGraph(list(self.devices), dict(self.links), dict(self.pairs), source=self.source,
                              seconds=self.seconds, cores=dict(self.cores), runtime={**self.runtime, **figures})
