@@ -452,6 +452,21 @@ def test_the_cluster_learns_from_measured_runs():
     assert again.rows[0].step_time == pytest.approx(1.2 * first.step_time, rel=0.05)
     with pytest.raises(ValueError, match="at least one measured run"):
         refine(g, [])
+    # A probed cluster's cost per op run is not the devices' speed: the level
+    # leaves it out, and the learned cluster keeps it.
+    spec = _cluster(devices=2)
+    spec["runtime"] = {"dispatch": 5e-6, "parallel": 0.5}
+    probed_cluster = ResourceGraph.from_dict(spec)
+    first = smp.plan(step, x, y, cluster=probed_cluster, **dims).rows[0]
+    dispatch = first.times["dispatch"]
+    assert dispatch > 0.1 * first.step_time
+    timed = Run(first, dict(first.task_elapsed), gap=None, span=None,
+                step=1.5 * (first.step_time - dispatch) + dispatch)
+    learned = refine(probed_cluster, [timed])
+    assert learned.runtime["dispatch"] == 5e-6 and learned.runtime["parallel"] == 0.5
+    again = smp.plan(step, x, y, cluster=learned, **dims).rows[0]
+    assert again.step_time == pytest.approx(timed.step, rel=0.05)
+    assert again.times["dispatch"] == pytest.approx(dispatch)
 
 
 def test_auto_plans_at_the_first_call_and_keeps_the_numbers():
