@@ -603,6 +603,9 @@ def test_a_probe_measures_two_rows_and_predicts_every_row_again(monkeypatch):
     assert again[many.candidate].step_time == pytest.approx(want[many.candidate], rel=2e-3)
     assert again[one.candidate].step_time == pytest.approx(want[one.candidate], rel=2e-3)
     assert again[many.candidate].times["dispatch"] == pytest.approx(p.dispatch * many.ops_run)
+    # The second search shares the first's cache: it predicts what a fresh search on the fitted cluster does.
+    fresh = {r.candidate: r.step_time for r in smp.plan(step, x, y, **{**dims, "cluster": plan.cluster}).rows}
+    assert fresh == pytest.approx({c: r.step_time for c, r in again.items()}, rel=1e-12)
     assert smp.current_config().partitions == 2 and smp.current_config().microbatches == 2
     # Steps faster than predicted: no cost per op, the whole parallelism.
     monkeypatch.setattr(plan_module, "time_step", lambda *a: 1e-6)

@@ -18,7 +18,7 @@ import dataclasses
 import statistics
 import time
 import types
-from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple, Union
 
 import tensorflow as tf
 
@@ -223,15 +223,14 @@ class Plan:
         rows = [r for r in self.rows if r.fits and r.replicas == 1][:k]
         if not rows:
             raise ValueError("No fitting single-replica candidate to measure.")
-        for n in range(rounds):
-            for row in (rows if n % 2 == 0 else rows[::-1]):
-                state.init(row.config)
-                t = time_step(self._step, self._args, self._kwargs, steps, warmup)
-                row.measured = t if n == 0 else min(row.measured, t)
-                if profile and n == rounds - 1:
-                    run = profile_run(row, self._step, self._args, self._kwargs)
-                    if run is not None:
-                        self.runs.append(run)
+        for n, row in _rounds(rows, rounds):
+            state.init(row.config)
+            t = time_step(self._step, self._args, self._kwargs, steps, warmup)
+            row.measured = t if n == 0 else min(row.measured, t)
+            if profile and n == rounds - 1:
+                run = profile_run(row, self._step, self._args, self._kwargs)
+                if run is not None:
+                    self.runs.append(run)
         self.chosen = min(rows, key=lambda r: r.measured)
         state.init(self.chosen.config)
         return self.chosen
@@ -544,15 +543,7 @@ def plan(
     from smp_tf.memory import optimizer_slots
     from smp_tf.partitioner.plan import DEFAULT_SLOTS
     dims = {k: kwargs.pop(k) for k in list(kwargs) if k in SEARCH_DIMENSIONS}
-    if not _is_step(target) and hasattr(target, "step_functions"):
-        if len(args) != 2 or kwargs:
-            raise ValueError("smp.plan(model, x, y): give the model's inputs and targets of one batch.")
-        optimizer = optimizer if optimizer is not None else getattr(target, "optimizer", None)
-        step, args = _model_step(target, *args)
-        eager = False if eager is None else eager
-    else:
-        step = target
-        eager = True if eager is None else eager
+    step, args, optimizer, eager = _step_of(target, args, kwargs, optimizer, eager)
     batch = _batch_size(step, args, kwargs)
     graph = _cluster(cluster)
     opt = optimizer if optimizer is not None else getattr(step, "optimizer", None)
@@ -569,27 +560,49 @@ def plan(
     if memory_budget is None and state.is_initialized() and cluster is None:
         memory_budget = state.config().memory_budget
 
+    # One cache for every search and prediction of this step on these
+    # devices: the probe's figures do not enter what it keeps.
+    cache: Dict[Any, Any] = {}
+
     def searched(cluster: ResourceGraph) -> Plan:
         result = search(tracer, batch, cluster, cands, slots=slots, memory_budget=memory_budget, fixed=config,
-                        keep=keep, skipped=list(skipped), headroom=headroom, outputs_held=eager)
+                        keep=keep, skipped=list(skipped), headroom=headroom, outputs_held=eager, cache=cache)
         return Plan(result, cluster, step, args, kwargs, tracer.seconds, batch)
-
-    first = searched(graph)
-    if not probe:
-        return first
-    cache: Dict[Any, Any] = {}
 
     def predict(row: PlanRow, dispatch: float, parallel: float) -> float:
         cand = row.candidate
         info = tracer(batch // (cand.replicas * cand.microbatches), cand.tensor_parallel_degree)
-        cluster = graph.with_runtime(dispatch=dispatch, parallel=parallel)
-        # The cache keeps the tasks' seconds, which these two figures do not change.
-        return predict_time(info, cand, cluster, slots=slots, fixed=config, cache=cache)[0].step_time
+        figures = graph.with_runtime(dispatch=dispatch, parallel=parallel)
+        return predict_time(info, cand, figures, slots=slots, fixed=config, cache=cache)[0].step_time
 
+    first = searched(graph)
+    if not probe:
+        return first
     found = _probe(first, step, args, kwargs, predict)
     again = searched(graph.with_runtime(dispatch=found.dispatch, parallel=found.parallel))
     again.probe = found
     return again
+
+
+def _step_of(target: Any, args: tuple, kwargs: dict, optimizer: Any, eager: Optional[bool]
+             ) -> Tuple[Any, tuple, Any, bool]:
+    """(step, its arguments, the optimizer, eager) for `plan`'s target: an
+    `smp.step` function as given, or a compiled model's ``fit`` step."""
+    if not _is_step(target) and hasattr(target, "step_functions"):
+        if len(args) != 2 or kwargs:
+            raise ValueError("smp.plan(model, x, y): give the model's inputs and targets of one batch.")
+        optimizer = optimizer if optimizer is not None else getattr(target, "optimizer", None)
+        step, args = _model_step(target, *args)
+        return step, args, optimizer, False if eager is None else eager
+    return target, args, optimizer, True if eager is None else eager
+
+
+def _rounds(rows: Sequence[PlanRow], rounds: int) -> Iterator[Tuple[int, PlanRow]]:
+    """(round, row) for `rounds` rounds over `rows`, in alternating order (a
+    burst of other work on the machine slows a round, not every row's)."""
+    for n in range(rounds):
+        for row in (rows if n % 2 == 0 else rows[::-1]):
+            yield n, row
 
 
 def _probe(first: Plan, step: Any, args: tuple, kwargs: dict, predict: Callable[[PlanRow, float, float], float],
@@ -610,11 +623,10 @@ def _probe(first: Plan, step: Any, args: tuple, kwargs: dict, predict: Callable[
     measured: Dict[int, float] = {}
     t0 = time.perf_counter()
     try:
-        for n in range(rounds):
-            for row in (rows if n % 2 == 0 else rows[::-1]):
-                state.init(row.config)
-                t = time_step(step, args, kwargs, steps, warmup)
-                measured[id(row)] = min(measured.get(id(row), t), t)
+        for _, row in _rounds(rows, rounds):
+            state.init(row.config)
+            t = time_step(step, args, kwargs, steps, warmup)
+            measured[id(row)] = min(measured.get(id(row), t), t)
     finally:
         if before is not None:
             state.init(before)

@@ -941,6 +941,7 @@ def search(
     skipped: Sequence[Skipped] = (),
     headroom: float = HEADROOM,
     outputs_held: bool = True,
+    cache: Optional[Dict[Any, Any]] = None,
 ) -> SearchResult:
     """Predicts `cands` on `cluster` and ranks them (module doc).
 
@@ -961,6 +962,10 @@ def search(
         outputs_held: the step is called eagerly: every micro-batch's
             outputs are held until the end of the step
             (`smp_tf.memory.predict_assignment`).
+        cache: `predict_time`'s cache, to share with another search of the
+            same step on the same devices and links (its splits, tasks,
+            schedules and task seconds; the runtime's ``dispatch`` and
+            ``parallel`` may differ, as they do not enter them).
 
     Returns:
         The `SearchResult`: rows best first (fitting rows by predicted
@@ -970,7 +975,7 @@ def search(
     start = time.perf_counter()
     skip: List[Skipped] = list(skipped)
     infos: Dict[Tuple[int, int], Any] = {}
-    cache: Dict[Any, Any] = {}
+    cache = {} if cache is None else cache
 
     def timed(cand: Candidate) -> Optional[Tuple[PlanRow, Any, GraphInfo]]:
         if cand.devices > len(cluster.devices):
