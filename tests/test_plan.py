@@ -581,6 +581,20 @@ def test_a_probe_measures_two_rows_and_predicts_every_row_again(monkeypatch):
     first = smp.plan(step, x, y, **dims)
     many, one = probe_row(first.rows), one_device_row(first.rows)
     assert many.ops_run == max(r.ops_run for r in first.rows if r.fits) and one.candidate.devices == 1
+    # Where every row runs as many ops (the micro-batches fixed), the probe
+    # still takes a row of several devices: the one device is the other probe
+    # row; of those, the fewest actions, then the fastest.
+    from types import SimpleNamespace
+
+    def row(devices, tasks, step_time, fits=True):
+        cand = SimpleNamespace(devices=devices, microbatches=4)
+        return SimpleNamespace(candidate=cand, fits=fits, replicas=1, ops_run=400, step_time=step_time,
+                               task_seconds=dict.fromkeys(range(tasks)))
+
+    alone, two, two_fast = row(1, 1, 0.1), row(2, 3, 0.1), row(2, 3, 0.09)
+    four, big = row(4, 7, 0.05), row(2, 1, 0.01, fits=False)
+    assert probe_row([alone, two, two_fast, four, big]) is two_fast and one_device_row([alone, two, four]) is alone
+    assert probe_row([alone]) is alone
     want = {many.candidate: many.step_time * 1.03, one.candidate: one.step_time * 1.15}
     ran = []
 

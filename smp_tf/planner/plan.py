@@ -82,10 +82,12 @@ class Probe:
 
 def probe_row(rows: Sequence[PlanRow]) -> PlanRow:
     """The candidate a probe runs for the cost per op: of the fitting
-    single-replica rows, the one that runs the most ops per step (the most
-    micro-batches, on the most tensor-parallel shards), of those the one
-    with the fewest actions (the plainest schedule, the fewest costs beside
-    the ops), then the fastest predicted.
+    single-replica rows on more than one device (the cost shows where
+    devices run at once; the one device alone is `one_device_row`'s), or
+    of all fitting single-replica rows if none is, the one that runs the
+    most ops per step (the most micro-batches, on the most tensor-parallel
+    shards), of those the one with the fewest actions (the plainest
+    schedule, the fewest costs beside the ops), then the fastest predicted.
 
     Raises:
         ValueError: no fitting single-replica row.
@@ -93,7 +95,8 @@ def probe_row(rows: Sequence[PlanRow]) -> PlanRow:
     fitting = [r for r in rows if r.fits and r.replicas == 1]
     if not fitting:
         raise ValueError("No fitting single-replica candidate to probe: give more devices or memory.")
-    return max(fitting, key=lambda r: (r.ops_run, -len(r.task_seconds) * r.candidate.microbatches, -r.step_time))
+    several = [r for r in fitting if r.candidate.devices > 1] or fitting
+    return max(several, key=lambda r: (r.ops_run, -len(r.task_seconds) * r.candidate.microbatches, -r.step_time))
 
 
 def one_device_row(rows: Sequence[PlanRow]) -> Optional[PlanRow]:
