@@ -75,11 +75,11 @@ def _timed(fn, *args, repeats: int = 9) -> float:
     """The least seconds of `repeats` calls after one untimed call.
 
     The least, not the median: a call of a millisecond is only ever slowed
-    (by another process, by the first calls' allocations), and the median
-    of three such calls moved from run to run by 9% for the product speed,
-    22% for the element-wise one and 55% for the bandwidth (six
-    calibrations on a 2-core EPYC), against 2%, 9% and 5% for the least of
-    nine.
+    (by another process, by the first calls' allocations). Within sets of
+    six calibrations in a row on a 2-core EPYC, the median of three such
+    calls moved by 9 to 14% for the product speed, 9 to 22% for the
+    element-wise one and 22 to 55% for the bandwidth; the least of nine by
+    2 to 6%, 7 to 14% and 5 to 17%.
     """
     fn(*args)  # traces and warms up
     times = []
