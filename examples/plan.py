@@ -74,11 +74,7 @@ def main() -> None:
 
     plan = smp.plan(model, x[: args.batch_size], y[: args.batch_size], probe=args.probe)
     if plan.probe is not None:
-        p = plan.probe
-        print(f"probe: {p.label} measured {p.measured * 1e3:.2f} ms (predicted {p.predicted * 1e3:.2f}), "
-              f"{p.one_device} {(p.one_device_measured or 0) * 1e3:.2f} ms "
-              f"(predicted {(p.one_device_predicted or 0) * 1e3:.2f}): {p.dispatch * 1e6:.2f} us per op run, "
-              f"parallel share {p.parallel:.2f} ({p.seconds:.1f} s)\n")
+        print(f"probe: {plan.probe.summary()} ({plan.probe.seconds:.1f} s)\n")
     if args.measure:
         plan.measure(args.measure)
     print(plan)

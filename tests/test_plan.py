@@ -1,6 +1,8 @@
 """`smp.plan`: candidates, their predicted times and peaks, the ranking,
 measuring the best, learning from the run, and the config key ``auto``."""
 
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -566,6 +568,20 @@ def test_the_probe_fit_recovers_the_cost_per_op_and_the_parallel_share():
     assert fit_probe(predict, many, 0.2, one, 0.5)[1] == 0.0
     # Without a one-device row the share stays 1.
     assert fit_probe(predict, many, 0.09, None, None) == (pytest.approx(0.012 / 8000), 1.0)
+
+
+def test_a_probe_says_what_it_measured_in_one_line():
+    from smp_tf.planner.plan import Probe
+
+    probe = Probe("P2 t1 R1 M8 simple v1 never", {}, 0.094, 0.0688, 7992, 2.95e-6, 0.44,
+                  "P1 t1 R1 M1 interleaved v1 never", 0.0934, 0.0701, 12.2)
+    assert probe.summary() == (
+        "P2 t1 R1 M8 simple v1 never measured 94.00 ms (predicted 68.80, 7992 ops run), "
+        "P1 t1 R1 M1 interleaved v1 never 93.40 ms (predicted 70.10); "
+        "fitted: dispatch 2.95 us per op run, parallel share 0.44")
+    alone = dataclasses.replace(probe, one_device=None, one_device_measured=None, one_device_predicted=None)
+    assert alone.summary() == ("P2 t1 R1 M8 simple v1 never measured 94.00 ms (predicted 68.80, 7992 ops run), "
+                               "fitted: dispatch 2.95 us per op run, parallel share 0.44")
 
 
 def test_a_probe_measures_two_rows_and_predicts_every_row_again(monkeypatch):

@@ -218,7 +218,7 @@ def part_accuracy(args) -> None:
     out = {
         "model": args.model, "cluster": graph.table(), "learned": learned.table(), "search_s": search_s,
         "candidates": plan.evaluated, "fitting": len(fitting),
-        "probe": dataclasses.asdict(plan.probe),
+        "probe": dataclasses.asdict(plan.probe), "probe_line": plan.probe.summary(),
         "rows": [{"label": r.candidate.label(), "predicted": r.step_time,
                   "unprobed": unprobed.get(r.candidate.label()),
                   "measured": statistics.median(passes[r.candidate.label()]),
@@ -235,12 +235,7 @@ def _accuracy_table(res: Dict[str, Any]) -> List[str]:
     probe = res["probe"]
     lines = [f"== planner against measurement: {res['model']} ({res['candidates']} candidates predicted twice in "
              f"{res['search_s']:.1f} s, {res['fitting']} fit; {len(rows)} run) ==",
-             f"probe ({probe['seconds']:.1f} s): {probe['label']} measured {probe['measured'] * 1e3:.2f} ms (predicted "
-             f"{probe['predicted'] * 1e3:.2f}, {probe['ops_run']} ops run), "
-             + (f"{probe['one_device']} {probe['one_device_measured'] * 1e3:.2f} ms (predicted "
-                f"{probe['one_device_predicted'] * 1e3:.2f}); " if probe.get("one_device") else "")
-             + f"fitted: dispatch {probe['dispatch'] * 1e6:.2f} us per op run, parallel share "
-             f"{probe['parallel']:.2f}; every row below predicted with them",
+             f"probe ({probe['seconds']:.1f} s): {res['probe_line']}; every row below predicted with them",
              f"{'rank':>4}  {'candidate':<34} {'predicted ms':>12} {'measured ms':>12} {'error':>7} "
              f"{'learned ms':>11} {'error':>7}  passes ms"]
     for r in sorted(rows, key=lambda r: r["rank"]):

@@ -79,6 +79,15 @@ class Probe:
     one_device_predicted: Optional[float]
     seconds: float
 
+    def summary(self) -> str:
+        """One line: what was measured against its prediction, and the
+        figures fitted."""
+        one = (f"{self.one_device} {self.one_device_measured * 1e3:.2f} ms (predicted "
+               f"{self.one_device_predicted * 1e3:.2f}); " if self.one_device is not None else "")
+        return (f"{self.label} measured {self.measured * 1e3:.2f} ms (predicted {self.predicted * 1e3:.2f}, "
+                f"{self.ops_run} ops run), {one}fitted: dispatch {self.dispatch * 1e6:.2f} us per op run, "
+                f"parallel share {self.parallel:.2f}")
+
 
 def probe_row(rows: Sequence[PlanRow]) -> PlanRow:
     """The candidate a probe runs for the cost per op: of the fitting

@@ -36,6 +36,7 @@ own entry when ``pairs`` has one, else its class's.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -355,8 +356,7 @@ class ResourceGraph:
         Raises:
             ValueError: an unknown figure, a negative one, or a share above 1.
         """
-        return ResourceGraph(list(self.devices), dict(self.links), dict(self.pairs), source=self.source,
-                             seconds=self.seconds, cores=dict(self.cores), runtime={**self.runtime, **figures})
+        return dataclasses.replace(self, runtime={**self.runtime, **figures})
 
     @classmethod
     def from_json(cls, path: str) -> "ResourceGraph":
