@@ -306,7 +306,7 @@ def test_a_rank_that_never_starts_is_an_error_at_start_up():
     if runtime.has_register_barrier():
         assert "rank 0 waited 10 s for every rank to join the cluster" in proc.stderr, proc.stderr[-2000:]
         assert f"127.0.0.1:{other}" in proc.stderr and "missing: [1]" in proc.stderr
-    else:  # TensorFlow 2.16 to 2.18: the interpreter is held, faulthandler's timer ends the process
+    else:  # TensorFlow 2.17 and 2.18: the interpreter is held, faulthandler's timer ends the process
         assert "Timeout" in proc.stderr and "_wait_for_every_rank_to_join_the_cluster" in proc.stderr, \
             proc.stderr[-2000:]
         assert "cannot name a rank that never joins; rank 0 waits up to 20 s for every rank of" in proc.stderr

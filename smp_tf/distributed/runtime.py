@@ -243,7 +243,7 @@ def _coordination_config_pb2() -> Any:
 
     raise RuntimeError(
         f"smp_tf could not find the coordination service's protos (coordination_config_pb2) in "
-        f"TensorFlow {tf.__version__}; multi-process jobs need TensorFlow 2.16 or later."
+        f"TensorFlow {tf.__version__}; multi-process jobs need TensorFlow 2.17 or later."
     )
 
 

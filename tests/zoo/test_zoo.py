@@ -72,18 +72,23 @@ def _body(case):
     return body
 
 
-def _microbatch(value, m):
-    return tf.nest.map_structure(lambda a: tf.constant(a[m::M]), value)
+def _microbatch(value, m, microbatches=M):
+    return tf.nest.map_structure(lambda a: tf.constant(a[m::microbatches]), value)
 
 
-def _reference(name):
-    """The entry, its initial state, and the single-device loop's results."""
-    if name not in _REFERENCES:
+def _reference(name, microbatches=M):
+    """The entry, its initial state, and the single-device loop's results
+    over `microbatches` micro-batches."""
+    key = name if microbatches == M else (name, microbatches)
+    if key not in _REFERENCES:
         case = zoo_models.ENTRIES[name]()
         init = [v.numpy() for v in case.model.variables]
         _GLOBAL_SEEDS[name] = _global_seed_generator().state.numpy()
         fn = tf.function(_body(case))
-        outs = [fn(_microbatch(case.x, m), _microbatch(case.y, m)) for m in range(M)]
+        outs = [
+            fn(_microbatch(case.x, m, microbatches), _microbatch(case.y, m, microbatches))
+            for m in range(microbatches)
+        ]
         losses = [float(l) for l, _ in outs]
         grads = [[tf.convert_to_tensor(g).numpy() for g in gs] for _, gs in outs]
         state = [v.numpy() for v in case.model.variables]
@@ -91,8 +96,8 @@ def _reference(name):
         # One step function per model, as a user would keep it: a new
         # smp.init that changes only the schedule reuses its partitioning.
         step = smp.step(_body(case))
-        _REFERENCES[name] = (case, init, losses, grads, state, step)
-    return _REFERENCES[name]
+        _REFERENCES[key] = (case, init, losses, grads, state, step)
+    return _REFERENCES[key]
 
 
 def _relative_errors(got: List[List[np.ndarray]], expected: List[List[np.ndarray]]) -> List[float]:
@@ -108,7 +113,7 @@ def _relative_errors(got: List[List[np.ndarray]], expected: List[List[np.ndarray
 def _step_errors(model, loss, grads, ref_losses, ref_grads, ref_state):
     """The relative errors of a step's gradients (`_relative_errors`), of
     its per-micro-batch losses and of the model's state after it."""
-    got = [[tf.convert_to_tensor(g.outputs[m]).numpy() for g in grads] for m in range(M)]
+    got = [[tf.convert_to_tensor(g.outputs[m]).numpy() for g in grads] for m in range(len(ref_losses))]
     loss_errors = [abs(float(l) - r) / max(abs(r), 1e-6) for l, r in zip(loss.outputs, ref_losses)]
     state_errors = [
         float(np.max(np.abs(v.numpy() - s))) / max(float(np.max(np.abs(s))), 1e-6) if s.size else 0.0
@@ -188,6 +193,40 @@ def test_zoo_transparency(name, partitions, schedule, virtual_stages, record_pro
     assert not bad, f"gradients differ from the reference loop (worst first): {sorted(bad, key=lambda b: -b[1])[:5]}"
     bad_state = [(v.path, e) for v, e in zip(model.variables, state_errors) if e > TOLERANCE]
     assert not bad_state, f"state after the step differs from the reference loop: {bad_state[:5]}"
+
+
+#: EfficientNetB0 with one and two micro-batches, one to three partitions.
+#: On TensorFlow 2.16 every case with two micro-batches computed wrong
+#: gradients (errors up to 2.0) and one micro-batch differed by 1e-4: its
+#: oneDNN graph rewrite fused the squeeze-and-excitation blocks' swish
+#: (``x * sigmoid(x)`` into ``_MklSwish``) in the pipeline's task but not in
+#: the step a user calls, so the release is below smp_tf's floor
+#: (`smp_tf.state.MIN_TENSORFLOW`); these guard the floor's release and every
+#: later one.
+_FEW_MICROBATCHES = [(1, "interleaved", 2), (2, "interleaved", 2), (3, "interleaved", 2), (3, "simple", 2),
+                     (1, "interleaved", 1)]
+
+
+@pytest.mark.parametrize(
+    "partitions,schedule,microbatches",
+    [pytest.param(p, s, m, marks=pytest.mark.xdist_group("efficientnet_b0"), id=f"P{p}-{s}-M{m}")
+     for p, s, m in _FEW_MICROBATCHES],
+)
+def test_efficientnet_b0_few_microbatches(partitions, schedule, microbatches):
+    name = "efficientnet_b0"
+    case, init, ref_losses, ref_grads, ref_state, step = _reference(name, microbatches)
+    model = case.model
+    _restore(name, model, init)
+    smp.init({"partitions": partitions, "microbatches": microbatches, "pipeline": schedule})
+    loss, grads = step(case.x, case.y)
+
+    errors, loss_errors, state_errors = _step_errors(model, loss, grads, ref_losses, ref_grads, ref_state)
+    assert max(loss_errors) <= TOLERANCE, f"losses {loss.outputs} vs the reference loop's {ref_losses}"
+    per_var = np.array(errors).reshape(microbatches, -1).max(axis=0)
+    bad = sorted(((v.path, e) for v, e in zip(model.trainable_variables, per_var) if e > TOLERANCE),
+                 key=lambda b: -b[1])
+    assert not bad, f"gradients differ from the reference loop (worst first): {bad[:5]}"
+    assert max(state_errors) <= TOLERANCE, f"state after the step differs: {max(state_errors):.2e}"
 
 
 # -- recomputation -------------------------------------------------------------
