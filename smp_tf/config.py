@@ -69,6 +69,12 @@ cluster                None           (smp_tf only) the machines to plan
                                       for: a dict or the path of a JSON
                                       file (``smp.cluster()``); None: this
                                       host, calibrated
+shard_optimizer_state  False          with data parallelism, each replica
+                                      keeps and updates 1/R of every
+                                      optimizer slot of its variables; the
+                                      gradients are reduce-scattered, the
+                                      parameters all-gathered after the
+                                      update
 auto                   False          (smp_tf only) plan the configuration
                                       (``smp.plan``) at a step's first call
                                       and re-initialise with the best one;
@@ -113,6 +119,7 @@ _INT_KEYS = (
 )
 _BOOL_KEYS = (
     "auto_partition", "contiguous", "horovod", "fuse_weight_gradients", "pretranspose_weights", "shard_inputs", "auto",
+    "shard_optimizer_state",
 )
 
 
@@ -204,6 +211,12 @@ class Config:
         auto: plan the configuration at a step's first call (`smp.plan`)
             and re-initialise with the best plan's keys; the keys it
             chooses are ignored until then.
+        shard_optimizer_state: with data parallelism over R replicas, each
+            replica keeps and updates a 1/R piece of every optimizer slot of
+            its variables (ZeRO stage 1): the gradients are reduce-scattered
+            instead of all-reduced and the parameters all-gathered after the
+            update (`docs/sharded_data_parallelism.md`). Needs
+            ``horovod`` and several replicas.
 
     Raises:
         ValueError: a value has the wrong type or is out of range.
@@ -231,6 +244,7 @@ class Config:
     layout_map: Optional[Any] = None
     cluster: Optional[Any] = None
     auto: bool = False
+    shard_optimizer_state: bool = False
 
     @property
     def num_stages(self) -> int:
@@ -285,6 +299,15 @@ class Config:
                     f"Config parameter '{key}' must be at least 1. "
                     f"Received: {key}={getattr(self, key)!r}"
                 )
+
+        if self.shard_optimizer_state:
+            for key, value in (("tensor_parallel_degree", self.tensor_parallel_degree),
+                               ("pipeline_processes", self.pipeline_processes)):
+                if value > 1:
+                    raise ValueError(
+                        f"shard_optimizer_state=True does not compose with {key}={value} yet: shard the "
+                        f"optimizer state of pipelines that run in one process each, with {key}=1."
+                    )
 
         if self.partitions % self.pipeline_processes:
             raise ValueError(

@@ -46,6 +46,7 @@ from smp_tf.rewrite import (
     task_specs,
 )
 from smp_tf.schedules import Action, Schedule, make_schedule, schedule_builder
+from smp_tf.sharding import storage
 from smp_tf.sharding.lower import place_shards
 from smp_tf.step_output import FusedOp
 from smp_tf.trace import CapturedShard, CapturedVariable, Traced, gc_paused
@@ -318,6 +319,16 @@ def calls_without_body_shape_inference(graph: tf.Graph) -> Iterator[None]:
         yield
     finally:
         del graph.create_op
+
+
+def _optimizer_state_divided_over() -> int:
+    """The replicas each optimizer slot is divided over: R under
+    ``shard_optimizer_state``, else 1."""
+    from smp_tf import state
+
+    if state.is_initialized() and state.config().shard_optimizer_state:
+        return state.dp_size()
+    return 1
 
 
 class CompiledStep:
@@ -683,6 +694,8 @@ class CompiledStep:
             held, combined = None, None
         if workspace is None:
             workspace = self._rewritten_workspaces()
+        slots = optimizer_slots(optimizer) if slots is None else slots
+        replicas = _optimizer_state_divided_over()
         report = predict_memory(
             g, self.plan.partition_of_op, self.tasks, self.simulation,
             num_partitions=self.plan.num_partitions,
@@ -690,7 +703,8 @@ class CompiledStep:
             gradient_bytes=gradient_bytes,
             held_outputs=held,
             combined_bytes=combined,
-            slots=optimizer_slots(optimizer) if slots is None else slots,
+            # Under shard_optimizer_state a replica keeps 1/R of each slot.
+            slots=slots / replicas,
             optimizer_bytes=self._optimizer_bytes(optimizer),
             recompute=self.recompute,
             devices=self.devices,
@@ -750,7 +764,9 @@ class CompiledStep:
             return None
         out: Dict[int, int] = {}
         for v in variables:
-            shape = tf.TensorShape(v.shape)
+            # A slot divided over the replicas holds its piece here.
+            piece = storage.local_piece_of(v if isinstance(v, tf.Variable) else getattr(v, "value", v))
+            shape = tf.TensorShape((v if piece is None else piece).shape)
             if not shape.is_fully_defined() or shape.num_elements() <= 1:
                 continue  # iteration counters and the like
             part = partition_of_device(getattr(getattr(v, "value", v), "device", ""), self.devices)

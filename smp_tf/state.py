@@ -316,6 +316,12 @@ def init(config: Optional[Mapping[str, Any]] = None) -> Config:
     from smp_tf.distributed.layout import PipelineLayout
 
     layout = PipelineLayout(info.size, cfg.partitions, cfg.pipeline_processes, cfg.placement_strategy)
+    if cfg.shard_optimizer_state and (layout.replicas < 2 or not cfg.horovod):
+        raise ValueError(
+            "shard_optimizer_state=True divides the optimizer state over data-parallel replicas, but this job has "
+            f"{layout.replicas} replica(s) with horovod={cfg.horovod}. Launch several processes "
+            "(python -m smp_tf.launch -n 2 ...) with {'horovod': True}, or leave shard_optimizer_state off."
+        )
     if cfg.pipeline_processes > 1:
         from smp_tf.distributed import remote
 

@@ -536,7 +536,16 @@ class StepFunction:
         count = getattr(graph, "_smp_tf_emissions", 0)
         graph._smp_tf_emissions = count + 1
         site = f"{getattr(self._fn, '__qualname__', 'step')}/{count}"
-        raise_if_uneven = state.config().uneven_inputs == "raise"
+        cfg = state.config()
+        if cfg.shard_optimizer_state:
+            from smp_tf.sharding import optimizer_state, pieces
+
+            optimizer_state.install()
+            pieces.forget_all()  # the pieces of earlier steps
+        # Under shard_optimizer_state each replica owns a piece of the
+        # optimizer state: one that ran out of data cannot leave the others
+        # to update without it (see `smp.join`).
+        raise_if_uneven = cfg.uneven_inputs == "raise" or cfg.shard_optimizer_state
         plan = collectives._Plan()
         state_vars = entry.written_state()
         if state_vars:
@@ -566,6 +575,7 @@ class StepFunction:
             raise_if_uneven=raise_if_uneven,
             plan=plan,
             after_pipeline=list(entry.device_last_ops.values()),
+            scatter=cfg.shard_optimizer_state,
         )
         for k in members:
             flat[k]._replicas = (reducer, k)

@@ -36,6 +36,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 import tensorflow as tf
 
 from smp_tf.distributed import runtime
+from smp_tf.sharding import pieces as data_pieces
 
 __all__ = [
     "GROUP_BASE",
@@ -43,10 +44,13 @@ __all__ = [
     "group_key",
     "instance_key",
     "all_reduce_sum",
+    "reduce_scatter_sum",
+    "all_gather",
     "Bucket",
     "GradientReducer",
     "buckets_of",
     "reduce_bucket",
+    "reduce_scatter_bucket",
     "broadcast_variables",
     "sync_state",
     "last_plan",
@@ -105,6 +109,58 @@ def all_reduce_sum(t: tf.Tensor, partition: int, device: str, key: int) -> tf.Te
             instance_key=key,
             merge_op="Add",
             final_op="Id",
+            communication_hint=_hint(device),
+            timeout=0,
+            ordering_token=_ordering_token(full),
+        )
+
+
+def reduce_scatter_sum(t: tf.Tensor, partition: int, device: str, key: int) -> tf.Tensor:
+    """Row ``rank`` of the sum over the replicas of `t` (shape ``[replicas,
+    n]``), on `device`.
+
+    TensorFlow's ``CollectiveReduceScatterV2`` has no CPU implementation
+    (its collective registry has none for the ring), so this is
+    ``CollectiveAllToAllV2`` (row ``j`` of every replica goes to replica
+    ``j``) followed by the sum of the rows received, in replica order:
+    each replica sends and receives ``(replicas - 1) / replicas`` of `t`,
+    what a ring reduce-scatter moves, and every replica sums its row in the
+    same order.
+    """
+    from tensorflow.python.ops import collective_ops
+
+    group = runtime.group()
+    full = group.device(device)
+    with tf.device(full):
+        received = collective_ops.all_to_all_v2(
+            t,
+            group_size=group.size,
+            group_key=group_key(partition),
+            instance_key=key,
+            communication_hint=_hint(device),
+            timeout=0,
+            ordering_token=_ordering_token(full),
+        )
+        rows = tf.unstack(received, num=group.size)
+        total = rows[0]
+        for row in rows[1:]:
+            total = total + row
+        return total
+
+
+def all_gather(t: tf.Tensor, partition: int, device: str, key: int) -> tf.Tensor:
+    """The replicas' `t` (all of one shape) concatenated along dimension 0
+    in replica order, on `device` (``CollectiveGatherV2``)."""
+    from tensorflow.python.ops import collective_ops
+
+    group = runtime.group()
+    full = group.device(device)
+    with tf.device(full):
+        return collective_ops.all_gather_v2(
+            t,
+            group_size=group.size,
+            group_key=group_key(partition),
+            instance_key=key,
             communication_hint=_hint(device),
             timeout=0,
             ordering_token=_ordering_token(full),
@@ -257,6 +313,61 @@ def reduce_bucket(
     return out
 
 
+def reduce_scatter_bucket(
+    values: Sequence[Any],
+    partition: int,
+    device: str,
+    index: int,
+    site: str,
+    plan: "_Plan",
+    weight: Any = None,
+    raise_if_uneven: bool = False,
+) -> List[Any]:
+    """This replica's piece of the weighted mean over the replicas of each
+    of one bucket's local values (``shard_optimizer_state``).
+
+    The bucket is laid out as a ``[replicas, chunk]`` matrix whose row ``j``
+    holds replica ``j``'s piece of every value (`smp_tf.sharding.pieces`),
+    followed by the weight and the running flag of `reduce_bucket`, and
+    reduce-scattered (`reduce_scatter_sum`): each replica receives only the
+    sum of its own row. Returns, per value, its piece (1-D, padded,
+    registered with `smp_tf.sharding.pieces.register`); None values stay
+    None.
+    """
+    present = [i for i, v in enumerate(values) if v is not None]
+    out: List[Any] = [None] * len(values)
+    if not present:
+        return out
+    group = runtime.group()
+    replicas, rank = group.size, group.rank
+    with tf.device(device):
+        dense = [_dense(values[i]) for i in present]
+        dtype = dense[0].dtype
+        if any(not x.shape.is_fully_defined() for x in dense):
+            raise ValueError(
+                "smp_tf can only reduce-scatter gradients of static shape across replicas; "
+                f"got shapes {[x.shape for x in dense]}."
+            )
+        parts = [data_pieces.Piece(tuple(x.shape.as_list()), replicas, rank) for x in dense]
+        with tf.control_dependencies(plan.started()):
+            w = tf.ones([], dtype) if weight is None else tf.cast(weight, dtype)
+            rows = []
+            for x, piece in zip(dense, parts):
+                flat = tf.reshape(tf.cast(x, dtype), [-1]) * w
+                flat = tf.pad(flat, [[0, piece.length * replicas - piece.size]])
+                rows.append(tf.reshape(flat, [replicas, piece.length]))
+            trailer = tf.tile(tf.reshape(tf.stack([w, tf.ones([], dtype)]), [1, 2]), [replicas, 1])
+            matrix = tf.concat(rows + [trailer], axis=1)
+        chunk = sum(p.length for p in parts) + 2
+        key = instance_key("grad-scatter", site, partition, index, dtype.name, chunk)
+        summed = reduce_scatter_sum(matrix, partition, device, key)
+        mean = _unpack(summed, raise_if_uneven)
+        split = tf.split(mean, [p.length for p in parts]) if len(parts) > 1 else [mean]
+        for i, part, piece in zip(present, split, parts):
+            out[i] = data_pieces.register(part, piece)
+    return out
+
+
 class GradientReducer:
     """The data-parallel mean of a step's gradient outputs, in buckets.
 
@@ -276,6 +387,9 @@ class GradientReducer:
         site: names the emission (same on every rank).
         raise_if_uneven: every replica must contribute (else an error).
         plan: where the bucket all-reduces are recorded, in order.
+        scatter: reduce-scatter instead of all-reduce: each gradient's
+            value is this replica's piece of the mean
+            (``shard_optimizer_state``, `reduce_scatter_bucket`).
     """
 
     def __init__(
@@ -290,8 +404,10 @@ class GradientReducer:
         raise_if_uneven: bool = False,
         plan: Optional[_Plan] = None,
         after_pipeline: Sequence[Any] = (),
+        scatter: bool = False,
     ) -> None:
         self._local = local_values
+        self._reduce = reduce_scatter_bucket if scatter else reduce_bucket
         self._after_pipeline = list(after_pipeline)
         self._site = site
         self._raise = raise_if_uneven
@@ -317,11 +433,13 @@ class GradientReducer:
             deps = [] if OVERLAP else self._after_pipeline
             with tf.device(self._devices[p]), tf.control_dependencies(deps):
                 locals_ = [self._local[m]() for m in ks]
-            reduced = reduce_bucket(
+            reduced = self._reduce(
                 locals_, p, self._devices[p], self._index_in_partition[b], self._site, self._plan,
                 raise_if_uneven=self._raise,
             )
             for m, v, local in zip(ks, reduced, locals_):
+                # The bucket's dtype is its values': the cast returns a
+                # registered piece itself.
                 self._result[m] = None if local is None else tf.cast(v, _dense(local).dtype)
         return self._result[k]
 

@@ -180,5 +180,7 @@ class join(contextlib.ContextDecorator):
                 )
             return False
         mode = self.uneven_inputs or state.config().uneven_inputs
-        self.joined_steps = finish_uneven(mode == "raise")
+        # A replica owns a piece of the optimizer state under
+        # shard_optimizer_state: the others cannot update without it.
+        self.joined_steps = finish_uneven(mode == "raise" or state.config().shard_optimizer_state)
         return False

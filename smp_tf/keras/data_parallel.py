@@ -87,7 +87,9 @@ def run_or_contribute_nothing(rows: tf.Tensor, run: Callable[[], Tuple[Any, List
 def reduce_gradients(grads: List[Any], variables: List[Any], weight: tf.Tensor, site: str,
                      raise_if_uneven: bool) -> List[Any]:
     """The mean over the replicas of each replica's gradients, weighted by
-    its rows, bucketed per partition (the partition of the variable)."""
+    its rows, bucketed per partition (the partition of the variable); under
+    ``shard_optimizer_state`` this replica's piece of each mean
+    (`collectives.reduce_scatter_bucket`)."""
     devices = state.topology().devices
     from smp_tf.placement import partition_of_device
 
@@ -101,10 +103,17 @@ def reduce_gradients(grads: List[Any], variables: List[Any], weight: tf.Tensor, 
     plan = collectives._Plan()
     out = list(grads)
     index: Dict[int, int] = {}
+    reduce = collectives.reduce_bucket
+    if state.config().shard_optimizer_state:
+        from smp_tf.sharding import optimizer_state, pieces
+
+        optimizer_state.install()
+        pieces.forget_all()  # the pieces of earlier steps
+        reduce = collectives.reduce_scatter_bucket
     for p, ks in collectives.buckets_of(members, partition_of, nbytes, dtypes):
         i = index.get(p, 0)
         index[p] = i + 1
-        reduced = collectives.reduce_bucket(
+        reduced = reduce(
             [grads[k] for k in ks], p, devices[p], i, site, plan, weight=weight, raise_if_uneven=raise_if_uneven,
         )
         for k, r in zip(ks, reduced):

@@ -139,7 +139,9 @@ class DistributedModel(keras.Model):
             loss, grads, y_pred = data_parallel.run_or_contribute_nothing(
                 batch_size, lambda: steps.run(x, emit), [v.shape for v in self.trainable_weights]
             )
-            raise_if_uneven = state.config().uneven_inputs == "raise"
+            # A replica owns a piece of the optimizer state under
+            # shard_optimizer_state: it cannot leave the others to update.
+            raise_if_uneven = state.config().uneven_inputs == "raise" or state.config().shard_optimizer_state
             rows = tf.cast(batch_size, tf.float32)
             data_parallel.sync_written_state(
                 steps.train, rows, [loss] + [g for g in grads if g is not None], "fit/state", raise_if_uneven

@@ -46,6 +46,9 @@ from tensorflow.python.framework import ops as tf_ops
 
 __all__ = [
     "reading_own_handle",
+    "shard_over_data",
+    "is_data_sharded",
+    "local_piece_of",
     "shard_variable",
     "unshard_variable",
     "is_sharded",
@@ -296,6 +299,154 @@ def shard_variable(variable: Any, dim: int, devices: Sequence[str]) -> Any:
     v._smp_split_dim = dim
     v.__class__ = _sharded_class(type(v))
     return old
+
+
+# --------------------------------------------------------------------------
+# pieces over the data-parallel replicas (shard_optimizer_state)
+# --------------------------------------------------------------------------
+class _DataShardedStorage:
+    """Overrides for a variable divided over the data-parallel replicas:
+    this process keeps only its replica's piece (`smp_tf.sharding.pieces`),
+    a flat, padded run of the elements, in ``_smp_local``.
+
+    Reading it whole (``read_value``, ``numpy``, a checkpoint) gathers the
+    pieces of every replica (``_smp_gather``: a collective, so every
+    replica must read at the same time); assigning a whole value writes
+    this replica's piece of it. The optimizer update works on the piece
+    itself (`smp_tf.placement`), as tensor parallelism's update does.
+    """
+
+    _smp_local: tf.Variable
+    _smp_piece: Any
+    _smp_gather: Any
+
+    def _whole(self) -> tf.Tensor:
+        piece = self._smp_piece
+        with tf.device(self._smp_local.device):
+            flat = self._smp_gather(self._smp_local.read_value_no_copy())
+            return tf.reshape(flat[: piece.size], piece.shape)
+
+    def _read_variable_op(self, no_copy: bool = False) -> tf.Tensor:
+        with tf_ops.colocate_with(None, ignore_existing=True):
+            return self._whole()
+
+    def sparse_read(self, indices: Any, name: Optional[str] = None) -> tf.Tensor:
+        return tf.gather(self._read_variable_op(), indices, name=name)
+
+    def is_initialized(self, name: Optional[str] = None) -> tf.Tensor:
+        return self._smp_local.is_initialized(name=name)
+
+    def _write(self, kind: str, value: Any, read_value: bool) -> Any:
+        value = tf.convert_to_tensor(value, dtype=self.dtype)
+        if not value.shape.is_compatible_with(self.shape):
+            raise ValueError(
+                f"Cannot {kind} a value of shape {value.shape} to variable {self.name!r} of shape {self.shape}."
+            )
+        with tf_ops.colocate_with(None, ignore_existing=True), tf.device(self._smp_local.device):
+            op = getattr(self._smp_local, kind)(local_piece(value, self._smp_piece), read_value=False)
+            if tf.executing_eagerly():
+                return self
+            with tf.control_dependencies([op]):
+                return self._whole() if read_value else tf.group(op)
+
+    def assign(self, value: Any, use_locking: Any = None, name: Any = None, read_value: bool = True) -> Any:
+        return self._write("assign", value, read_value)
+
+    def assign_add(self, delta: Any, use_locking: Any = None, name: Any = None, read_value: bool = True) -> Any:
+        return self._write("assign_add", delta, read_value)
+
+    def assign_sub(self, delta: Any, use_locking: Any = None, name: Any = None, read_value: bool = True) -> Any:
+        return self._write("assign_sub", delta, read_value)
+
+    def _unsupported(self, *args: Any, **kwargs: Any) -> Any:
+        raise NotImplementedError(
+            f"Variable {self.name!r} is divided over {self._smp_piece.replicas} data-parallel replicas "
+            "(shard_optimizer_state); it supports reads, assign, assign_add and assign_sub."
+        )
+
+    scatter_add = scatter_sub = scatter_update = scatter_max = scatter_min = _unsupported
+    scatter_mul = scatter_div = batch_scatter_update = gather_nd = _unsupported
+    scatter_nd_sub = scatter_nd_add = scatter_nd_update = scatter_nd_max = scatter_nd_min = _unsupported
+
+    def _serialize_to_tensors(self) -> Dict[str, Any]:
+        from tensorflow.python.trackable import base as trackable
+
+        return {trackable.VARIABLE_VALUE_KEY: self._whole()}
+
+    def _restore_from_tensors(self, restored_tensors: Dict[str, Any]) -> Any:
+        from tensorflow.python.trackable import base as trackable
+
+        return self._write("assign", restored_tensors[trackable.VARIABLE_VALUE_KEY], read_value=False)
+
+
+def local_piece(value: tf.Tensor, piece: Any) -> tf.Tensor:
+    """`piece` (a `smp_tf.sharding.pieces.Piece`) of a whole value: its
+    elements flattened, padded with zeros, and the owner's run taken."""
+    flat = tf.reshape(value, [-1])
+    flat = tf.pad(flat, [[0, piece.length * piece.replicas - piece.size]])
+    return flat[piece.rank * piece.length:(piece.rank + 1) * piece.length]
+
+
+def is_data_sharded(variable: Any) -> bool:
+    """Whether `variable` is divided over the data-parallel replicas."""
+    return isinstance(_tf_variable(variable), _DataShardedStorage)
+
+
+def local_piece_of(variable: Any) -> Optional[tf.Variable]:
+    """This replica's piece (a 1-D `tf.Variable`) of a variable divided over
+    the replicas; None if it is whole here."""
+    v = _tf_variable(variable)
+    return v._smp_local if isinstance(v, _DataShardedStorage) else None
+
+
+def shard_over_data(variable: Any, piece: Any, gather: Any) -> Any:
+    """Keeps only `piece` of `variable`'s value in this process (module
+    doc of `_DataShardedStorage`).
+
+    Args:
+        variable: a plain resource `tf.Variable` (or a Keras variable).
+        piece: this replica's `smp_tf.sharding.pieces.Piece` of it.
+        gather: the collective that concatenates every replica's piece (a
+            1-D tensor) in replica order.
+
+    Returns:
+        The variable's old handle (a resource tensor).
+
+    Raises:
+        ValueError: the variable is already split.
+    """
+    from tensorflow.python.ops import resource_variable_ops
+
+    v = _tf_variable(variable)
+    if isinstance(v, (_ShardedStorage, _DataShardedStorage)):
+        raise ValueError(f"Variable {v.name!r} is already split.")
+    with tf.init_scope(), tf.device(v.device):
+        local = resource_variable_ops.ResourceVariable(
+            tf.raw_ops.DeepCopy(x=local_piece(v.read_value(), piece)), dtype=v.dtype, trainable=False,
+            name=f"{v.name.split(':')[0]}/smp_data_piece")
+    old = v._handle
+    v._handle = _empty_handle(v, v.device)
+    v._cached_value = None
+    v._smp_local = local
+    v._smp_piece = piece
+    v._smp_gather = gather
+    v.__class__ = _data_sharded_class(type(v))
+    return old
+
+
+_DATA_CLASSES: Dict[type, type] = {}
+
+
+def _data_sharded_class(cls: type) -> type:
+    """The class of a variable of class `cls` divided over the replicas
+    (derived from ``BaseResourceVariable`` for the reason `_sharded_class`
+    gives)."""
+    if cls not in _DATA_CLASSES:
+        from tensorflow.python.ops import resource_variable_ops as rvo
+
+        base = rvo.BaseResourceVariable if issubclass(cls, rvo.ResourceVariable) else cls
+        _DATA_CLASSES[cls] = type(f"DataSharded{cls.__name__}", (_DataShardedStorage, base), {"_smp_base": cls})
+    return _DATA_CLASSES[cls]
 
 
 def unshard_variable(variable: Any, device: Optional[str] = None) -> Any:

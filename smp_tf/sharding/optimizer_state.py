@@ -1,0 +1,314 @@
+"""Optimizer state divided over the data-parallel replicas (``shard_optimizer_state``).
+
+With R replicas, replica r keeps and updates piece r of every optimizer
+slot of its pipeline's variables (`smp_tf.sharding.pieces`: a flat run of
+``ceil(n / R)`` elements), the ZeRO stage 1 of DeepSpeed and the
+``shard_optimizer_state`` of the SageMaker library. One step, for a
+variable ``v`` whose gradient was reduce-scattered to its piece ``g_r``
+(`smp_tf.distributed.collectives.reduce_scatter_bucket`)::
+
+    p_r = piece r of v                      # this replica's parameters
+    optimizer.update_step(g_r, p_r)         # its slots are pieces too
+    v = all_gather(p_0, ..., p_{R-1})       # every replica, bit-identical
+
+The user's code does not change: ``optimizer.apply_gradients(zip(grads,
+variables))`` receives the pieces that ``StepOutput.accumulate()`` (or
+Keras ``fit``) returns, and this module, installed into Keras's optimizer,
+recognises them (`smp_tf.sharding.pieces.piece_of`):
+
+* a slot of the variable's shape is created whole by Keras, then divided
+  (`smp_tf.sharding.storage.shard_over_data`): this process keeps its piece
+  only. Reading a slot whole (a checkpoint) gathers the pieces;
+* the update runs Keras's own ``update_step`` on the pieces, as tensor
+  parallelism's update does on its pieces: the optimizer is handed the
+  piece of the parameters, and its slots read their pieces while it runs;
+* ``clipnorm`` and ``global_clipnorm`` are applied first, with norms summed
+  over every replica's pieces (an all-reduce of the sums of squares), never
+  over a piece alone; the optimizer's own clipping is off meanwhile.
+
+Only optimizers whose update is element-wise in the variable, its gradient
+and its slots compute, on a piece, what they compute on the whole variable
+(`SHARDABLE`); any other is refused at its first update.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import weakref
+from typing import Any, Dict, Iterator, List, Optional, Sequence
+
+import tensorflow as tf
+
+from smp_tf import placement, state
+from smp_tf.distributed import collectives
+from smp_tf.sharding import pieces, storage
+
+__all__ = ["SHARDABLE", "install", "check_shardable"]
+
+#: Keras optimizers whose update is element-wise (see module doc).
+SHARDABLE = frozenset(["SGD", "Adam", "AdamW", "Adamax", "Nadam", "RMSprop", "Adagrad", "Adadelta", "Lion", "Ftrl"])
+#: Why the other built-in optimizers cannot be updated on pieces.
+_WHY_NOT = {
+    "Lamb": "its trust ratio divides the norm of each whole variable by the norm of its whole update",
+    "Adafactor": "its second moments are factored over the rows and columns of each whole variable",
+    "LossScaleOptimizer": "it checks that every gradient of the replica is finite before it updates",
+    "Muon": "it orthogonalises each whole weight matrix's update",
+}
+
+_LOCAL = threading.local()
+#: Attribute of a tf.Variable: its parameters' piece (a plain 1-D variable on its device).
+_PARAM_PIECE = "_smp_tf_param_piece"
+
+
+def check_shardable(optimizer: Any) -> None:
+    """Raises ValueError naming `optimizer` when its update cannot run on
+    pieces (module doc)."""
+    cls = type(optimizer)
+    name = cls.__name__
+    builtin = cls.__module__.startswith("keras.")
+    if builtin and name in SHARDABLE:
+        if getattr(optimizer, "gradient_accumulation_steps", None):
+            raise ValueError(
+                f"shard_optimizer_state cannot update {name} with gradient_accumulation_stes="
+                f"{optimizer.gradient_accumulation_steps}: its accumulators add whole gradients. Accumulate over "
+                "micro-batches instead (the config key 'microbatches')."
+            )
+        return
+    why = _WHY_NOT.get(name) if builtin else (
+        "smp_tf cannot tell whether its update of a variable is element-wise; only the element-wise "
+        f"built-in optimizers can be sharded ({', '.join(sorted(SHARDABLE))})")
+    why = why or f"it is not one of the element-wise optimizers ({', '.join(sorted(SHARDABLE))})"
+    raise ValueError(
+        f"shard_optimizer_state cannot divide the state of optimizer {name} over the replicas: {why}. "
+        "Use one of " + ", ".join(sorted(SHARDABLE)) + ", or leave shard_optimizer_state off."
+    )
+
+
+# --------------------------------------------------------------------------
+# the collectives, keyed alike on every replica
+# --------------------------------------------------------------------------
+def _partition_of(variable: Any) -> int:
+    """The partition whose device holds `variable` (a Keras or tf.Variable)."""
+    resource = placement._resource_variable(variable)
+    device = (variable if resource is None else resource).device
+    return placement.partition_of_device(device, state.topology().devices)
+
+
+def _gather_for(device: str, partition: int, name: str, size: int) -> Any:
+    """The all-gather of one variable's pieces on `device` (a slot read whole)."""
+    key = collectives.instance_key("data-piece", name, size)
+
+    def gather(local: tf.Tensor) -> tf.Tensor:
+        return collectives.all_gather(local, partition, device, key)
+
+    return gather
+
+
+def _apply_site() -> str:
+    """Names one optimizer update alike on every replica: how many sharded
+    updates this graph (or the eager context) emitted before."""
+    graph = tf.compat.v1.get_default_graph() if not tf.executing_eagerly() else _LOCAL
+    count = getattr(graph, "_smp_tf_sharded_updates", 0)
+    setattr(graph, "_smp_tf_sharded_updates", count + 1)
+    return f"update/{count}"
+
+
+# --------------------------------------------------------------------------
+# clipping with norms over all pieces
+# --------------------------------------------------------------------------
+def _summed_squares(grads: Sequence[tf.Tensor], variables: Sequence[Any], site: str) -> List[tf.Tensor]:
+    """Each gradient's sum of squares over every replica's piece: one
+    all-reduce per partition of the sums of its pieces."""
+    by_partition: Dict[int, List[int]] = {}
+    for i, v in enumerate(variables):
+        by_partition.setdefault(_partition_of(v), []).append(i)
+    devices = state.topology().devices
+    out: List[Optional[tf.Tensor]] = [None] * len(grads)
+    for p, members in sorted(by_partition.items()):
+        with tf.device(devices[p]):
+            local = tf.stack([tf.reduce_sum(tf.square(tf.cast(grads[i], tf.float32))) for i in members])
+            key = collectives.instance_key("clip-norm", site, p, len(members))
+            summed = collectives.all_reduce_sum(local, p, devices[p], key)
+            for j, i in enumerate(members):
+                out[i] = summed[j]
+    return out
+
+
+def _clip(optimizer: Any, grads: List[tf.Tensor], variables: List[Any], site: str) -> List[tf.Tensor]:
+    """``clipnorm`` / ``global_clipnorm`` on pieces, with Keras's formulas
+    on norms summed over the replicas (``clipvalue`` is element-wise and
+    stays the optimizer's)."""
+    clipnorm, global_clipnorm = optimizer.clipnorm, optimizer.global_clipnorm
+    if not ((clipnorm and clipnorm > 0) or (global_clipnorm and global_clipnorm > 0)):
+        return grads
+    squares = _summed_squares(grads, variables, site)
+    if clipnorm and clipnorm > 0:
+        out = []
+        for g, l2sum in zip(grads, squares):
+            with tf.device(g.device):
+                l2sum = tf.cast(l2sum, g.dtype)
+                l2norm = tf.where(l2sum > 0, tf.sqrt(tf.where(l2sum > 0, l2sum, tf.ones_like(l2sum))), l2sum)
+                out.append(g * clipnorm / tf.maximum(l2norm, tf.cast(clipnorm, g.dtype)))
+        return out
+    norm = tf.sqrt(tf.add_n(squares))
+    scale = global_clipnorm * tf.minimum(1.0 / norm, 1.0 / global_clipnorm)
+    scale = scale + (norm - norm)  # NaN for a non-finite norm, as Keras
+    return [g * tf.cast(scale, g.dtype) for g in grads]
+
+
+# --------------------------------------------------------------------------
+# the update
+# --------------------------------------------------------------------------
+@contextlib.contextmanager
+def _updating_pieces(variables: Dict[int, pieces.Piece], site: str) -> Iterator[None]:
+    previous = getattr(_LOCAL, "pieces", None)
+    _LOCAL.pieces = (variables, site)
+    try:
+        yield
+    finally:
+        _LOCAL.pieces = previous
+
+
+def _piece_update_of(var: Any) -> Optional[tuple]:
+    current = getattr(_LOCAL, "pieces", None)
+    if current is None:
+        return None
+    variables, site = current
+    piece = variables.get(id(var))
+    return None if piece is None else (piece, site)
+
+
+def _divide_slots(optimizer: Any, var: Any, piece: pieces.Piece) -> List[Any]:
+    """The Keras slots of `var` (those of its shape), divided over the
+    replicas the first time (they were created whole)."""
+    slots = []
+    for slot, reference in placement._slots_by_reference(optimizer):
+        if placement._resource_variable(reference) is not var:
+            continue
+        sv = getattr(slot, "value", slot)
+        if not storage.is_data_sharded(sv):
+            if tuple(sv.shape) != tuple(var.shape):
+                raise ValueError(
+                    f"shard_optimizer_state: {type(optimizer).__name__} keeps a slot of shape {tuple(sv.shape)} for "
+                    f"variable {var.name!r} of shape {tuple(var.shape)}; only slots of the variable's shape can be "
+                    "divided over the replicas."
+                )
+            gather = _gather_for(var.device, _partition_of(var), sv.name, piece.size)
+            storage.shard_over_data(sv, piece, gather)
+        slots.append(slot)
+    return slots
+
+
+def _param_piece(var: Any, piece: pieces.Piece) -> Any:
+    """The variable holding this replica's piece of `var`'s parameters."""
+    p = getattr(var, _PARAM_PIECE, None)
+    if p is None or not placement.same_device(p.device, var.device) or int(p.shape[0]) != piece.length:
+        from tensorflow.python.ops import resource_variable_ops
+
+        with tf.init_scope(), tf.device(var.device):
+            p = resource_variable_ops.ResourceVariable(
+                tf.zeros([piece.length], var.dtype), trainable=False, name=f"{var.name.split(':')[0]}/smp_param_piece")
+        setattr(var, _PARAM_PIECE, p)
+    return p
+
+
+def _update_piece(optimizer: Any, var: Any, grad: tf.Tensor, learning_rate: Any, piece: pieces.Piece,
+                  index: int, site: str) -> Any:
+    """`var`'s update on this replica's piece, then the all-gather of every
+    replica's piece into `var` (module doc)."""
+    slots = _divide_slots(optimizer, var, piece)
+    param = _param_piece(var, piece)
+    device = var.device
+    with tf.device(device):
+        param.assign(storage.local_piece(var.read_value(), piece), read_value=False)
+    held = [(slot, slot._value) for slot in slots]
+    try:
+        for slot, whole in held:
+            slot._value = storage.local_piece_of(whole)
+        param._distributed_container = weakref.ref(var)
+        with tf.device(device):
+            optimizer.update_step(grad, param, learning_rate)
+    finally:
+        for slot, whole in held:
+            slot._value = whole
+        del param._distributed_container
+    with tf.device(device):
+        key = collectives.instance_key("param-gather", site, index, piece.size)
+        gathered = collectives.all_gather(param.read_value(), _partition_of(var), device, key)
+        return var.assign(tf.reshape(gathered[: piece.size], piece.shape), read_value=False)
+
+
+# --------------------------------------------------------------------------
+# installed into Keras's optimizer
+# --------------------------------------------------------------------------
+def _sharding() -> bool:
+    return state.is_initialized() and state.config().shard_optimizer_state
+
+
+def install() -> None:
+    """Wraps Keras's optimizer ``apply`` and per-variable update (once per
+    process); inert unless ``shard_optimizer_state`` is on and the
+    gradients are registered pieces."""
+    from keras.src.backend.tensorflow.optimizer import TFOptimizer
+
+    if getattr(TFOptimizer.apply, "_smp_tf_pieces", False):
+        return
+    original_apply = TFOptimizer.apply
+    original_update = TFOptimizer._distributed_tf_update_step
+
+    def apply(self, grads, trainable_variables=None):
+        found = [pieces.piece_of(g) for g in grads] if _sharding() else []
+        if not any(p is not None for p in found):
+            return original_apply(self, grads, trainable_variables)
+        check_shardable(self)
+        variables = list(trainable_variables) if trainable_variables is not None else list(self._trainable_variables)
+        grads = list(grads)
+        for g, v, p in zip(grads, variables, found):
+            if p is None and g is not None:
+                raise ValueError(
+                    f"shard_optimizer_state: the gradient of {getattr(v, 'path', v.name)!r} is whole while others are "
+                    "this replica's pieces; pass every gradient from StepOutput.accumulate()."
+                )
+            if p is not None and tuple(p.shape) != tuple(v.shape):
+                raise ValueError(
+                    f"shard_optimizer_state: a gradient piece of a variable of shape {p.shape} was paired with "
+                    f"{getattr(v, 'path', v.name)!r} of shape {tuple(v.shape)}; keep the gradients in the order "
+                    "of the variables."
+                )
+        site = _apply_site()
+        present = [(g, v) for g, v in zip(grads, variables) if g is not None]
+        scale = self.loss_scale_factor
+        if scale is not None:
+            grads = [g if g is None else g / scale for g in grads]
+        clipped = iter(_clip(self, [g for g, _ in present], [v for _, v in present], site))
+        grads = [g if g is None else next(clipped) for g in grads]
+        targets = {id(placement._resource_variable(v)): p for v, p in zip(variables, found) if p is not None}
+        held = (self.clipnorm, self.global_clipnorm, self.loss_scale_factor)
+        self.clipnorm = self.global_clipnorm = self.loss_scale_factor = None
+        try:
+            with _updating_pieces(targets, site):
+                return original_apply(self, grads, variables)
+        finally:
+            self.clipnorm, self.global_clipnorm, self.loss_scale_factor = held
+
+    def _distributed_tf_update_step(self, distribution, grads_and_vars, learning_rate):
+        grads_and_vars = list(grads_and_vars)
+        rest = []
+        for index, (grad, var) in enumerate(grads_and_vars):
+            found = _piece_update_of(var)
+            if found is None:
+                rest.append((grad, var))
+                continue
+            piece, site = found
+            _update_piece(self, var, grad, learning_rate, piece, index, site)
+        if rest:
+            return original_update(self, distribution, rest, learning_rate)
+        return None
+
+    apply._smp_tf_pieces = True
+    apply.__wrapped__ = original_apply
+    _distributed_tf_update_step._smp_tf_pieces = True
+    _distributed_tf_update_step.__wrapped__ = original_update
+    TFOptimizer.apply = apply
+    TFOptimizer._distributed_tf_update_step = _distributed_tf_update_step
