@@ -67,6 +67,7 @@ def test_defaults():
         "layout_map": None,
         "cluster": None,
         "auto": False,
+        "shard_optimizer_state": False,
     }
     assert parse({}) == cfg
 
@@ -97,6 +98,8 @@ def test_all_keys_set():
             {"name": "CPU:0", "kind": "CPU", "memory": 2**30, "overhead": 1e-6,
              "flops": {"matmul": 1e11, "conv": 5e10, "elementwise": 1e9}}]}}, "links": {}},
         "auto": True,
+        # True needs pipeline_processes=1 (test_sharded_data_parallel.py).
+        "shard_optimizer_state": False,
     }
     cfg = parse(given)
     assert cfg.to_dict() == given

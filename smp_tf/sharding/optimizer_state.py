@@ -179,14 +179,31 @@ def _piece_update_of(var: Any) -> Optional[tuple]:
     return None if piece is None else (piece, site)
 
 
-def _divide_slots(optimizer: Any, var: Any, piece: pieces.Piece) -> List[Any]:
-    """The Keras slots of `var` (those of its shape), divided over the
-    replicas the first time (they were created whole)."""
+def _slots_of(optimizer: Any, var: Any) -> List[Any]:
+    """The Keras slots an optimizer keeps for `var`: entry i of each of its
+    per-variable lists (Adam's ``_momentums``, Adagrad's ``_accumulators``,
+    the moving averages, ...), i being `var`'s index. Found by structure,
+    not by name: Keras names some slots after the variable and others
+    only after their role."""
+    from keras import Variable as KerasVariable
+
+    trainable = list(getattr(optimizer, "_trainable_variables", None) or [])
+    index = optimizer._get_variable_index(var)
     slots = []
-    for slot, reference in placement._slots_by_reference(optimizer):
-        if placement._resource_variable(reference) is not var:
+    for name, value in vars(optimizer).items():
+        if name in ("_trainable_variables", "_variables") or not isinstance(value, list) or len(value) != len(trainable):
             continue
-        sv = getattr(slot, "value", slot)
+        if all(isinstance(x, KerasVariable) for x in value) and value[index] is not trainable[index]:
+            slots.append(value[index])
+    return slots
+
+
+def _divide_slots(optimizer: Any, var: Any, piece: pieces.Piece) -> List[Any]:
+    """The Keras slots of `var` (`_slots_of`), divided over the replicas
+    the first time (Keras created them whole)."""
+    slots = []
+    for slot in _slots_of(optimizer, var):
+        sv = slot.value
         if not storage.is_data_sharded(sv):
             if tuple(sv.shape) != tuple(var.shape):
                 raise ValueError(
@@ -276,6 +293,13 @@ def install() -> None:
                     f"{getattr(v, 'path', v.name)!r} of shape {tuple(v.shape)}; keep the gradients in the order "
                     "of the variables."
                 )
+        if not self.built:
+            # Built now, outside the caller's trace: a slot created inside a
+            # `tf.function` is initialised only when the function first runs,
+            # and its value is read here to keep this replica's piece.
+            with tf.init_scope():
+                self.build(variables)
+            self.built = True
         site = _apply_site()
         present = [(g, v) for g, v in zip(grads, variables) if g is not None]
         scale = self.loss_scale_factor
