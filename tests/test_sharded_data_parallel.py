@@ -30,7 +30,7 @@ WORKER = os.path.join(ROOT, "tests", "dp", "sharded_worker.py")
 #: Optimizers whose update involves no norm: the pieces' update is the
 #: whole update of those elements, and a reduce-scatter over 2 replicas adds
 #: the same two numbers an all-reduce adds.
-BIT_EXACT = ("adamw", "rmsprop", "adagrad", "adamax", "nadam", "lion")
+BIT_EXACT = ("adamw", "rmsprop", "adagrad", "adamax", "nadam", "lion", "adadelta", "ftrl")
 
 
 # -- pieces (plain Python) -----------------------------------------------------

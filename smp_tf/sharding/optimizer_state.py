@@ -57,8 +57,6 @@ _WHY_NOT = {
 }
 
 _LOCAL = threading.local()
-#: Attribute of a tf.Variable: its parameters' piece (a plain 1-D variable on its device).
-_PARAM_PIECE = "_smp_tf_param_piece"
 
 
 def check_shardable(optimizer: Any) -> None:
@@ -217,17 +215,35 @@ def _divide_slots(optimizer: Any, var: Any, piece: pieces.Piece) -> List[Any]:
     return slots
 
 
-def _param_piece(var: Any, piece: pieces.Piece) -> Any:
-    """The variable holding this replica's piece of `var`'s parameters."""
-    p = getattr(var, _PARAM_PIECE, None)
-    if p is None or not placement.same_device(p.device, var.device) or int(p.shape[0]) != piece.length:
-        from tensorflow.python.ops import resource_variable_ops
+class _ParamPiece:
+    """This replica's piece of a variable's parameters while the optimizer
+    updates it: the optimizer's assignments replace a tensor, so no storage
+    is kept for the piece between steps (the whole variable is assigned
+    from the gathered pieces). It names the whole variable as its
+    container, so that the optimizer finds the slots it keeps for it.
+    """
 
-        with tf.init_scope(), tf.device(var.device):
-            p = resource_variable_ops.ResourceVariable(
-                tf.zeros([piece.length], var.dtype), trainable=False, name=f"{var.name.split(':')[0]}/smp_param_piece")
-        setattr(var, _PARAM_PIECE, p)
-    return p
+    def __init__(self, var: Any, value: tf.Tensor) -> None:
+        self._distributed_container = weakref.ref(var)
+        self.dtype = var.dtype
+        self.shape = value.shape
+        self.current = value
+
+    def assign(self, value: Any, *args: Any, **kwargs: Any) -> None:
+        self.current = tf.convert_to_tensor(value, self.dtype)
+
+    def assign_add(self, delta: Any, *args: Any, **kwargs: Any) -> None:
+        self.current = self.current + delta
+
+    def assign_sub(self, delta: Any, *args: Any, **kwargs: Any) -> None:
+        self.current = self.current - delta
+
+    def read_value(self) -> tf.Tensor:
+        return self.current
+
+
+tf.register_tensor_conversion_function(
+    _ParamPiece, lambda piece, dtype=None, name=None, as_ref=False: piece.current)
 
 
 def _update_piece(optimizer: Any, var: Any, grad: tf.Tensor, learning_rate: Any, piece: pieces.Piece,
@@ -235,21 +251,18 @@ def _update_piece(optimizer: Any, var: Any, grad: tf.Tensor, learning_rate: Any,
     """`var`'s update on this replica's piece, then the all-gather of every
     replica's piece into `var` (module doc)."""
     slots = _divide_slots(optimizer, var, piece)
-    param = _param_piece(var, piece)
     device = var.device
     with tf.device(device):
-        param.assign(storage.local_piece(var.read_value(), piece), read_value=False)
+        param = _ParamPiece(var, storage.local_piece(var.read_value(), piece))
     held = [(slot, slot._value) for slot in slots]
     try:
         for slot, whole in held:
             slot._value = storage.local_piece_of(whole)
-        param._distributed_container = weakref.ref(var)
         with tf.device(device):
             optimizer.update_step(grad, param, learning_rate)
     finally:
         for slot, whole in held:
             slot._value = whole
-        del param._distributed_container
     with tf.device(device):
         key = collectives.instance_key("param-gather", site, index, piece.size)
         gathered = collectives.all_gather(param.read_value(), _partition_of(var), device, key)

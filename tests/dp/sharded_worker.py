@@ -42,6 +42,8 @@ OPTIMIZERS = {
     "adamax": lambda: keras.optimizers.Adamax(0.01),
     "nadam": lambda: keras.optimizers.Nadam(0.01),
     "lion": lambda: keras.optimizers.Lion(0.001),
+    "adadelta": lambda: keras.optimizers.Adadelta(1.0),
+    "ftrl": lambda: keras.optimizers.Ftrl(0.05, l1_regularization_strength=0.01),
 }
 
 

@@ -1,0 +1,250 @@
+"""Sharded data parallelism benchmark: what ``shard_optimizer_state`` divides, and what it costs.
+
+Prints one table, two replicas (processes on 127.0.0.1, one core each) of
+an MLP (P=2, M=4, Adam), with plain data parallelism and with the optimizer
+state sharded:
+
+* model-state bytes each replica holds, live (the variables' storage, read
+  after training) and predicted (``step.memory_report(optimizer)``):
+  parameters, gradients (one accumulated gradient per variable) and
+  optimizer state, and the ratio sharded / plain;
+* the median step time and its ratio to plain data parallelism; under
+  sharding the time of the collectives it adds (the gradients' all-to-all
+  and the parameters' all-gather, measured alone on the same bytes) and of
+  the plain all-reduce they replace.
+
+Every configuration runs in fresh processes started by this script, with
+every wait bounded.
+
+Usage: python benchmarks/sharded_data_parallel/bench.py [--repeats 20] [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+# --------------------------------------------------------------------------
+# a replica (run in its own process)
+# --------------------------------------------------------------------------
+def _pin(rank: int) -> None:
+    cores = sorted(os.sched_getaffinity(0))
+    os.sched_setaffinity(0, {cores[rank % len(cores)]})
+
+
+def _model_state(model, optimizer, report) -> dict:
+    """Bytes this replica holds: live storage, and the memory report's."""
+    import numpy as np
+
+    from smp_tf.sharding import storage
+
+    def stored(v) -> int:
+        tv = getattr(v, "value", v)
+        piece = storage.local_piece_of(tv)
+        shape = (tv if piece is None else piece).shape
+        return int(np.prod(shape)) * tv.dtype.size
+
+    params = sum(stored(v) for v in model.trainable_variables)
+    slots = sum(stored(v) for v in optimizer.variables if len(v.shape) and int(np.prod(v.shape)) > 1)
+    rows = report.partitions
+    return {
+        "params": params,
+        # Gradients are tensors of the step, not storage: predicted only.
+        "grads": None,
+        "optimizer": slots,
+        "predicted_params": sum(r.variables for r in rows),
+        "predicted_grads": sum(r.gradients for r in rows),
+        "predicted_optimizer": sum(r.optimizer for r in rows),
+    }
+
+
+def worker_step(args) -> None:
+    import smp_tf as smp
+
+    rank = int(os.environ.get("SMP_TF_RANK", "0"))
+    _pin(rank)
+    smp.init({"partitions": 2, "microbatches": 4, "horovod": True, "dp_timeout": 120,
+              "shard_optimizer_state": args.sharded == "on"})
+    import keras
+    import numpy as np
+    import tensorflow as tf
+
+    keras.utils.set_random_seed(0)
+    inp = keras.Input((args.width,))
+    h = inp
+    for _ in range(args.layers):
+        h = keras.layers.Dense(args.width, activation="relu")(h)
+    model = smp.DistributedModel(inp, keras.layers.Dense(args.width)(h))
+    optimizer = keras.optimizers.Adam(1e-4)
+    x = tf.constant(np.random.default_rng(rank).normal(size=(args.batch, args.width)).astype("float32"))
+
+    @smp.step
+    def step(x):
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_mean(tf.square(model(x, training=True) - x))
+        return loss, tape.gradient(loss, model.trainable_variables)
+
+    @tf.function
+    def train(x):
+        loss, grads = step(x)
+        optimizer.apply_gradients(zip([g.accumulate() for g in grads], model.trainable_variables))
+        return loss.reduce_mean()
+
+    for _ in range(3):
+        train(x).numpy()
+    times = []
+    for _ in range(args.repeats):
+        smp.barrier()
+        t = time.perf_counter()
+        train(x).numpy()
+        times.append(time.perf_counter() - t)
+    state = _model_state(model, optimizer, step.memory_report(optimizer))
+    if rank == 0:
+        print("RESULT " + json.dumps({"step": statistics.median(times), **state}), flush=True)
+
+
+def worker_collectives(args) -> None:
+    """The collectives of one step on the model's bytes, timed alone:
+    all-reduce (plain), all-to-all + all-gather (sharded)."""
+    import smp_tf as smp
+
+    rank = int(os.environ.get("SMP_TF_RANK", "0"))
+    _pin(rank)
+    smp.init({"partitions": 1, "horovod": True, "dp_timeout": 120})
+    import tensorflow as tf
+
+    from smp_tf.distributed import collectives
+
+    n = args.layers * (args.width * args.width + args.width) + args.width * args.width + args.width
+    device = "/device:CPU:0"
+    with tf.device(device):
+        x = tf.ones([n + n % 2], tf.float32)
+
+    @tf.function
+    def all_reduce():
+        return collectives.all_reduce_sum(x, 0, device, collectives.instance_key("bench-ar", n))
+
+    @tf.function
+    def scatter_gather():
+        piece = collectives.reduce_scatter_sum(tf.reshape(x, [2, -1]), 0, device, collectives.instance_key("bench-rs", n))
+        return collectives.all_gather(piece, 0, device, collectives.instance_key("bench-ag", n))
+
+    out = {}
+    for name, fn in (("all_reduce", all_reduce), ("scatter_gather", scatter_gather)):
+        for _ in range(3):
+            fn().numpy()
+        times = []
+        for _ in range(args.repeats):
+            smp.barrier()
+            t = time.perf_counter()
+            fn().numpy()
+            times.append(time.perf_counter() - t)
+        out[name] = statistics.median(times)
+    if rank == 0:
+        print("RESULT " + json.dumps({**out, "bytes": 4 * n}), flush=True)
+
+
+# --------------------------------------------------------------------------
+# orchestration
+# --------------------------------------------------------------------------
+def run(role: str, extra: list, timeout: float = 900.0) -> dict:
+    sys.path.insert(0, ROOT)
+    from smp_tf.distributed.cluster import pick_free_ports
+
+    addresses = ",".join(f"127.0.0.1:{p}" for p in pick_free_ports(2, "127.0.0.1"))
+    procs = []
+    for r in range(2):
+        env = dict(os.environ, PYTHONPATH=ROOT, TF_CPP_MIN_LOG_LEVEL="2", SMP_TF_RANK=str(r), SMP_TF_SIZE="2",
+                   SMP_TF_LOCAL_RANK=str(r), SMP_TF_LOCAL_SIZE="2", SMP_TF_ADDRESSES=addresses)
+        procs.append(subprocess.Popen([sys.executable, __file__, "--role", role] + extra, env=env,
+                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    outputs = []
+    try:
+        for p in procs:
+            outputs.append(p.communicate(timeout=timeout))
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait(timeout=10)
+    for p, (_, err) in zip(procs, outputs):
+        if p.returncode != 0:
+            raise SystemExit(f"{role} worker failed ({p.returncode}):\n{err[-3000:]}")
+    for out, _ in outputs:
+        for line in out.splitlines():
+            if line.startswith("RESULT "):
+                return json.loads(line[len("RESULT "):])
+    raise SystemExit(f"{role}: no result")
+
+
+def _mib(n: float) -> str:
+    return f"{n / (1 << 20):.2f}"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--role", default="main")
+    parser.add_argument("--repeats", type=int, default=20)
+    parser.add_argument("--quick", action="store_true", help="a small model, for a smoke test")
+    parser.add_argument("--sharded", default="off")
+    parser.add_argument("--layers", type=int, default=6)
+    parser.add_argument("--width", type=int, default=1024)
+    parser.add_argument("--batch", type=int, default=64)
+    args = parser.parse_args()
+    if args.role != "main":
+        {"step": worker_step, "collectives": worker_collectives}[args.role](args)
+        return
+    if args.quick:
+        args.repeats, args.layers, args.width, args.batch = 3, 2, 128, 16
+    model = ["--repeats", str(args.repeats), "--layers", str(args.layers), "--width", str(args.width),
+             "--batch", str(args.batch)]
+    started = time.time()
+    # Alternate the order, and keep each configuration's faster run: a
+    # burst of other work on the machine slows one run, not the comparison.
+    runs = {"off": [], "on": []}
+    for order in (("off", "on"), ("on", "off")):
+        for sharded in order:
+            runs[sharded].append(run("step", model + ["--sharded", sharded]))
+    plain, sharded = (min(runs[k], key=lambda r: r["step"]) for k in ("off", "on"))
+    comm = run("collectives", model)
+
+    def row(label, keys):
+        p, s = (None if any(r[k] is None for k in keys) else sum(r[k] for k in keys) for r in (plain, sharded))
+        pp, sp = (sum(r[f"predicted_{k}"] for k in keys) for r in (plain, sharded))
+        live = ("-", "-", "-") if p is None else (_mib(p), _mib(s), f"{s / p:.2f}")
+        return (label,) + live + (_mib(pp), _mib(sp), f"{sp / pp:.2f}")
+
+    rows = [row("parameters", ["params"]), row("gradients", ["grads"]), row("optimizer state", ["optimizer"]),
+            row("gradients + optimizer", ["grads", "optimizer"]),
+            row("parameters + gradients + optimizer", ["params", "grads", "optimizer"])]
+    sys.path.insert(0, ROOT)
+    from benchmarks.machine import aligned
+
+    header = ("per replica (MiB)", "plain live", "sharded live", "ratio", "plain pred", "sharded pred", "ratio")
+    print(f"2 replicas x (MLP {args.layers + 1} x Dense({args.width}), P=2, M=4, batch {args.batch}, Adam), "
+          "1 core each")
+    print("\n".join(aligned(header, rows, left=[0])))
+    print()
+    steps = [
+        ("plain data parallelism", f"{plain['step'] * 1e3:.1f}", "1.00"),
+        ("shard_optimizer_state", f"{sharded['step'] * 1e3:.1f}", f"{sharded['step'] / plain['step']:.2f}"),
+        (f"  all-reduce of {_mib(comm['bytes'])} MiB alone (plain's collective)", f"{comm['all_reduce'] * 1e3:.1f}",
+         ""),
+        (f"  all-to-all + all-gather of {_mib(comm['bytes'])} MiB alone (sharded's)",
+         f"{comm['scatter_gather'] * 1e3:.1f}", f"{comm['scatter_gather'] / comm['all_reduce']:.2f}"),
+    ]
+    print("\n".join(aligned(("step", "median ms", "ratio"), steps, left=[0])))
+    print(f"\nmedians of {args.repeats} steps, the faster of 2 runs each (alternating order); "
+          f"total {time.time() - started:.0f} s")
+
+
+if __name__ == "__main__":
+    main()
