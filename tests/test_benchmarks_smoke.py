@@ -23,6 +23,7 @@ PIPELINE_PROCESSES_BENCH = ROOT / "benchmarks" / "pipeline_processes" / "bench.p
 TIMELINE_BENCH = ROOT / "benchmarks" / "pipeline" / "timeline.py"
 FIRST_CALL_BENCH = ROOT / "benchmarks" / "pipeline" / "first_call.py"
 TENSOR_PARALLEL_BENCH = ROOT / "benchmarks" / "tensor_parallel" / "bench.py"
+SHARDED_BENCH = ROOT / "benchmarks" / "sharded_data_parallel" / "bench.py"
 
 
 def _run(script: Path, timeout: int) -> str:
@@ -72,6 +73,14 @@ def test_data_parallel_bench_quick_prints_the_table():
     for case in ("all-reduce 1 MiB, 2 processes", "TCP copy 4 MiB", "1 replica: MLP",
                  "2 replicas, 1 core each, all-reduce", "after the pipeline"):
         assert case in out, case
+
+
+@pytest.mark.benchmark
+def test_sharded_data_parallel_bench_quick_prints_the_table():
+    out = _run(SHARDED_BENCH, timeout=900)
+    for row in ("optimizer state", "parameters + gradients + optimizer", "shard_optimizer_state",
+                "all-to-all + all-gather"):
+        assert row in out, row
 
 
 @pytest.mark.benchmark
