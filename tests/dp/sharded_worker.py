@@ -1,10 +1,11 @@
 """One replica of the sharded data-parallel tests (run in 2 processes).
 
-Usage: sharded_worker.py SCENARIO OUT_DIR. For each optimizer the scenario
-names, the same model is trained from the same weights twice in this
-process: with plain data parallelism, then (``smp.init`` again) with
-``shard_optimizer_state``; OUT_DIR/rank{r}.json holds both runs' losses and
-weights and what each replica stored of the optimizer state.
+Usage: sharded_worker.py SCENARIO OUT_DIR [ZOO_ENTRIES]. For each
+optimizer the scenario names (or each zoo entry, ``zoo``), the same model
+is trained from the same weights twice in this process: with plain data
+parallelism, then (``smp.init`` again) with ``shard_optimizer_state``;
+OUT_DIR/rank{r}.json holds both runs' losses and weights and what each
+replica stored of the optimizer state.
 """
 
 import json
@@ -86,10 +87,41 @@ def run(name: str, sharded: bool, fit: bool = False, checkpoint: bool = False) -
     }
 
 
+def run_zoo(name: str, sharded: bool) -> dict:
+    """Two steps of zoo entry `name` (Adam with global_clipnorm), each
+    replica on its half of the entry's batch (rows rank, rank + 2, ...)."""
+    from tests.zoo import zoo_models
+
+    smp.init(dict(CONFIG, shard_optimizer_state=sharded))
+    case = zoo_models.ENTRIES[name]()
+    model = case.model
+    optimizer = keras.optimizers.Adam(1e-3, global_clipnorm=1.0)
+
+    @smp.step
+    def step(x, y):
+        with tf.GradientTape() as tape:
+            loss = case.loss(y, model(x, training=True, **case.training_kwargs))
+        return loss, tape.gradient(loss, model.trainable_variables)
+
+    train = common.apply_accumulated(step, optimizer, model)
+    mine = lambda a: tf.nest.map_structure(lambda v: tf.constant(v[RANK::2]), a)  # noqa: E731
+    losses = [float(train(mine(case.x), mine(case.y))) for _ in range(2)]
+    return {
+        "losses": losses,
+        # Trained and not (BatchNorm statistics): every variable.
+        "weights": [v.numpy().astype("float32").tolist() for v in model.variables],
+        "slot_elements": slot_elements(optimizer),
+        "slots": [v.numpy().astype("float32").tolist() for v in optimizer.variables if tuple(v.shape)],
+    }
+
+
 result = {"rank": RANK}
 if SCENARIO == "optimizers":
     for name in OPTIMIZERS:
         result[name] = {"plain": run(name, False), "sharded": run(name, True, checkpoint=name == "adam_global_clipnorm")}
+elif SCENARIO == "zoo":
+    for name in sys.argv[3].split(","):
+        result[name] = {"plain": run_zoo(name, False), "sharded": run_zoo(name, True)}
 elif SCENARIO == "fit":
     name = "adam_global_clipnorm"
     result[name] = {"plain": run(name, False, fit=True), "sharded": run(name, True, fit=True)}
