@@ -87,7 +87,9 @@ def _case(args) -> dict:
     else:
         step = smp.step(body)
 
-        @tf.function
+        # Without AutoGraph, a MemoryBudgetError raised while tracing
+        # reaches the caller as itself (AutoGraph re-raises a StagingError).
+        @tf.function(autograph=False)
         def train(x, y):
             loss, grads = step(x, y)
             opt.apply_gradients(zip([g.accumulate() for g in grads], model.trainable_variables))
@@ -187,12 +189,28 @@ def _budget_case(args) -> dict:
             return loss, tape.gradient(loss, model.trainable_variables)
         return body
 
+    def trainer(model):
+        """The training step as it runs below: the pipeline and Adam's
+        update in one `tf.function` (the prediction depends on how the step
+        is called: eagerly, every micro-batch's outputs are held)."""
+        step = smp.step(body_of(model))
+        opt = keras.optimizers.Adam(1e-3)
+
+        # Without AutoGraph, a MemoryBudgetError raised while tracing
+        # reaches the caller as itself (AutoGraph re-raises a StagingError).
+        @tf.function(autograph=False)
+        def train(x, y):
+            loss, grads = step(x, y)
+            opt.apply_gradients(zip([g.accumulate() for g in grads], model.trainable_variables))
+            return loss.reduce_mean()
+
+        return step, opt, train
+
     def peak(config):
         smp.init(config)
-        model = build()
-        step = smp.step(body_of(model))
-        step(x, y)
-        return max(step.memory_report(keras.optimizers.Adam()).device_totals().values())
+        step, opt, train = trainer(build())
+        train(x, y)
+        return max(step.memory_report(opt).device_totals().values())
 
     p4 = peak(four)
     p2 = peak(two)
@@ -200,7 +218,7 @@ def _budget_case(args) -> dict:
     out = {"peak_t1": p2, "peak_t2": p4, "budget": budget}
     smp.init(dict(two, memory_budget=budget))
     try:
-        smp.step(body_of(build()))(x, y)
+        trainer(build())[2](x, y)
         out["t1"] = "trains"
     except MemoryBudgetError:
         out["t1"] = "MemoryBudgetError"
@@ -209,14 +227,7 @@ def _budget_case(args) -> dict:
     ref_opt = keras.optimizers.Adam(1e-3)
     smp.init(dict(four, memory_budget=budget))
     model = build()
-    step = smp.step(body_of(model))
-    opt = keras.optimizers.Adam(1e-3)
-
-    @tf.function
-    def train(x, y):
-        loss, grads = step(x, y)
-        opt.apply_gradients(zip([g.accumulate() for g in grads], model.trainable_variables))
-        return loss.reduce_mean()
+    step, opt, train = trainer(model)
 
     losses, ref_losses = [], []
     try:
