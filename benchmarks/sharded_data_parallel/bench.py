@@ -78,33 +78,55 @@ def worker_step(args) -> None:
     import tensorflow as tf
 
     keras.utils.set_random_seed(0)
-    inp = keras.Input((args.width,))
-    h = inp
-    for _ in range(args.layers):
-        h = keras.layers.Dense(args.width, activation="relu")(h)
-    model = smp.DistributedModel(inp, keras.layers.Dense(args.width)(h))
+    rng = np.random.default_rng(rank)
+    if args.model == "gpt2":
+        import keras_hub
+
+        seq, vocab = 128, 1024
+        backbone = keras_hub.models.GPT2Backbone(
+            vocabulary_size=vocab, num_layers=args.layers, num_heads=4, hidden_dim=args.width,
+            intermediate_dim=4 * args.width, dropout=0.0, max_sequence_length=seq)
+        inputs = {"token_ids": keras.Input((seq,), dtype="int32", name="token_ids"),
+                  "padding_mask": keras.Input((seq,), dtype="int32", name="padding_mask")}
+        model = smp.DistributedModel(inputs, backbone.token_embedding(backbone(inputs), reverse=True))
+        tokens = rng.integers(0, vocab, size=(args.batch, seq + 1)).astype("int32")
+        x = {"token_ids": tf.constant(tokens[:, :-1]), "padding_mask": tf.ones((args.batch, seq), "int32")}
+        y = tf.constant(tokens[:, 1:])
+
+        def loss_of(x, y):
+            return tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(
+                labels=y, logits=model(x, training=True)))
+    else:
+        inp = keras.Input((args.width,))
+        h = inp
+        for _ in range(args.layers):
+            h = keras.layers.Dense(args.width, activation="relu")(h)
+        model = smp.DistributedModel(inp, keras.layers.Dense(args.width)(h))
+        x = y = tf.constant(rng.normal(size=(args.batch, args.width)).astype("float32"))
+
+        def loss_of(x, y):
+            return tf.reduce_mean(tf.square(model(x, training=True) - y))
     optimizer = keras.optimizers.Adam(1e-4)
-    x = tf.constant(np.random.default_rng(rank).normal(size=(args.batch, args.width)).astype("float32"))
 
     @smp.step
-    def step(x):
+    def step(x, y):
         with tf.GradientTape() as tape:
-            loss = tf.reduce_mean(tf.square(model(x, training=True) - x))
+            loss = loss_of(x, y)
         return loss, tape.gradient(loss, model.trainable_variables)
 
     @tf.function
-    def train(x):
-        loss, grads = step(x)
+    def train(x, y):
+        loss, grads = step(x, y)
         optimizer.apply_gradients(zip([g.accumulate() for g in grads], model.trainable_variables))
         return loss.reduce_mean()
 
     for _ in range(3):
-        train(x).numpy()
+        train(x, y).numpy()
     times = []
     for _ in range(args.repeats):
         smp.barrier()
         t = time.perf_counter()
-        train(x).numpy()
+        train(x, y).numpy()
         times.append(time.perf_counter() - t)
     state = _model_state(model, optimizer, step.memory_report(optimizer))
     if rank == 0:
@@ -123,7 +145,7 @@ def worker_collectives(args) -> None:
 
     from smp_tf.distributed import collectives
 
-    n = args.layers * (args.width * args.width + args.width) + args.width * args.width + args.width
+    n = args.elements
     device = "/device:CPU:0"
     with tf.device(device):
         x = tf.ones([n + n % 2], tf.float32)
@@ -198,6 +220,10 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=6)
     parser.add_argument("--width", type=int, default=1024)
     parser.add_argument("--batch", type=int, default=64)
+    parser.add_argument("--model", default="mlp", choices=("mlp", "gpt2"),
+                        help="an MLP of --layers x Dense(--width), or a keras_hub GPT-2 of --layers blocks of "
+                             "width --width (sequence 128, vocabulary 1024)")
+    parser.add_argument("--elements", type=int, default=0, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.role != "main":
         {"step": worker_step, "collectives": worker_collectives}[args.role](args)
@@ -205,7 +231,7 @@ def main() -> None:
     if args.quick:
         args.repeats, args.layers, args.width, args.batch = 3, 2, 128, 16
     model = ["--repeats", str(args.repeats), "--layers", str(args.layers), "--width", str(args.width),
-             "--batch", str(args.batch)]
+             "--batch", str(args.batch), "--model", args.model]
     started = time.time()
     # Alternate the order, and keep each configuration's faster run: a
     # burst of other work on the machine slows one run, not the comparison.
@@ -214,7 +240,7 @@ def main() -> None:
         for sharded in order:
             runs[sharded].append(run("step", model + ["--sharded", sharded]))
     plain, sharded = (min(runs[k], key=lambda r: r["step"]) for k in ("off", "on"))
-    comm = run("collectives", model)
+    comm = run("collectives", model + ["--elements", str(plain["params"] // 4)])
 
     def row(label, keys):
         p, s = (None if any(r[k] is None for k in keys) else sum(r[k] for k in keys) for r in (plain, sharded))
@@ -229,8 +255,9 @@ def main() -> None:
     from benchmarks.machine import aligned
 
     header = ("per replica (MiB)", "plain live", "sharded live", "ratio", "plain pred", "sharded pred", "ratio")
-    print(f"2 replicas x (MLP {args.layers + 1} x Dense({args.width}), P=2, M=4, batch {args.batch}, Adam), "
-          "1 core each")
+    described = (f"GPT-2, {args.layers} blocks of width {args.width}, sequence 128" if args.model == "gpt2"
+                 else f"MLP {args.layers + 1} x Dense({args.width})")
+    print(f"2 replicas x ({described}, P=2, M=4, batch {args.batch}, Adam), 1 core each")
     print("\n".join(aligned(header, rows, left=[0])))
     print()
     steps = [

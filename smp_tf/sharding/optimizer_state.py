@@ -246,10 +246,9 @@ tf.register_tensor_conversion_function(
     _ParamPiece, lambda piece, dtype=None, name=None, as_ref=False: piece.current)
 
 
-def _update_piece(optimizer: Any, var: Any, grad: tf.Tensor, learning_rate: Any, piece: pieces.Piece,
-                  index: int, site: str) -> Any:
-    """`var`'s update on this replica's piece, then the all-gather of every
-    replica's piece into `var` (module doc)."""
+def _update_piece(optimizer: Any, var: Any, grad: tf.Tensor, learning_rate: Any, piece: pieces.Piece) -> tf.Tensor:
+    """`var`'s update on this replica's piece; returns the updated piece
+    (module doc)."""
     slots = _divide_slots(optimizer, var, piece)
     device = var.device
     with tf.device(device):
@@ -263,10 +262,41 @@ def _update_piece(optimizer: Any, var: Any, grad: tf.Tensor, learning_rate: Any,
     finally:
         for slot, whole in held:
             slot._value = whole
-    with tf.device(device):
-        key = collectives.instance_key("param-gather", site, index, piece.size)
-        gathered = collectives.all_gather(param.read_value(), _partition_of(var), device, key)
-        return var.assign(tf.reshape(gathered[: piece.size], piece.shape), read_value=False)
+    return param.read_value()
+
+
+def _gather_into(updated: Sequence[tuple], site: str) -> None:
+    """Every replica's updated pieces assembled into their variables: one
+    all-gather per bucket of a partition's variables of one dtype (at most
+    `collectives.BUCKET_BYTES` gathered), in the order of `updated`, the
+    same on every replica.
+
+    `updated`: ``(variable, piece, updated piece)`` per variable.
+    """
+    buckets: List[tuple] = []
+    open_bucket: Dict[tuple, list] = {}
+    for var, piece, value in updated:
+        key = (_partition_of(var), var.dtype)
+        gathered_bytes = piece.length * piece.replicas * var.dtype.size
+        bucket = open_bucket.get(key)
+        if bucket is None or bucket[1] + gathered_bytes > collectives.BUCKET_BYTES:
+            bucket = [[], 0, key]
+            open_bucket[key] = bucket
+            buckets.append(bucket)
+        bucket[0].append((var, piece, value))
+        bucket[1] += gathered_bytes
+    for index, (members, _, (partition, dtype)) in enumerate(buckets):
+        device = members[0][0].device
+        lengths = [piece.length for _, piece, _ in members]
+        with tf.device(device):
+            local = tf.concat([value for _, _, value in members], axis=0) if len(members) > 1 else members[0][2]
+            key = collectives.instance_key("param-gather", site, index, partition, dtype.name, sum(lengths))
+            gathered = collectives.all_gather(local, partition, device, key)
+            rows = tf.reshape(gathered, [members[0][1].replicas, sum(lengths)])
+            columns = tf.split(rows, lengths, axis=1) if len(members) > 1 else [rows]
+            for (var, piece, _), column in zip(members, columns):
+                flat = tf.reshape(column, [-1])[: piece.size]
+                var.assign(tf.reshape(flat, piece.shape), read_value=False)
 
 
 # --------------------------------------------------------------------------
@@ -331,14 +361,16 @@ def install() -> None:
 
     def _distributed_tf_update_step(self, distribution, grads_and_vars, learning_rate):
         grads_and_vars = list(grads_and_vars)
-        rest = []
-        for index, (grad, var) in enumerate(grads_and_vars):
+        rest, updated, site = [], [], None
+        for grad, var in grads_and_vars:
             found = _piece_update_of(var)
             if found is None:
                 rest.append((grad, var))
                 continue
             piece, site = found
-            _update_piece(self, var, grad, learning_rate, piece, index, site)
+            updated.append((var, piece, _update_piece(self, var, grad, learning_rate, piece)))
+        if updated:
+            _gather_into(updated, site)
         if rest:
             return original_update(self, distribution, rest, learning_rate)
         return None
