@@ -653,3 +653,24 @@ def test_a_probe_runs_the_step_for_real():
     no_room = _cluster(devices=2, memory=1024)
     with pytest.raises(ValueError, match="No fitting single-replica candidate to probe"):
         smp.plan(step, x, y, cluster=no_room, replicas=[1], recompute=["never"], probe=True)
+
+
+def test_a_row_that_fits_only_with_its_optimizer_state_sharded_is_chosen_with_it():
+    """Two replicas of one device each: plain data parallelism keeps Adam's
+    two slots whole on every replica, shard_optimizer_state half of them.
+    Under a budget between the two predicted peaks the sharded row is the
+    one that fits; with room for both, the plain row is preferred."""
+    model, step, x, y = _mlp(width=128, layers=8, batch=16)
+    smp.init({"partitions": 1})
+    dims = dict(partitions=[1], tensor_parallel_degrees=[1], replicas=[2], microbatches=[1], headroom=0.0)
+    roomy = smp.plan(step, x, y, cluster=_cluster(devices=2), **dims)
+    assert not roomy.best.candidate.shard_optimizer_state and roomy.best.replicas == 2
+    peak = roomy.best.max_peak
+    slot_bytes = 2 * sum(int(np.prod(v.shape)) * 4 for v in model.trainable_variables)  # Adam: m and v
+    tight = smp.plan(step, x, y, cluster=_cluster(devices=2, memory=int(peak - slot_bytes / 4)), **dims)
+    best = tight.best
+    assert best.candidate.shard_optimizer_state and best.config["shard_optimizer_state"] is True
+    # Each replica keeps half of each slot: the peak falls by half of the slots' bytes.
+    assert best.max_peak == pytest.approx(peak - slot_bytes / 2, rel=1e-3)
+    assert not next(r for r in tight.rows if not r.candidate.shard_optimizer_state).fits
+    assert "opt" in str(tight) and "shard" in str(tight)

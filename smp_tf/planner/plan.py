@@ -268,7 +268,7 @@ class Plan:
             f"{self.batch_size}; {self.evaluated} candidates predicted in {self.search_seconds:.1f} s "
             f"(tracing {self.trace_seconds:.1f} s); {sum(r.fits for r in self.rows)} fit",
             f"{'rank':>4}  {'P':>3} {'t':>2} {'R':>3} {'M':>4}  {'pipeline':<11} {'v':>2}  {'recompute':<9}  "
-            f"{'step ms':>9}  {'measured':>9}  {'peak MiB':>9}  {'of MiB':>8}  fits",
+            f"{'shard':<5}  {'step ms':>9}  {'measured':>9}  {'peak MiB':>9}  {'of MiB':>8}  fits",
         ]
         for n, row in enumerate(self.rows[:limit]):
             c = row.candidate
@@ -277,7 +277,8 @@ class Plan:
             mark = " <" if row is self.chosen else ""
             lines.append(
                 f"{n + 1:>4}  {c.partitions:>3} {c.tensor_parallel_degree:>2} {c.replicas:>3} {c.microbatches:>4}  "
-                f"{c.pipeline:<11} {c.virtual_stages:>2}  {c.recompute:<9}  {row.step_time * 1e3:9.2f}  {measured}  "
+                f"{c.pipeline:<11} {c.virtual_stages:>2}  {c.recompute:<9}  "
+                f"{'opt' if c.shard_optimizer_state else '-':<5}  {row.step_time * 1e3:9.2f}  {measured}  "
                 f"{row.max_peak / 2**20:9.1f}  {(cap / 2**20 if cap else 0):8.0f}  {'yes' if row.fits else 'NO'}{mark}")
         if len(self.rows) > limit:
             lines.append(f"... {len(self.rows) - limit} more row(s) in plan.rows")
@@ -307,7 +308,7 @@ _KINDS = {
     "batch": "batch not divisible",
     "trace": "tracing failed",
     "invalid": "not possible on this graph",
-    "recompute": "recompute where the same candidate fits without (recomputing only adds time)",
+    "recompute": "recompute or shard_optimizer_state where the same candidate fits without (they only add time)",
 }
 
 

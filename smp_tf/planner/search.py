@@ -98,6 +98,8 @@ class Candidate:
         pipeline: the schedule kind.
         virtual_stages: model chunks per device ``v``.
         recompute: the recompute mode.
+        shard_optimizer_state: the optimizer state divided over the ``R``
+            replicas (only with ``R > 1`` and ``t = 1``).
     """
 
     partitions: int = 1
@@ -107,6 +109,7 @@ class Candidate:
     pipeline: str = "interleaved"
     virtual_stages: int = 1
     recompute: str = "never"
+    shard_optimizer_state: bool = False
 
     @property
     def devices(self) -> int:
@@ -127,12 +130,21 @@ class Candidate:
             out["virtual_stages"] = self.virtual_stages
         if self.tensor_parallel_degree > 1:
             out["tensor_parallel_degree"] = self.tensor_parallel_degree
+        if self.shard_optimizer_state:
+            out["shard_optimizer_state"] = True
         return out
+
+    @property
+    def slot_share(self) -> float:
+        """The share of each optimizer slot a replica keeps: ``1 / R``
+        under ``shard_optimizer_state``, else 1."""
+        return 1.0 / self.replicas if self.shard_optimizer_state else 1.0
 
     def label(self) -> str:
         """``P2 t1 R1 M8 interleaved v1 never``: the table's columns in one word each."""
         return (f"P{self.partitions} t{self.tensor_parallel_degree} R{self.replicas} M{self.microbatches} "
-                f"{self.pipeline} v{self.virtual_stages} {self.recompute}")
+                f"{self.pipeline} v{self.virtual_stages} {self.recompute}"
+                + (" shard_optimizer_state" if self.shard_optimizer_state else ""))
 
 
 @dataclass
@@ -277,7 +289,9 @@ def candidates(
     batch, is a power of two and at least ``P`` when ``P > 1`` (fewer
     micro-batches than stages leave stages idle); the schedule, virtual
     stages and recompute mode only vary when ``P > 1``; ``v > 1`` needs
-    ``M`` a multiple of ``P``. With `use_all` (the default on more than 8
+    ``M`` a multiple of ``P``. With ``R > 1`` and ``t = 1`` every candidate
+    comes again with ``shard_optimizer_state`` (`search` predicts it only
+    where the candidate does not fit without). With `use_all` (the default on more than 8
     devices) only candidates that use every device (``P * t * R ==
     num_devices``); on up to 8, also those that leave some idle.
 
@@ -318,6 +332,8 @@ def candidates(
                     # task: there is nothing to recompute.
                     for rc in (recompute if p > 1 else list(recompute)[:1]):
                         out.append(Candidate(p, t, r, m, kind, v, rc))
+                        if r > 1 and t == 1:
+                            out.append(Candidate(p, t, r, m, kind, v, rc, shard_optimizer_state=True))
     return out, skipped
 
 
@@ -865,7 +881,8 @@ def _update_seconds(grads: Sequence[float], groups: Mapping[Tuple[int, int], Tup
     for p in range(cand.partitions):
         device = cluster.device(groups[(0, p)][0])
         elements = grads[p] / 4.0
-        work = elements * (APPLY_FLOPS_PER_ELEMENT * (1 + slots)) / t
+        # Under shard_optimizer_state a replica updates 1/R of the elements.
+        work = elements * (APPLY_FLOPS_PER_ELEMENT * (1 + slots)) / t * cand.slot_share
         accumulate = elements * max(cand.microbatches - 1, 0) / t
         update = max(update, (work + accumulate) / device.flops["elementwise"])
     return update
@@ -887,8 +904,8 @@ def predict_memory(row: PlanRow, state: Any, info: GraphInfo, cluster: ResourceG
         sharding = dict(shard_of_op=info.shard_of_op, tensor_degree=t, split_variables=sorted(info.split_variables))
     report = predict_assignment(
         info.graph, assignment, [x for x in info.outputs if x is not None], num_partitions=S,
-        num_microbatches=cand.microbatches, kind=cand.pipeline, recompute=cand.recompute, slots=slots,
-        device_of_partition=[c % P for c in range(S)] if cand.virtual_stages > 1 else None,
+        num_microbatches=cand.microbatches, kind=cand.pipeline, recompute=cand.recompute,
+        slots=slots * cand.slot_share, device_of_partition=[c % P for c in range(S)] if cand.virtual_stages > 1 else None,
         cpu_kernel_scratch=cpu, tasks=tasks, outputs_held=outputs_held, **sharding,
     )
     peak: Dict[str, int] = {}
@@ -924,6 +941,7 @@ def _static_floor(info: GraphInfo, cand: Candidate, slots: float) -> float:
     optimizer state, over the candidate's ``P * t`` devices (a lower bound
     of the fullest device's peak)."""
     graph = info.graph
+    slots = slots * cand.slot_share
     total = sum(n * (1 + (slots if graph.trainable.get(k, True) else 0)) for k, n in graph.variable_bytes.items())
     return float(total) / (cand.partitions * cand.tensor_parallel_degree)
 
@@ -1001,14 +1019,17 @@ def search(
             return None
         return row, st, info
 
-    # Recomputation only adds time: a candidate recomputes only where the same
-    # candidate without it does not fit (its variants wait until then).
+    # Recomputation only adds time, and dividing the optimizer state adds
+    # collectives: a candidate recomputes or divides its optimizer state
+    # only where the same candidate without either does not fit (its
+    # variants wait until then).
     variants: Dict[Candidate, List[Candidate]] = {}
     first: List[Candidate] = []
-    plain = {dataclasses.replace(c, recompute="never") for c in cands}
+    given = set(cands)
     for c in cands:
-        if c.recompute != "never" and dataclasses.replace(c, recompute="never") in plain:
-            variants.setdefault(dataclasses.replace(c, recompute="never"), []).append(c)
+        base = dataclasses.replace(c, recompute="never", shard_optimizer_state=False)
+        if c != base and base in given:
+            variants.setdefault(base, []).append(c)
         else:
             first.append(c)
     heap: List[Tuple[float, int, Tuple[PlanRow, Any, GraphInfo]]] = []
@@ -1037,7 +1058,7 @@ def search(
             continue
         if row.fits:
             rows.append(row)
-            skip.extend(Skipped(v, "fits without recomputation, which only adds time", "recompute")
+            skip.extend(Skipped(v, "fits without recomputation or a divided optimizer state", "recompute")
                         for v in variants.pop(row.candidate, []))
             continue
         misfits.append(row)
@@ -1049,8 +1070,9 @@ def search(
     for _, _, (row, _, _) in sorted(heap, key=lambda x: x[0]):
         skip.append(Skipped(row.candidate, f"predicted {row.step_time * 1e3:.1f} ms, slower than the {keep} "
                                            "fitting plans ranked (memory not predicted)", "slower"))
-        skip.extend(Skipped(v, "its variant without recomputation was not ranked", "recompute")
+        skip.extend(Skipped(v, "its variant without recomputation or sharding was not ranked", "recompute")
                     for v in variants.pop(row.candidate, []))
     for vs in variants.values():
-        skip.extend(Skipped(v, "its variant without recomputation could not be predicted", "recompute") for v in vs)
+        skip.extend(Skipped(v, "its variant without recomputation or sharding could not be predicted", "recompute")
+                    for v in vs)
     return SearchResult(rows + misfits, skip, time.perf_counter() - start, evaluated)
