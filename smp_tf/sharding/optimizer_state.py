@@ -68,7 +68,7 @@ def check_shardable(optimizer: Any) -> None:
     if builtin and name in SHARDABLE:
         if getattr(optimizer, "gradient_accumulation_steps", None):
             raise ValueError(
-                f"shard_optimizer_state cannot update {name} with gradient_accumulation_stes="
+                f"shard_optimizer_state cannot update {name} with gradient_accumulation_steps="
                 f"{optimizer.gradient_accumulation_steps}: its accumulators add whole gradients. Accumulate over "
                 "micro-batches instead (the config key 'microbatches')."
             )
@@ -302,6 +302,34 @@ def _gather_into(updated: Sequence[tuple], site: str) -> None:
 # --------------------------------------------------------------------------
 # installed into Keras's optimizer
 # --------------------------------------------------------------------------
+def _check_pairing(grads: Sequence[Any], variables: Sequence[Any], found: Sequence[Optional[pieces.Piece]]) -> None:
+    """Every gradient is a piece of its own variable (or None)."""
+    for g, v, p in zip(grads, variables, found):
+        name = getattr(v, "path", None) or v.name
+        if p is None and g is not None:
+            raise ValueError(
+                f"shard_optimizer_state: the gradient of {name!r} is whole while others are this replica's pieces; "
+                "pass every gradient from StepOutput.accumulate()."
+            )
+        if p is not None and tuple(p.shape) != tuple(v.shape):
+            raise ValueError(
+                f"shard_optimizer_state: a gradient piece of a variable of shape {p.shape} was paired with {name!r} "
+                f"of shape {tuple(v.shape)}; keep the gradients in the order of the variables."
+            )
+
+
+def _unscaled_and_clipped(optimizer: Any, grads: List[Any], variables: List[Any], site: str) -> List[Any]:
+    """What Keras's ``apply`` does to the gradients before the update, in
+    its order, on the pieces: the loss scale divided out, then the norms
+    clipped (`_clip`)."""
+    scale = optimizer.loss_scale_factor
+    if scale is not None:
+        grads = [g if g is None else g / scale for g in grads]
+    present = [(g, v) for g, v in zip(grads, variables) if g is not None]
+    clipped = iter(_clip(optimizer, [g for g, _ in present], [v for _, v in present], site))
+    return [g if g is None else next(clipped) for g in grads]
+
+
 def _sharding() -> bool:
     return state.is_initialized() and state.config().shard_optimizer_state
 
@@ -323,19 +351,7 @@ def install() -> None:
             return original_apply(self, grads, trainable_variables)
         check_shardable(self)
         variables = list(trainable_variables) if trainable_variables is not None else list(self._trainable_variables)
-        grads = list(grads)
-        for g, v, p in zip(grads, variables, found):
-            if p is None and g is not None:
-                raise ValueError(
-                    f"shard_optimizer_state: the gradient of {getattr(v, 'path', v.name)!r} is whole while others are "
-                    "this replica's pieces; pass every gradient from StepOutput.accumulate()."
-                )
-            if p is not None and tuple(p.shape) != tuple(v.shape):
-                raise ValueError(
-                    f"shard_optimizer_state: a gradient piece of a variable of shape {p.shape} was paired with "
-                    f"{getattr(v, 'path', v.name)!r} of shape {tuple(v.shape)}; keep the gradients in the order "
-                    "of the variables."
-                )
+        _check_pairing(grads, variables, found)
         if not self.built:
             # Built now, outside the caller's trace: a slot created inside a
             # `tf.function` is initialised only when the function first runs,
@@ -344,12 +360,7 @@ def install() -> None:
                 self.build(variables)
             self.built = True
         site = _apply_site()
-        present = [(g, v) for g, v in zip(grads, variables) if g is not None]
-        scale = self.loss_scale_factor
-        if scale is not None:
-            grads = [g if g is None else g / scale for g in grads]
-        clipped = iter(_clip(self, [g for g, _ in present], [v for _, v in present], site))
-        grads = [g if g is None else next(clipped) for g in grads]
+        grads = _unscaled_and_clipped(self, list(grads), variables, site)
         targets = {id(placement._resource_variable(v)): p for v, p in zip(variables, found) if p is not None}
         held = (self.clipnorm, self.global_clipnorm, self.loss_scale_factor)
         self.clipnorm = self.global_clipnorm = self.loss_scale_factor = None
