@@ -15,7 +15,7 @@ def test_pure_modules_import_without_tensorflow():
         "import smp_tf, smp_tf.config, smp_tf.graph_view, smp_tf.schedules, smp_tf.rewrite\n"
         "import smp_tf.partitioner.plan, smp_tf.partitioner.balance, smp_tf.partitioner.groups, smp_tf.memory\n"
         "import smp_tf.sharding.spec, smp_tf.sharding.layout_map, smp_tf.sharding.rules\n"
-        "import smp_tf.sharding.completion, smp_tf.sharding.reshard, smp_tf.sharding.builtin\n"
+        "import smp_tf.sharding.completion, smp_tf.sharding.reshard, smp_tf.sharding.builtin, smp_tf.sharding.pieces\n"
         "import smp_tf.planner, smp_tf.planner.resources, smp_tf.planner.mapping\n"
         "smp_tf.Config(partitions=2, microbatches=4, tensor_parallel_degree=2, layout_map={'a/kernel': (None, 'tensor')})\n"
         "assert 'tensorflow' not in sys.modules, 'tensorflow was imported'\n"
