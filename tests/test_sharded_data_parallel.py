@@ -115,11 +115,12 @@ def test_element_wise_optimizers_update_their_pieces_bit_for_bit(name, tmp_path_
 
 @pytest.mark.multiprocess
 @pytest.mark.xdist_group("sharded_data_parallel")
-@pytest.mark.parametrize("name", ["adam_global_clipnorm", "sgd_momentum_clipnorm"])
-def test_clipping_norms_are_summed_over_every_replicas_piece(name, tmp_path_factory):
-    # A norm over a piece alone would clip each replica's piece differently
-    # (and wrongly); summed over the pieces it is the whole gradient's norm,
-    # within the rounding of a sum in another order.
+@pytest.mark.parametrize("name", ["adam_global_clipnorm", "sgd_momentum_clipnorm", "lamb"])
+def test_clipping_and_trust_ratio_norms_are_summed_over_every_replicas_piece(name, tmp_path_factory):
+    # A norm over a piece alone would clip (or scale, Lamb's trust ratio)
+    # each replica's piece differently, and wrongly; summed over the pieces
+    # it is the whole gradient's (or variable's) norm, within the rounding
+    # of a sum in another order.
     _, (a, b) = _run("optimizers", tmp_path_factory)
     _check_run(name, a, b, tolerance=1e-6)
 
@@ -181,5 +182,5 @@ def test_a_checkpoint_saved_sharded_restores_in_one_process(tmp_path_factory):
 def test_an_optimizer_that_cannot_work_on_pieces_is_refused_naming_it(tmp_path_factory):
     _, (a, b) = _run("refused", tmp_path_factory)
     for result in (a, b):
-        assert "cannot divide the state of optimizer Lamb" in result["error"]
-        assert "trust ratio" in result["error"]
+        assert "cannot divide the state of optimizer Adafactor" in result["error"]
+        assert "factored over the rows and columns" in result["error"]

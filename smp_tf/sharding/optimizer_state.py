@@ -26,9 +26,12 @@ recognises them (`smp_tf.sharding.pieces.piece_of`):
   over every replica's pieces (an all-reduce of the sums of squares), never
   over a piece alone; the optimizer's own clipping is off meanwhile.
 
-Only optimizers whose update is element-wise in the variable, its gradient
-and its slots compute, on a piece, what they compute on the whole variable
-(`SHARDABLE`); any other is refused at its first update.
+Optimizers whose update is element-wise in the variable, its gradient and
+its slots compute, on a piece, what they compute on the whole variable
+(`SHARDABLE`). Lamb's trust ratio takes the norms of the whole variable and
+of its whole update: its update of a piece sums those norms over the
+replicas (`_NORMED_UPDATES`). Any other optimizer is refused at its first
+update.
 """
 
 from __future__ import annotations
@@ -50,7 +53,6 @@ __all__ = ["SHARDABLE", "install", "check_shardable"]
 SHARDABLE = frozenset(["SGD", "Adam", "AdamW", "Adamax", "Nadam", "RMSprop", "Adagrad", "Adadelta", "Lion", "Ftrl"])
 #: Why the other built-in optimizers cannot be updated on pieces.
 _WHY_NOT = {
-    "Lamb": "its trust ratio divides the norm of each whole variable by the norm of its whole update",
     "Adafactor": "its second moments are factored over the rows and columns of each whole variable",
     "LossScaleOptimizer": "it checks that every gradient of the replica is finite before it updates",
     "Muon": "it orthogonalises each whole weight matrix's update",
@@ -65,7 +67,7 @@ def check_shardable(optimizer: Any) -> None:
     cls = type(optimizer)
     name = cls.__name__
     builtin = cls.__module__.startswith("keras.")
-    if builtin and name in SHARDABLE:
+    if builtin and (name in SHARDABLE or name in _NORMED_UPDATES):
         if getattr(optimizer, "gradient_accumulation_steps", None):
             raise ValueError(
                 f"shard_optimizer_state cannot update {name} with gradient_accumulation_steps="
@@ -246,9 +248,39 @@ tf.register_tensor_conversion_function(
     _ParamPiece, lambda piece, dtype=None, name=None, as_ref=False: piece.current)
 
 
-def _update_piece(optimizer: Any, var: Any, grad: tf.Tensor, learning_rate: Any, piece: pieces.Piece) -> tf.Tensor:
+def _lamb_update(optimizer: Any, grad: tf.Tensor, variable: "_ParamPiece", learning_rate: Any,
+                 norms: Any) -> None:
+    """Keras's ``Lamb.update_step`` on a piece, its trust ratio from the
+    norms of the whole variable and of its whole update (`norms`: the sums
+    of squares of the piece's, summed over every replica)."""
+    dtype = variable.dtype
+    lr = tf.cast(learning_rate, dtype)
+    gradient = tf.cast(grad, dtype)
+    local_step = tf.cast(optimizer.iterations + 1, dtype)
+    beta_1_power = tf.pow(tf.cast(optimizer.beta_1, dtype), local_step)
+    beta_2_power = tf.pow(tf.cast(optimizer.beta_2, dtype), local_step)
+    m = optimizer._momentums[optimizer._get_variable_index(variable)]
+    v = optimizer._velocities[optimizer._get_variable_index(variable)]
+    optimizer.assign_add(m, (gradient - m) * (1 - optimizer.beta_1))
+    optimizer.assign_add(v, (tf.square(gradient) - v) * (1 - optimizer.beta_2))
+    update = (m / (1.0 - beta_1_power)) / (tf.sqrt(v / (1.0 - beta_2_power)) + optimizer.epsilon)
+    summed = norms(tf.stack([tf.reduce_sum(tf.pow(tf.convert_to_tensor(variable), 2)),
+                             tf.reduce_sum(tf.pow(update, 2))]))
+    w_norm, g_norm = tf.sqrt(summed[0]), tf.sqrt(summed[1])
+    ratio = tf.where(w_norm > 0, tf.where(g_norm > 0, w_norm / g_norm, 1.0), 1.0)
+    optimizer.assign_sub(variable, ratio * lr * update)
+
+
+#: Built-in optimizers whose update takes norms of whole variables: the
+#: update of a piece with those norms summed over the replicas.
+_NORMED_UPDATES = {"Lamb": _lamb_update}
+
+
+def _update_piece(optimizer: Any, var: Any, grad: tf.Tensor, learning_rate: Any, piece: pieces.Piece,
+                  index: int, site: str) -> tf.Tensor:
     """`var`'s update on this replica's piece; returns the updated piece
-    (module doc)."""
+    (module doc). `index`: the variable's place in the update (names its
+    collectives)."""
     slots = _divide_slots(optimizer, var, piece)
     device = var.device
     with tf.device(device):
@@ -258,7 +290,13 @@ def _update_piece(optimizer: Any, var: Any, grad: tf.Tensor, learning_rate: Any,
         for slot, whole in held:
             slot._value = storage.local_piece_of(whole)
         with tf.device(device):
-            optimizer.update_step(grad, param, learning_rate)
+            normed = _NORMED_UPDATES.get(type(optimizer).__name__)
+            if normed is None:
+                optimizer.update_step(grad, param, learning_rate)
+            else:
+                key = collectives.instance_key("update-norms", site, index, piece.size)
+                normed(optimizer, grad, param, learning_rate,
+                       lambda t: collectives.all_reduce_sum(t, _partition_of(var), device, key))
     finally:
         for slot, whole in held:
             slot._value = whole
@@ -373,13 +411,13 @@ def install() -> None:
     def _distributed_tf_update_step(self, distribution, grads_and_vars, learning_rate):
         grads_and_vars = list(grads_and_vars)
         rest, updated, site = [], [], None
-        for grad, var in grads_and_vars:
+        for index, (grad, var) in enumerate(grads_and_vars):
             found = _piece_update_of(var)
             if found is None:
                 rest.append((grad, var))
                 continue
             piece, site = found
-            updated.append((var, piece, _update_piece(self, var, grad, learning_rate, piece)))
+            updated.append((var, piece, _update_piece(self, var, grad, learning_rate, piece, index, site)))
         if updated:
             _gather_into(updated, site)
         if rest:
