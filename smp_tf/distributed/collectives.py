@@ -248,6 +248,18 @@ def _dense(x: Any) -> tf.Tensor:
     return tf.convert_to_tensor(x) if isinstance(x, tf.IndexedSlices) else x
 
 
+def _dense_of_static_shape(values: Sequence[Any], collective: str) -> List[tf.Tensor]:
+    """`values` as dense tensors, each of a static shape (what a bucket's
+    layout and its collective's key need)."""
+    dense = [_dense(x) for x in values]
+    if any(not x.shape.is_fully_defined() for x in dense):
+        raise ValueError(
+            f"smp_tf can only {collective} gradients of static shape across replicas; "
+            f"got shapes {[x.shape for x in dense]}."
+        )
+    return dense
+
+
 def buckets_of(members: Sequence[int], partition_of: Dict[int, int], nbytes: Dict[int, int],
                dtypes: Dict[int, tf.DType]) -> List[Tuple[int, List[int]]]:
     """Groups outputs into buckets: per partition, the last outputs first
@@ -293,14 +305,9 @@ def reduce_bucket(
     if not present:
         return out
     with tf.device(device):
-        dense = [_dense(values[i]) for i in present]
+        dense = _dense_of_static_shape([values[i] for i in present], "all-reduce")
         dtype = dense[0].dtype
-        sizes = [int(x.shape.num_elements()) if x.shape.is_fully_defined() else None for x in dense]
-        if None in sizes:
-            raise ValueError(
-                "smp_tf can only all-reduce gradients of static shape across replicas; "
-                f"got shapes {[x.shape for x in dense]}."
-            )
+        sizes = [int(x.shape.num_elements()) for x in dense]
         with tf.control_dependencies(plan.started()):
             packed, total = _pack(dense, dtype, weight)
         key = instance_key("grad", site, partition, index, dtype.name, total)
@@ -341,13 +348,8 @@ def reduce_scatter_bucket(
     group = runtime.group()
     replicas, rank = group.size, group.rank
     with tf.device(device):
-        dense = [_dense(values[i]) for i in present]
+        dense = _dense_of_static_shape([values[i] for i in present], "reduce-scatter")
         dtype = dense[0].dtype
-        if any(not x.shape.is_fully_defined() for x in dense):
-            raise ValueError(
-                "smp_tf can only reduce-scatter gradients of static shape across replicas; "
-                f"got shapes {[x.shape for x in dense]}."
-            )
         parts = [data_pieces.Piece(tuple(x.shape.as_list()), replicas, rank) for x in dense]
         with tf.control_dependencies(plan.started()):
             w = tf.ones([], dtype) if weight is None else tf.cast(weight, dtype)

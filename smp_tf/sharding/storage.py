@@ -105,7 +105,32 @@ def _tf_variable(variable: Any) -> Any:
     return getattr(variable, "_value", variable)
 
 
-class _ShardedStorage:
+class _PieceWrites:
+    """What both kinds of divided storage write alike: a whole value's
+    ``assign``, ``assign_add`` and ``assign_sub`` go to ``_write``, which
+    writes the pieces."""
+
+    def _whole_value(self, kind: str, value: Any) -> tf.Tensor:
+        """`value` as a tensor of the variable's dtype and whole shape."""
+        value = tf.convert_to_tensor(value, dtype=self.dtype)
+        if not value.shape.is_compatible_with(self.shape):
+            raise ValueError(
+                f"Cannot {kind} a value of shape {value.shape} to variable {self.name!r} of shape {self.shape}."
+            )
+        return value
+
+    def assign(self, value: Any, use_locking: Any = None, name: Any = None, read_value: bool = True) -> Any:
+        return self._write("assign", value, read_value)
+
+    def assign_add(self, delta: Any, use_locking: Any = None, name: Any = None, read_value: bool = True) -> Any:
+        return self._write("assign_add", delta, read_value)
+
+    def assign_sub(self, delta: Any, use_locking: Any = None, name: Any = None, read_value: bool = True) -> Any:
+        return self._write("assign_sub", delta, read_value)
+
+
+
+class _ShardedStorage(_PieceWrites):
     """Overrides put before a resource variable's own class (module doc)."""
 
     _smp_shards: List[tf.Variable]
@@ -141,11 +166,7 @@ class _ShardedStorage:
 
     # -- writing ---------------------------------------------------------
     def _write(self, kind: str, value: Any, read_value: bool) -> Any:
-        value = tf.convert_to_tensor(value, dtype=self.dtype)
-        if not value.shape.is_compatible_with(self.shape):
-            raise ValueError(
-                f"Cannot {kind} a value of shape {value.shape} to variable {self.name!r} of shape {self.shape}."
-            )
+        value = self._whole_value(kind, value)
         t = len(self._smp_shards)
         with tf_ops.colocate_with(None, ignore_existing=True):
             pieces = tf.split(value, t, axis=self._smp_split_dim)
@@ -157,15 +178,6 @@ class _ShardedStorage:
                 return self
             with tf.control_dependencies(ops):
                 return self._gather() if read_value else tf.group(*ops)
-
-    def assign(self, value: Any, use_locking: Any = None, name: Any = None, read_value: bool = True) -> Any:
-        return self._write("assign", value, read_value)
-
-    def assign_add(self, delta: Any, use_locking: Any = None, name: Any = None, read_value: bool = True) -> Any:
-        return self._write("assign_add", delta, read_value)
-
-    def assign_sub(self, delta: Any, use_locking: Any = None, name: Any = None, read_value: bool = True) -> Any:
-        return self._write("assign_sub", delta, read_value)
 
     def _scatter(self, sparse_delta: Any, combine: Any) -> Any:
         if not isinstance(sparse_delta, tf.IndexedSlices):
@@ -304,7 +316,7 @@ def shard_variable(variable: Any, dim: int, devices: Sequence[str]) -> Any:
 # --------------------------------------------------------------------------
 # pieces over the data-parallel replicas (shard_optimizer_state)
 # --------------------------------------------------------------------------
-class _DataShardedStorage:
+class _DataShardedStorage(_PieceWrites):
     """Overrides for a variable divided over the data-parallel replicas:
     this process keeps only its replica's piece (`smp_tf.sharding.pieces`),
     a flat, padded run of the elements, in ``_smp_local``.
@@ -337,26 +349,13 @@ class _DataShardedStorage:
         return self._smp_local.is_initialized(name=name)
 
     def _write(self, kind: str, value: Any, read_value: bool) -> Any:
-        value = tf.convert_to_tensor(value, dtype=self.dtype)
-        if not value.shape.is_compatible_with(self.shape):
-            raise ValueError(
-                f"Cannot {kind} a value of shape {value.shape} to variable {self.name!r} of shape {self.shape}."
-            )
+        value = self._whole_value(kind, value)
         with tf_ops.colocate_with(None, ignore_existing=True), tf.device(self._smp_local.device):
             op = getattr(self._smp_local, kind)(local_piece(value, self._smp_piece), read_value=False)
             if tf.executing_eagerly():
                 return self
             with tf.control_dependencies([op]):
                 return self._whole() if read_value else tf.group(op)
-
-    def assign(self, value: Any, use_locking: Any = None, name: Any = None, read_value: bool = True) -> Any:
-        return self._write("assign", value, read_value)
-
-    def assign_add(self, delta: Any, use_locking: Any = None, name: Any = None, read_value: bool = True) -> Any:
-        return self._write("assign_add", delta, read_value)
-
-    def assign_sub(self, delta: Any, use_locking: Any = None, name: Any = None, read_value: bool = True) -> Any:
-        return self._write("assign_sub", delta, read_value)
 
     def _unsupported(self, *args: Any, **kwargs: Any) -> Any:
         raise NotImplementedError(
