@@ -247,6 +247,14 @@ class Config:
     shard_optimizer_state: bool = False
 
     @property
+    def raises_on_uneven_inputs(self) -> bool:
+        """Whether a replica that runs out of data first makes every replica
+        raise: ``uneven_inputs="raise"``, or ``shard_optimizer_state`` (each
+        replica owns a piece of the optimizer state, which the others cannot
+        update without)."""
+        return self.uneven_inputs == "raise" or self.shard_optimizer_state
+
+    @property
     def num_stages(self) -> int:
         """Model chunks the step is cut into: ``partitions * virtual_stages``."""
         return self.partitions * self.virtual_stages

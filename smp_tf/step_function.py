@@ -538,14 +538,10 @@ class StepFunction:
         site = f"{getattr(self._fn, '__qualname__', 'step')}/{count}"
         cfg = state.config()
         if cfg.shard_optimizer_state:
-            from smp_tf.sharding import optimizer_state, pieces
+            from smp_tf.sharding import optimizer_state
 
-            optimizer_state.install()
-            pieces.forget_all()  # the pieces of earlier steps
-        # Under shard_optimizer_state each replica owns a piece of the
-        # optimizer state: one that ran out of data cannot leave the others
-        # to update without it (see `smp.join`).
-        raise_if_uneven = cfg.uneven_inputs == "raise" or cfg.shard_optimizer_state
+            optimizer_state.begin_step()
+        raise_if_uneven = cfg.raises_on_uneven_inputs
         plan = collectives._Plan()
         state_vars = entry.written_state()
         if state_vars:

@@ -95,24 +95,31 @@ def _hint(device: str) -> str:
     return "nccl" if (spec.device_type or "").upper() == "GPU" else "ring"
 
 
-def all_reduce_sum(t: tf.Tensor, partition: int, device: str, key: int) -> tf.Tensor:
-    """The sum of `t` over the replicas, on `device` (partition `partition`)."""
-    from tensorflow.python.ops import collective_ops
-
+def _issue(collective: Callable[..., tf.Tensor], t: tf.Tensor, partition: int, device: str, key: int,
+           **kwargs: Any) -> tf.Tensor:
+    """Calls TensorFlow's `collective` on `t` over partition `partition`'s
+    group, on `device`, keyed and ordered as every collective of smp_tf
+    (module doc)."""
     group = runtime.group()
     full = group.device(device)
     with tf.device(full):
-        return collective_ops.all_reduce_v2(
+        return collective(
             t,
             group_size=group.size,
             group_key=group_key(partition),
             instance_key=key,
-            merge_op="Add",
-            final_op="Id",
             communication_hint=_hint(device),
             timeout=0,
             ordering_token=_ordering_token(full),
+            **kwargs,
         )
+
+
+def all_reduce_sum(t: tf.Tensor, partition: int, device: str, key: int) -> tf.Tensor:
+    """The sum of `t` over the replicas, on `device` (partition `partition`)."""
+    from tensorflow.python.ops import collective_ops
+
+    return _issue(collective_ops.all_reduce_v2, t, partition, device, key, merge_op="Add", final_op="Id")
 
 
 def reduce_scatter_sum(t: tf.Tensor, partition: int, device: str, key: int) -> tf.Tensor:
@@ -129,19 +136,9 @@ def reduce_scatter_sum(t: tf.Tensor, partition: int, device: str, key: int) -> t
     """
     from tensorflow.python.ops import collective_ops
 
-    group = runtime.group()
-    full = group.device(device)
-    with tf.device(full):
-        received = collective_ops.all_to_all_v2(
-            t,
-            group_size=group.size,
-            group_key=group_key(partition),
-            instance_key=key,
-            communication_hint=_hint(device),
-            timeout=0,
-            ordering_token=_ordering_token(full),
-        )
-        rows = tf.unstack(received, num=group.size)
+    received = _issue(collective_ops.all_to_all_v2, t, partition, device, key)
+    with tf.device(runtime.group().device(device)):
+        rows = tf.unstack(received, num=runtime.group().size)
         total = rows[0]
         for row in rows[1:]:
             total = total + row
@@ -153,18 +150,7 @@ def all_gather(t: tf.Tensor, partition: int, device: str, key: int) -> tf.Tensor
     in replica order, on `device` (``CollectiveGatherV2``)."""
     from tensorflow.python.ops import collective_ops
 
-    group = runtime.group()
-    full = group.device(device)
-    with tf.device(full):
-        return collective_ops.all_gather_v2(
-            t,
-            group_size=group.size,
-            group_key=group_key(partition),
-            instance_key=key,
-            communication_hint=_hint(device),
-            timeout=0,
-            ordering_token=_ordering_token(full),
-        )
+    return _issue(collective_ops.all_gather_v2, t, partition, device, key)
 
 
 # --------------------------------------------------------------------------

@@ -179,8 +179,9 @@ class join(contextlib.ContextDecorator):
                     f"smp_tf: rank {state.rank()} failed inside smp.join: {type(exc).__name__}: {exc}"
                 )
             return False
-        mode = self.uneven_inputs or state.config().uneven_inputs
-        # A replica owns a piece of the optimizer state under
-        # shard_optimizer_state: the others cannot update without it.
-        self.joined_steps = finish_uneven(mode == "raise" or state.config().shard_optimizer_state)
+        cfg = state.config()
+        mode = self.uneven_inputs or cfg.uneven_inputs
+        # Under shard_optimizer_state each replica owns a piece of the
+        # optimizer state: the others cannot update without it.
+        self.joined_steps = finish_uneven(mode == "raise" or cfg.shard_optimizer_state)
         return False

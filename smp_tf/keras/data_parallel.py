@@ -105,10 +105,9 @@ def reduce_gradients(grads: List[Any], variables: List[Any], weight: tf.Tensor, 
     index: Dict[int, int] = {}
     reduce = collectives.reduce_bucket
     if state.config().shard_optimizer_state:
-        from smp_tf.sharding import optimizer_state, pieces
+        from smp_tf.sharding import optimizer_state
 
-        optimizer_state.install()
-        pieces.forget_all()  # the pieces of earlier steps
+        optimizer_state.begin_step()
         reduce = collectives.reduce_scatter_bucket
     for p, ks in collectives.buckets_of(members, partition_of, nbytes, dtypes):
         i = index.get(p, 0)

@@ -139,9 +139,7 @@ class DistributedModel(keras.Model):
             loss, grads, y_pred = data_parallel.run_or_contribute_nothing(
                 batch_size, lambda: steps.run(x, emit), [v.shape for v in self.trainable_weights]
             )
-            # A replica owns a piece of the optimizer state under
-            # shard_optimizer_state: it cannot leave the others to update.
-            raise_if_uneven = state.config().uneven_inputs == "raise" or state.config().shard_optimizer_state
+            raise_if_uneven = state.config().raises_on_uneven_inputs
             rows = tf.cast(batch_size, tf.float32)
             data_parallel.sync_written_state(
                 steps.train, rows, [loss] + [g for g in grads if g is not None], "fit/state", raise_if_uneven
@@ -236,7 +234,7 @@ class DistributedModel(keras.Model):
             from smp_tf.distributed.join import finish_uneven
 
             variables = list(self.variables) + (list(self.optimizer.variables) if self.optimizer else [])
-            finish_uneven(state.config().uneven_inputs == "raise", lambda: variables)
+            finish_uneven(state.config().raises_on_uneven_inputs, lambda: variables)
         self.__dict__["_smp_tf_phase"] = None
         return data_parallel.global_metrics(self)
 

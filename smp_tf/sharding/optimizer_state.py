@@ -47,7 +47,7 @@ from smp_tf import placement, state
 from smp_tf.distributed import collectives
 from smp_tf.sharding import pieces, storage
 
-__all__ = ["SHARDABLE", "install", "check_shardable"]
+__all__ = ["SHARDABLE", "install", "begin_step", "check_shardable"]
 
 #: Keras optimizers whose update is element-wise (see module doc).
 SHARDABLE = frozenset(["SGD", "Adam", "AdamW", "Adamax", "Nadam", "RMSprop", "Adagrad", "Adadelta", "Lion", "Ftrl"])
@@ -75,13 +75,14 @@ def check_shardable(optimizer: Any) -> None:
                 "micro-batches instead (the config key 'microbatches')."
             )
         return
+    supported = ", ".join(sorted(SHARDABLE | set(_NORMED_UPDATES)))
     why = _WHY_NOT.get(name) if builtin else (
-        "smp_tf cannot tell whether its update of a variable is element-wise; only the element-wise "
-        f"built-in optimizers can be sharded ({', '.join(sorted(SHARDABLE))})")
-    why = why or f"it is not one of the element-wise optimizers ({', '.join(sorted(SHARDABLE))})"
+        "smp_tf cannot tell whether its update of a variable works on pieces; only built-in optimizers "
+        "can be sharded")
+    why = why or "its update is not known to work on pieces"
     raise ValueError(
         f"shard_optimizer_state cannot divide the state of optimizer {name} over the replicas: {why}. "
-        "Use one of " + ", ".join(sorted(SHARDABLE)) + ", or leave shard_optimizer_state off."
+        f"Use one of {supported}, or leave shard_optimizer_state off."
     )
 
 
@@ -370,6 +371,13 @@ def _unscaled_and_clipped(optimizer: Any, grads: List[Any], variables: List[Any]
 
 def _sharding() -> bool:
     return state.is_initialized() and state.config().shard_optimizer_state
+
+
+def begin_step() -> None:
+    """Before a step's gradients are reduced to pieces: the optimizer knows
+    pieces (`install`), and the pieces of earlier steps are forgotten."""
+    install()
+    pieces.forget_all()
 
 
 def install() -> None:
