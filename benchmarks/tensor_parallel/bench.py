@@ -149,6 +149,43 @@ def _case(args) -> dict:
     return result
 
 
+def _lm_body(model):
+    """One micro-batch of the language model's training step."""
+    import tensorflow as tf
+
+    def body(x, y):
+        with tf.GradientTape() as tape:
+            logits = model(x, training=True)
+            loss = tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(labels=y, logits=logits))
+        return loss, tape.gradient(loss, model.trainable_variables)
+
+    return body
+
+
+def _lm_trainer(model):
+    """The training step as the budget case runs it: the pipeline and
+    Adam's update in one `tf.function` (the prediction depends on how the
+    step is called: eagerly, every micro-batch's outputs are held).
+    Returns (the `smp.step`, the optimizer, the training function)."""
+    import keras
+    import tensorflow as tf
+
+    import smp_tf as smp
+
+    step = smp.step(_lm_body(model))
+    opt = keras.optimizers.Adam(1e-3)
+
+    # Without AutoGraph, a MemoryBudgetError raised while tracing reaches
+    # the caller as itself (AutoGraph re-raises a StagingError).
+    @tf.function(autograph=False)
+    def train(x, y):
+        loss, grads = step(x, y)
+        opt.apply_gradients(zip([g.accumulate() for g in grads], model.trainable_variables))
+        return loss.reduce_mean()
+
+    return step, opt, train
+
+
 def _budget_case(args) -> dict:
     """A GPT-2 LM whose tied embedding dominates: the largest device's
     predicted peak at P=2 x t=1 and at P=2 x t=2, then a budget between the
@@ -181,34 +218,9 @@ def _budget_case(args) -> dict:
                   "padding_mask": keras.Input((seq,), dtype="int32", name="padding_mask")}
         return smp.DistributedModel(inputs, backbone.token_embedding(backbone(inputs), reverse=True))
 
-    def body_of(model):
-        def body(x, y):
-            with tf.GradientTape() as tape:
-                logits = model(x, training=True)
-                loss = tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(labels=y, logits=logits))
-            return loss, tape.gradient(loss, model.trainable_variables)
-        return body
-
-    def trainer(model):
-        """The training step as it runs below: the pipeline and Adam's
-        update in one `tf.function` (the prediction depends on how the step
-        is called: eagerly, every micro-batch's outputs are held)."""
-        step = smp.step(body_of(model))
-        opt = keras.optimizers.Adam(1e-3)
-
-        # Without AutoGraph, a MemoryBudgetError raised while tracing
-        # reaches the caller as itself (AutoGraph re-raises a StagingError).
-        @tf.function(autograph=False)
-        def train(x, y):
-            loss, grads = step(x, y)
-            opt.apply_gradients(zip([g.accumulate() for g in grads], model.trainable_variables))
-            return loss.reduce_mean()
-
-        return step, opt, train
-
     def peak(config):
         smp.init(config)
-        step, opt, train = trainer(build())
+        step, opt, train = _lm_trainer(build())
         train(x, y)
         return max(step.memory_report(opt).device_totals().values())
 
@@ -218,16 +230,16 @@ def _budget_case(args) -> dict:
     out = {"peak_t1": p2, "peak_t2": p4, "budget": budget}
     smp.init(dict(two, memory_budget=budget))
     try:
-        trainer(build())[2](x, y)
+        _lm_trainer(build())[2](x, y)
         out["t1"] = "trains"
     except MemoryBudgetError:
         out["t1"] = "MemoryBudgetError"
     reference = build()
-    ref_body = tf.function(body_of(reference))
+    ref_body = tf.function(_lm_body(reference))
     ref_opt = keras.optimizers.Adam(1e-3)
     smp.init(dict(four, memory_budget=budget))
     model = build()
-    step, opt, train = trainer(model)
+    step, opt, train = _lm_trainer(model)
 
     losses, ref_losses = [], []
     try:
