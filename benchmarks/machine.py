@@ -92,3 +92,53 @@ def aligned(cols: Sequence[str], rows: Sequence[Optional[Sequence[str]]], left: 
         return "  ".join(v.ljust(widths[i]) if i in left else v.rjust(widths[i]) for i, v in enumerate(r)).rstrip()
 
     return [fmt(cols), fmt(["-" * w for w in widths])] + [fmt(r) for r in rows]
+
+
+def run_workers(script: str, role: str, processes: int, extra: Sequence[str], timeout: float = 600.0,
+                replicas: bool = True) -> dict:
+    """Runs ``script --role ROLE EXTRA`` in `processes` processes on
+    127.0.0.1 and returns the first ``RESULT {json}`` line any of them
+    prints. With `replicas`, the processes are the data-parallel ranks of
+    one smp_tf job (the ``SMP_TF_*`` variables); each also gets
+    ``BENCH_RANK`` and ``BENCH_PORT``, a free port for a side channel.
+    Every wait is bounded by `timeout`, and the processes still running
+    then are ended.
+
+    Raises:
+        SystemExit: a worker failed, or none printed a result.
+    """
+    import json
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    sys.path.insert(0, root)
+    from smp_tf.distributed.cluster import pick_free_ports
+
+    ports = pick_free_ports(processes + 1, "127.0.0.1")
+    addresses = ",".join(f"127.0.0.1:{p}" for p in ports[:processes])
+    procs = []
+    for r in range(processes):
+        env = dict(os.environ, PYTHONPATH=root, TF_CPP_MIN_LOG_LEVEL="2", BENCH_RANK=str(r), BENCH_PORT=str(ports[-1]))
+        if processes > 1 and replicas:
+            env.update(SMP_TF_RANK=str(r), SMP_TF_SIZE=str(processes), SMP_TF_LOCAL_RANK=str(r),
+                       SMP_TF_LOCAL_SIZE=str(processes), SMP_TF_ADDRESSES=addresses)
+        procs.append(subprocess.Popen([sys.executable, script, "--role", role] + list(extra), env=env,
+                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    outputs = []
+    try:
+        for p in procs:
+            outputs.append(p.communicate(timeout=timeout))
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait(timeout=10)
+    for p, (_, err) in zip(procs, outputs):
+        if p.returncode != 0:
+            raise SystemExit(f"{role} worker failed ({p.returncode}):\n{err[-3000:]}")
+    for out, _ in outputs:
+        for line in out.splitlines():
+            if line.startswith("RESULT "):
+                return json.loads(line[len("RESULT "):])
+    raise SystemExit(f"{role}: no result")

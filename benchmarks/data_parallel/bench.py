@@ -27,7 +27,6 @@ import json
 import os
 import socket
 import statistics
-import subprocess
 import sys
 import time
 
@@ -169,41 +168,12 @@ def worker_step(args) -> None:
 # --------------------------------------------------------------------------
 # orchestration
 # --------------------------------------------------------------------------
-def _ports(n: int):
-    sys.path.insert(0, ROOT)
-    from smp_tf.distributed.cluster import pick_free_ports
-
-    return pick_free_ports(n, "127.0.0.1")
-
-
 def run(role: str, processes: int, extra: list, timeout: float = 600.0) -> dict:
-    ports = _ports(processes + 1)
-    addresses = ",".join(f"127.0.0.1:{p}" for p in ports[:processes])
-    procs = []
-    for r in range(processes):
-        env = dict(os.environ, PYTHONPATH=ROOT, TF_CPP_MIN_LOG_LEVEL="2", BENCH_RANK=str(r), BENCH_PORT=str(ports[-1]))
-        if processes > 1 and role != "tcp":
-            env.update(SMP_TF_RANK=str(r), SMP_TF_SIZE=str(processes), SMP_TF_LOCAL_RANK=str(r),
-                       SMP_TF_LOCAL_SIZE=str(processes), SMP_TF_ADDRESSES=addresses)
-        procs.append(subprocess.Popen([sys.executable, __file__, "--role", role] + extra, env=env,
-                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
-    outputs = []
-    try:
-        for p in procs:
-            outputs.append(p.communicate(timeout=timeout))
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait(timeout=10)
-    for p, (out, err) in zip(procs, outputs):
-        if p.returncode != 0:
-            raise SystemExit(f"{role} worker failed ({p.returncode}):\n{err[-3000:]}")
-    for out, _ in outputs:
-        for line in out.splitlines():
-            if line.startswith("RESULT "):
-                return json.loads(line[len("RESULT "):])
-    raise SystemExit(f"{role}: no result")
+    """This script's `role` in `processes` processes (`benchmarks.machine.run_workers`)."""
+    sys.path.insert(0, ROOT)
+    from benchmarks.machine import run_workers
+
+    return run_workers(__file__, role, processes, extra, timeout, replicas=role != "tcp")
 
 
 def main() -> None:

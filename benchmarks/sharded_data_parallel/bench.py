@@ -25,7 +25,6 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import time
 
@@ -178,33 +177,11 @@ def worker_collectives(args) -> None:
 # orchestration
 # --------------------------------------------------------------------------
 def run(role: str, extra: list, timeout: float = 900.0) -> dict:
+    """This script's `role` in two replicas (`benchmarks.machine.run_workers`)."""
     sys.path.insert(0, ROOT)
-    from smp_tf.distributed.cluster import pick_free_ports
+    from benchmarks.machine import run_workers
 
-    addresses = ",".join(f"127.0.0.1:{p}" for p in pick_free_ports(2, "127.0.0.1"))
-    procs = []
-    for r in range(2):
-        env = dict(os.environ, PYTHONPATH=ROOT, TF_CPP_MIN_LOG_LEVEL="2", SMP_TF_RANK=str(r), SMP_TF_SIZE="2",
-                   SMP_TF_LOCAL_RANK=str(r), SMP_TF_LOCAL_SIZE="2", SMP_TF_ADDRESSES=addresses)
-        procs.append(subprocess.Popen([sys.executable, __file__, "--role", role] + extra, env=env,
-                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
-    outputs = []
-    try:
-        for p in procs:
-            outputs.append(p.communicate(timeout=timeout))
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait(timeout=10)
-    for p, (_, err) in zip(procs, outputs):
-        if p.returncode != 0:
-            raise SystemExit(f"{role} worker failed ({p.returncode}):\n{err[-3000:]}")
-    for out, _ in outputs:
-        for line in out.splitlines():
-            if line.startswith("RESULT "):
-                return json.loads(line[len("RESULT "):])
-    raise SystemExit(f"{role}: no result")
+    return run_workers(__file__, role, 2, extra, timeout)
 
 
 def _mib(n: float) -> str:
