@@ -48,7 +48,7 @@ from smp_tf.rewrite import (
 from smp_tf.schedules import Action, Schedule, make_schedule, schedule_builder
 from smp_tf.sharding import storage
 from smp_tf.sharding.lower import place_shards
-from smp_tf.step_output import FusedOp
+from smp_tf.step_output import FusedOp, SplitValue
 from smp_tf.trace import CapturedShard, CapturedVariable, Traced, gc_paused
 
 logger = logging.getLogger("smp_tf")
@@ -379,14 +379,21 @@ class CompiledStep:
         # Outputs computed once over all micro-batches after the pipeline
         # (opt-in: their inputs stay alive for every micro-batch).
         self.fused: Dict[int, Tuple[FusedGradient, FusedOp]] = {}
+        # Gradients returned in pieces over a tensor-parallel stage: flat
+        # output -> (split dimension, the pieces' tensors); the output's own
+        # tensor is piece 0.
+        self.split_outputs: Dict[int, Tuple[int, List[int]]] = traced.split_output_tensors()
         if cfg.fuse_weight_gradients:
             for f in fusable_gradients(g, self.output_tensors, self._attrs_of):
+                if f.output in self.split_outputs:
+                    continue  # one piece's product is not the gradient's
                 op = self.traced.graph.get_operation_by_name(g.ops[f.op].name)
                 data_format = op.get_attr("data_format").decode() if op.type == "BiasAddGrad" else "NHWC"
                 device = self.devices[plan.partition_of_op[f.op]]
                 self.fused[f.output] = (f, FusedOp(op.type, data_format, device))
         task_outputs = [t for k, t in enumerate(self.output_tensors) if t is not None and k not in self.fused]
         task_outputs += [t for f, _ in self.fused.values() for t in f.inputs]
+        task_outputs += [t for _, pieces in self.split_outputs.values() for t in pieces[1:]]
         removed = [i for f, _ in self.fused.values() for i in f.removed]
         outputs = sorted(set(task_outputs))
         self.budget = budget
@@ -646,6 +653,11 @@ class CompiledStep:
                         for x in f.inputs
                     )
                     flat.append(FusedValue(op, inputs))
+                elif k in self.split_outputs:
+                    dim, pieces = self.split_outputs[k]
+                    stage = self.plan.tensor_devices[self.plan.partition_of_op[g.tensors[pieces[0]].producer]]
+                    flat.append(SplitValue(dim, [self._output_value(raw, arg_values[m], m, x) for x in pieces],
+                                           [stage[self.plan.shard_of_op[g.tensors[x].producer]] for x in pieces]))
                 else:
                     flat.append(None if t is None else self._output_value(raw, arg_values[m], m, t))
             results.append(tf.nest.pack_sequence_as(self.traced.output_structure, flat, expand_composites=True))
@@ -689,6 +701,18 @@ class CompiledStep:
         for info in self.output_info():
             if info is not None and info[0]:
                 gradient_bytes[info[1]] = gradient_bytes.get(info[1], 0) + info[2]
+        # Where on its stage each partition's gradients are made: a gradient
+        # returned in pieces has piece k on device k, the others are whole
+        # on device 0.
+        gradient_shards: Dict[int, Dict[int, int]] = {}
+        if self.plan.shard_of_op is not None:
+            for k, info in enumerate(self.output_info()):
+                if info is None or not info[0]:
+                    continue
+                per = gradient_shards.setdefault(info[1], {})
+                for x in (self.split_outputs[k][1] if k in self.split_outputs else [self.output_tensors[k]]):
+                    shard = self.plan.shard_of_op[g.tensors[x].producer] if k in self.split_outputs else 0
+                    per[shard] = per.get(shard, 0) + g.tensors[x].bytes
         held, combined = self._output_holds()
         if not (self.outputs_held if outputs_held is None else outputs_held):
             held, combined = None, None
@@ -714,6 +738,7 @@ class CompiledStep:
             shard_of_op=self.plan.shard_of_op,
             stage_devices=self.plan.tensor_devices,
             split_variables=sorted(self.plan.shard_plan.stored_split) if self.plan.shard_plan is not None else (),
+            gradient_shards=gradient_shards,
         )
         report.schedule = f"{self.schedule.kind}, {self.num_microbatches} micro-batches"
         return report
@@ -746,6 +771,7 @@ class CompiledStep:
         their concatenation and the op's result (`StepOutput.accumulate`)."""
         g = self.plan.op_graph
         plain = [t for k, t in enumerate(self.output_tensors) if t is not None and k not in self.fused]
+        plain += [t for _, pieces in self.split_outputs.values() for t in pieces[1:]]
         held, combined = output_holds(g, self.plan.partition_of_op, plain)
         for f, _ in self.fused.values():
             p = self.plan.partition_of_op[f.op]
@@ -782,7 +808,9 @@ class CompiledStep:
                 info.append(None)
                 continue
             producer = self.fused[k][0].op if k in self.fused else g.tensors[t].producer
-            info.append((is_gradient_output(g, producer, t), self.plan.partition_of_op[producer], g.tensors[t].bytes))
+            pieces = self.split_outputs[k][1] if k in self.split_outputs else [t]
+            info.append((is_gradient_output(g, producer, t), self.plan.partition_of_op[producer],
+                         sum(g.tensors[x].bytes for x in pieces)))
         return info
 
     def written_state(self) -> List[Tuple[Any, int]]:

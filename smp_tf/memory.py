@@ -642,6 +642,7 @@ def predict_memory(
     split_variables: Sequence[str] = (),
     held_outputs: Optional[Mapping[int, str]] = None,
     combined_bytes: Optional[Mapping[int, int]] = None,
+    gradient_shards: Optional[Mapping[int, Mapping[int, int]]] = None,
 ) -> MemoryReport:
     """Predicts every partition's peak under a simulated schedule.
 
@@ -682,6 +683,11 @@ def predict_memory(
             the task that makes it to the end of the step (`output_holds`).
         combined_bytes: partition -> bytes made at the end of the step from
             the held values (the gradients' sums).
+        gradient_shards: with tensor parallelism, partition -> device of its
+            stage -> bytes of the gradients made there (a gradient returned
+            in pieces, `smp_tf.step_output.SplitValue`, has piece k on
+            device k); the running sums and the sums of `combined_bytes`
+            are divided alike. None: every gradient on device 0.
 
     Returns:
         The `MemoryReport` (``measured`` unset).
@@ -722,9 +728,15 @@ def predict_memory(
     # With tensor parallelism, each task's transient peak per device of its stage.
     shard_workspace = (_shard_workspaces(graph, tasks, storage, shard_of_op, cpu_kernel_scratch, on_gpu)
                        if shard_of_op is not None else {})
+    # Each device's fraction of its partition's gradients.
+    fraction: Dict[int, Dict[int, float]] = {}
+    for p, per in (gradient_shards or {}).items():
+        total = sum(per.values())
+        if total:
+            fraction[p] = {k: nbytes / total for k, nbytes in per.items()}
     per_device, per_shard, process = _schedule_intervals(
         graph, tasks, simulation, storage, workspace, num_partitions, shard_of_op, shard_workspace,
-        held_outputs or {}, combined_bytes or {})
+        held_outputs or {}, combined_bytes or {}, fraction)
     rounding = EAGER_ROUNDING if held_outputs is not None else 0.0
     for p in range(num_partitions):
         peak, parts = _peak(per_device[p])
@@ -739,7 +751,7 @@ def predict_memory(
     device_rows = []
     if shard_of_op is not None and stage_devices:
         shares = _split_shares(graph, rows, partition_of_variable, split_variables)
-        device_rows = _device_rows(rows, per_shard, stage_devices, shares, static_gradients, rounding)
+        device_rows = _device_rows(rows, per_shard, stage_devices, shares, static_gradients, rounding, fraction)
     return MemoryReport(rows, devices=device_rows, process_peak=process_peak, budget=budget)
 
 
@@ -754,6 +766,7 @@ def _schedule_intervals(
     shard_workspace: Mapping[Tuple[int, int], Mapping[int, int]],
     held_outputs: Mapping[int, str],
     combined_bytes: Mapping[int, int],
+    fraction: Optional[Mapping[int, Mapping[int, float]]] = None,
 ) -> Tuple[Dict[int, List[_Interval]], Dict[Tuple[int, int], List[_Interval]], List[_Interval]]:
     """When each tensor is alive under the simulated schedule: per
     partition, per device of a stage (with tensor parallelism, keyed by
@@ -765,7 +778,10 @@ def _schedule_intervals(
     partition that reads it while those readers run. A step output
     (`held_outputs`) lives from the end of its action to the end of the
     step, when the values combined from them (`combined_bytes`) are made
-    while they are all still held."""
+    while they are all still held, divided over the devices of a stage as
+    its gradients are (`fraction`: partition -> device -> share; None:
+    all on device 0)."""
+    fraction = fraction or {}
     start, end = simulation.start, simulation.end
     # The end of the step, and a moment after it for what is made there.
     finish = max(end.values(), default=0.0)
@@ -803,8 +819,9 @@ def _schedule_intervals(
             users = readers.get(x, [])
             held = held_outputs.get(x)
             if held is not None and nbytes:
-                # The step's outputs are whole on the stage's first device.
-                own(p, 0, _Interval(end[action], after, nbytes, held))
+                # Where the step's output is made: whole on the stage's
+                # first device, or a gradient's piece on its own device.
+                own(p, shard_of(x), _Interval(end[action], after, nbytes, held))
             if not users:
                 continue
             if nbytes and held is None:
@@ -823,7 +840,12 @@ def _schedule_intervals(
                 per_device[q].append(iv)
                 per_shard.setdefault((q, shard_of(x)), []).append(iv)
     for p, nbytes in combined_bytes.items():
-        own(p, 0, _Interval(finish, after, int(nbytes), "gradients"))
+        for k, share in sorted((fraction.get(p) or {0: 1.0}).items()):
+            iv = _Interval(finish, after, int(round(nbytes * share)), "gradients")
+            per_shard.setdefault((p, k), []).append(iv)
+        iv = _Interval(finish, after, int(nbytes), "gradients")
+        per_device[p].append(iv)
+        process.append(iv)
     return per_device, per_shard, process
 
 
@@ -849,12 +871,16 @@ def _split_shares(graph: OpGraph, rows: Sequence[PartitionMemory], partition_of_
 def _device_rows(rows: Sequence[PartitionMemory], per_shard: Mapping[Tuple[int, int], List[_Interval]],
                  stage_devices: Sequence[Sequence[str]],
                  shares: Mapping[int, Tuple[int, int]], static_gradients: Sequence[int],
-                 rounding: float = 0.0) -> List[PartitionMemory]:
+                 rounding: float = 0.0,
+                 fraction: Optional[Mapping[int, Mapping[int, float]]] = None) -> List[PartitionMemory]:
     """One row per device of every stage: each device's share of the
     variables stored split and of their optimizer state; the other
-    variables and their state on device 0 of the stage; each device's own
-    intervals (the gradients where they are made) at its peak, and
-    `rounding` of that peak (`EAGER_ROUNDING` for a step called eagerly)."""
+    variables and their state on device 0 of the stage; each device's
+    share of the gradients' running sums (`fraction`, all on device 0 where
+    a partition has none); each device's own intervals (the gradients where
+    they are made) at its peak, and `rounding` of that peak
+    (`EAGER_ROUNDING` for a step called eagerly)."""
+    fraction = fraction or {}
     out: List[PartitionMemory] = []
     for p, r in enumerate(rows):
         t = len(stage_devices[p])
@@ -865,7 +891,7 @@ def _device_rows(rows: Sequence[PartitionMemory], per_shard: Mapping[Tuple[int, 
             if k == 0:
                 d.variables += r.variables - split_vars
                 d.optimizer += r.optimizer - split_opt
-            static = static_gradients[p] if k == 0 else 0
+            static = int(round(static_gradients[p] * (fraction.get(p) or {0: 1.0}).get(k, 0.0)))
             peak, parts = _peak(per_shard.get((p, k), []))
             d.gradients = static + parts["gradients"]
             d.activations, d.buffers, d.transient = parts["activations"], parts["buffers"], parts["transient"]

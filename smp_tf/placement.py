@@ -49,6 +49,7 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 import tensorflow as tf
 
 from smp_tf import live_objects, state
+from smp_tf.sharding import pieces as registry
 from smp_tf.sharding import storage
 from smp_tf.trace import CapturedVariable
 
@@ -297,8 +298,14 @@ def _update_in_pieces(optimizer: Any, var: Any, grad: tf.Tensor, learning_rate: 
     dim = storage.split_dim_of(var)
     slots = [slot for slot, reference in _slots_by_reference(optimizer)
              if _resource_variable(reference) is var and storage.is_sharded(_resource_variable(slot))]
-    with tf.device(var.device):
-        grads = tf.split(grad, len(pieces), axis=dim)
+    split = registry.split_of(grad)
+    if split is not None and split.axis == dim and len(split.pieces) == len(pieces):
+        # Accumulated in its pieces (`StepOutput.accumulate`): piece k is
+        # already on device k, and the whole gradient is never made.
+        grads = list(split.pieces)
+    else:
+        with tf.device(var.device):
+            grads = tf.split(grad, len(pieces), axis=dim)
     for k, (piece, g) in enumerate(zip(pieces, grads)):
         held = [(slot, slot._value) for slot in slots]
         try:

@@ -37,7 +37,7 @@ from smp_tf.memory import optimizer_slots, predict_assignment, refine_memory_spl
 from smp_tf.lowering import CompiledStep, FusedValue, cpu_kernels_allocate_scratch
 from smp_tf.partitioner.plan import DEFAULT_SLOTS, PartitionPlan, assign_partitions
 from smp_tf.split import check_split_sizes, split_arguments
-from smp_tf.step_output import FusedOp, StepOutput
+from smp_tf.step_output import FusedOp, SplitValue, StepOutput
 from smp_tf.schedules import schedule_builder
 from smp_tf.trace import Traced, trace_microbatch
 
@@ -680,6 +680,10 @@ _MARK = "__smp_step_output__"
 # key that also spells its FusedOp (a tf.function returns tensors, not Python
 # objects): _FUSED_MARK + op_type|data_format|device.
 _FUSED_MARK = "__smp_fused_step_output__"
+# A StepOutput of gradients returned in pieces leaves it as its pieces under
+# a key that also spells the axis they split and their devices:
+# _SPLIT_MARK + axis|device 0|device 1|...
+_SPLIT_MARK = "__smp_split_step_output__"
 
 
 def _dtype_of(so: StepOutput) -> tf.DType:
@@ -701,6 +705,9 @@ def _mark(so: StepOutput) -> Dict[str, Any]:
         op = so._fused
         key = f"{_FUSED_MARK}{op.op_type}|{op.data_format}|{op.device}"
         return {key: [list(x) for x in so._fused_inputs]}
+    if so._values and all(isinstance(v, SplitValue) for v in so._values):
+        first = so._values[0]
+        return {f"{_SPLIT_MARK}{first.axis}|{'|'.join(first.devices)}": [list(v.pieces) for v in so._values]}
     return {_MARK: so.outputs}
 
 
@@ -709,6 +716,10 @@ def _rebuild_step_outputs(raw: Any) -> Any:
     if isinstance(raw, dict):
         if set(raw) == {_MARK}:
             return StepOutput(list(raw[_MARK]))
+        if len(raw) == 1 and next(iter(raw)).startswith(_SPLIT_MARK):
+            key = next(iter(raw))
+            axis, *devices = key[len(_SPLIT_MARK):].split("|")
+            return StepOutput([SplitValue(int(axis), pieces, devices) for pieces in raw[key]])
         if len(raw) == 1 and next(iter(raw)).startswith(_FUSED_MARK):
             key = next(iter(raw))
             op = FusedOp(*key[len(_FUSED_MARK):].split("|"))

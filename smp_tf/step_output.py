@@ -20,7 +20,7 @@ import tensorflow as tf
 
 from smp_tf.split import merge_microbatches
 
-__all__ = ["StepOutput", "FusedOp"]
+__all__ = ["StepOutput", "FusedOp", "SplitValue"]
 
 # The combinations use plain Python control flow over Python values; AutoGraph
 # must not rewrite them when they are called inside a tf.function.
@@ -64,7 +64,65 @@ def _count_constant(count: int, dtype: tf.DType, device: str) -> tf.Tensor:
     return cache[key]
 
 
+class SplitValue:
+    """One micro-batch's value of a gradient the step returns in pieces.
+
+    With tensor parallelism, a split variable's gradient is made in ``t``
+    pieces, piece k on device k of its stage. The step returns the pieces
+    (`smp_tf.sharding.lower`): `StepOutput.accumulate` sums each piece on
+    its own device, and the optimizer's update of the split variable reads
+    them piece by piece, so no device holds the whole gradient. Anything
+    that needs the value as one tensor (`reduce_mean`, indexing a
+    `StepOutput`, ``tf.convert_to_tensor``) gets the pieces concatenated on
+    piece 0's device.
+
+    Attributes:
+        axis: the dimension the pieces split.
+        pieces: the pieces, in device order.
+        devices: the device each piece is made on (a task's outputs carry
+            the device of its call, its stage's first device, whichever
+            device made them).
+    """
+
+    __slots__ = ("axis", "pieces", "devices")
+
+    def __init__(self, axis: int, pieces: Sequence[tf.Tensor], devices: Optional[Sequence[str]] = None) -> None:
+        self.axis = int(axis)
+        self.pieces = tuple(pieces)
+        self.devices = tuple(devices) if devices is not None else tuple(p.device for p in self.pieces)
+        if len(self.devices) != len(self.pieces):
+            raise ValueError(f"SplitValue needs one device per piece. Received {len(self.pieces)} pieces and "
+                             f"devices={list(self.devices)}")
+
+    @property
+    def device(self) -> str:
+        """Piece 0's device (where the whole value is made when asked for)."""
+        return self.devices[0]
+
+    @property
+    def dtype(self) -> tf.DType:
+        return self.pieces[0].dtype
+
+    def whole(self) -> tf.Tensor:
+        """The pieces concatenated, on piece 0's device."""
+        with tf.device(self.device or None):
+            return tf.concat(list(self.pieces), axis=self.axis)
+
+
+tf.register_tensor_conversion_function(
+    SplitValue, lambda value, dtype=None, name=None, as_ref=False: value.whole())
+
+
+def _public(value: Any) -> Any:
+    """A micro-batch value as the user sees it: a split one whole."""
+    return value.whole() if isinstance(value, SplitValue) else value
+
+
 def _describe(value: Any) -> str:
+    if isinstance(value, SplitValue):
+        shape = list(value.pieces[0].shape)
+        shape[value.axis] = sum(int(p.shape[value.axis]) for p in value.pieces)
+        return f"dtype={value.dtype.name}, shape={tuple(shape)}, in {len(value.pieces)} pieces along axis {value.axis}"
     if isinstance(value, tf.IndexedSlices):
         return f"tf.IndexedSlices(dtype={value.dtype.name}, dense_shape={value.dense_shape})"
     if isinstance(value, (tf.Tensor, tf.Variable)):
@@ -172,16 +230,16 @@ class StepOutput:
     @property
     def outputs(self) -> List[Any]:
         """The per-micro-batch values (a new list), in micro-batch order."""
-        return list(self._outputs)
+        return [_public(o) for o in self._outputs]
 
     def __len__(self) -> int:
         return len(self._fused_inputs) if self._fused is not None else len(self._outputs)
 
     def __iter__(self) -> Iterator[Any]:
-        return iter(self._outputs)
+        return iter(self.outputs)
 
     def __getitem__(self, microbatch: int) -> Any:
-        return self._outputs[microbatch]
+        return _public(self._outputs[microbatch])
 
     def __repr__(self) -> str:
         if self._fused is not None and self._values is None:
@@ -383,6 +441,30 @@ class StepOutput:
             return reducer.value(index)
         return self._local_accumulate()
 
+    def _accumulate_split(self) -> tf.Tensor:
+        """`accumulate` of a gradient returned in pieces (`SplitValue`):
+        each piece's running sum on its own device, element for element
+        the whole running sum. Returns the pieces' concatenation, which is
+        registered as held in them (`smp_tf.sharding.pieces.register_split`):
+        the update of a split variable reads the pieces instead, and inside
+        a ``tf.function`` the unread concatenation is never computed."""
+        from smp_tf.sharding import pieces as registry
+
+        first = self._outputs[0]
+        if any(o.axis != first.axis or len(o.pieces) != len(first.pieces) for o in self._outputs):
+            raise ValueError(f"StepOutput.accumulate() got micro-batch values split differently. Received: {self!r}")
+        self._check_numeric(list(first.pieces), "accumulate")
+        sums = []
+        for k in range(len(first.pieces)):
+            column = [o.pieces[k] for o in self._outputs]
+            with tf.device(first.devices[k] or None):
+                total = column[0]
+                for x in column[1:]:
+                    total = total + x
+                sums.append(self._divide(total))
+        whole = SplitValue(first.axis, sums, first.devices).whole()
+        return registry.register_split(whole, first.axis, sums)
+
     def _local_accumulate(self) -> Optional[Any]:
         """`accumulate` over this replica's micro-batches only."""
         if self._fused is not None:
@@ -391,6 +473,8 @@ class StepOutput:
             return self.reduce_mean()
         if all(o is None for o in self._outputs):
             return None
+        if all(isinstance(o, SplitValue) for o in self._outputs):
+            return self._accumulate_split()
         if all(isinstance(o, tf.IndexedSlices) for o in self._outputs):
             slices = self._tensors("accumulate", densify=False)
             self._check_numeric(slices, "accumulate")

@@ -320,6 +320,10 @@ class Traced:
         layers: the Keras layers called during the trace.
         view_seconds: time spent building `op_graph`.
         functions: the functions the traced graph calls (kept registered).
+        split_outputs: with tensor parallelism, flat output index -> (the
+            dimension it is split along, the names of its ``t`` pieces, one
+            per device of its stage) for the gradients the step returns in
+            pieces (`smp_tf.sharding.lower`); ``output_names`` names piece 0.
     """
 
     graph_def: Any
@@ -331,6 +335,7 @@ class Traced:
     layers: List[Any] = field(default_factory=list)
     view_seconds: float = 0.0
     functions: List[Any] = field(default_factory=list, repr=False, compare=False)
+    split_outputs: Dict[int, Tuple[int, List[str]]] = field(default_factory=dict)
     _graph: Optional[tf.Graph] = field(default=None, init=False, repr=False, compare=False)
 
     @property
@@ -350,6 +355,12 @@ class Traced:
         g = self.op_graph
         ids = {g.tensor_name(t.id): t.id for t in g.tensors}
         return [None if name is None else ids[name] for name in self.output_names]
+
+    def split_output_tensors(self) -> Dict[int, Tuple[int, List[int]]]:
+        """`split_outputs` with `op_graph` tensor ids for the pieces."""
+        g = self.op_graph
+        ids = {g.tensor_name(t.id): t.id for t in g.tensors}
+        return {k: (dim, [ids[name] for name in names]) for k, (dim, names) in self.split_outputs.items()}
 
 
 def _keras_variables_of(layers: Sequence[Any]) -> Dict[int, Any]:

@@ -376,7 +376,8 @@ def test_measure_keeps_each_rows_fastest_round(monkeypatch):
 
     def fake_time_step(step, args, kwargs, steps, warmup):
         cfg = smp.current_config()
-        current = next(r for r in (first, second) if all(getattr(cfg, k) == v for k, v in r.config.items()))
+        current = next(r for r in (first, second) if all(getattr(cfg, k) == v for k, v in r.config.items())
+                       and cfg.tensor_parallel_degree == r.candidate.tensor_parallel_degree)
         seen.append(current.candidate)
         return times[(len(seen) - 1) // 2, current.candidate]
 

@@ -257,6 +257,100 @@ def _budget_case(args) -> dict:
     return out
 
 
+def _gradients_case(args) -> dict:
+    """A 4-block MLP (Megatron pairs) at P=1 x t: each device's bytes of
+    variables and Adam slots as stored, and of gradients as the memory
+    model predicts them inside a ``tf.function`` (the running sums and one
+    micro-batch's gradients, where they are made)."""
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    import keras
+    import numpy as np
+    import tensorflow as tf
+
+    import smp_tf as smp
+    from smp_tf.sharding import storage
+
+    smp.init({"partitions": 1, "microbatches": 4, "tensor_parallel_degree": args.t})
+    keras.utils.set_random_seed(0)
+    width = args.width
+    inp = keras.Input((width,))
+    h = inp
+    for b in range(4):
+        h = keras.layers.Dense(4 * width, activation="gelu", name=f"up{b}")(h)
+        h = keras.layers.Dense(width, name=f"down{b}")(h)
+    model = smp.DistributedModel(inp, h)
+    rng = np.random.default_rng(0)
+    x = tf.constant(rng.normal(size=(args.tokens, width)).astype("float32"))
+    y = tf.constant(rng.normal(size=(args.tokens, width)).astype("float32"))
+    opt = keras.optimizers.Adam(1e-3)
+
+    def body(x, y):
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_mean((model(x, training=True) - y) ** 2)
+        return loss, tape.gradient(loss, model.trainable_variables)
+
+    step = smp.step(body)
+
+    @tf.function(autograph=False)
+    def train(x, y):
+        loss, grads = step(x, y)
+        opt.apply_gradients(zip([g.accumulate() for g in grads], model.trainable_variables))
+        return loss.reduce_mean()
+
+    losses = [float(train(x, y)) for _ in range(2)]
+
+    def by_device(variables):
+        out = {}
+        for v in variables:
+            for piece in storage.shards_of(v) or [v.value]:
+                d = "/device:" + piece.device.rsplit("device:", 1)[1]
+                out[d] = out.get(d, 0) + int(np.prod(piece.shape)) * piece.dtype.size
+        return out
+
+    report = step.memory_report(opt)
+    rows = report.devices or report.partitions
+    return {
+        "losses": losses,
+        "variables": by_device(model.trainable_variables),
+        "optimizer": by_device([v for v in opt.variables if len(v.shape)]),
+        "predicted": {r.device: {"variables": r.variables, "optimizer": r.optimizer, "gradients": r.gradients}
+                      for r in rows},
+    }
+
+
+def _gradients_table(quick: bool) -> dict:
+    """Prints the split-gradient line: t=2 against t=1 on the 4-block MLP."""
+    sizes = ["--width", "64" if quick else "512", "--tokens", "64" if quick else "256"]
+    got = {}
+    for t in (1, 2):
+        cmd = [sys.executable, __file__, "--case", "--model", "gradients", "--t", str(t)] + sizes
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=1800)
+        lines = [l for l in done.stdout.splitlines() if l.startswith("{")]
+        if done.returncode or not lines:
+            print(f"split gradients at t={t}: error " + (done.stderr or done.stdout)[-600:])
+            return {}
+        got[t] = json.loads(lines[-1])
+
+    def fullest(r, key):
+        return max(v[key] for v in r["predicted"].values())
+
+    def state(r):
+        return max(sum(v.values()) for v in r["predicted"].values())
+
+    grads = fullest(got[2], "gradients") / fullest(got[1], "gradients")
+    whole = state(got[2]) / state(got[1])
+    live = all(got[t]["variables"].get(d, 0) == p["variables"] and got[t]["optimizer"].get(d, 0) == p["optimizer"]
+               for t in (1, 2) for d, p in got[t]["predicted"].items())
+    print(f"4-block MLP (width {sizes[1]}, Adam, M=4), P=1 x t=2 against t=1, fullest device: gradients "
+          f"{grads:.2f}x, variables + gradients + optimizer {whole:.2f}x (target <= 0.55 each: "
+          f"{'PASS' if grads <= 0.55 and whole <= 0.55 else 'FAIL'}); variables and slots predicted = live: "
+          f"{live}; by device at t=2 (MiB, variables / gradients / optimizer): "
+          + ", ".join(f"{d} {p['variables'] / 2**20:.2f} / {p['gradients'] / 2**20:.2f} / {p['optimizer'] / 2**20:.2f}"
+                      for d, p in sorted(got[2]["predicted"].items()))
+          + f"; losses t=1 {got[1]['losses']}, t=2 {got[2]['losses']}")
+    return got
+
+
 def _run(model, mode, t, devices, sizes, quick) -> dict:
     cmd = [sys.executable, __file__, "--case", "--model", model, "--mode", mode, "--t", str(t),
            "--devices", str(devices)] + sizes + (["--repeats", "2", "--warmup", "1"] if quick else [])
@@ -292,7 +386,8 @@ def main() -> None:
     p.add_argument("--vocab", type=int, default=32768, help="vocabulary of the memory-budget GPT-2")
     args = p.parse_args()
     if args.case:
-        print(json.dumps(_budget_case(args) if args.model == "budget" else _case(args)))
+        case = {"budget": _budget_case, "gradients": _gradients_case}.get(args.model, _case)
+        print(json.dumps(case(args)))
         return
     if args.quick:
         mlp_sizes, gpt_sizes = ["--width", "128", "--tokens", "64"], ["--width", "128", "--tokens", "64", "--seq", "32"]
@@ -347,6 +442,7 @@ def main() -> None:
                   f"(target <= 0.55: {'PASS' if ratio <= 0.55 else 'FAIL'}); by device, live / predicted: "
                   + ", ".join(f"{d} {per_device.get(d, 0) / 2**20:.1f} / {predicted.get(d, 0) / 2**20:.1f} MiB"
                               for d in sorted(set(per_device) | set(predicted))))
+    results["gradients"] = _gradients_table(args.quick)
     vocab = "16384" if args.quick else str(args.vocab)
     cmd = [sys.executable, __file__, "--case", "--model", "budget", "--vocab", vocab]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=1800)

@@ -24,8 +24,13 @@ step only reads it, through ``ReadVariableOp``) is read piece by piece: its
 captured handle becomes ``t`` captured handles (``<name>__smp_s<k>``, one
 per piece, see `smp_tf.sharding.storage` and `CapturedShard`), and each read
 ``t`` reads of the pieces. Any other split variable is stored whole on
-device 0 of its stage, read whole and split for its readers. Gradients are
-gathered whole for the step's outputs either way.
+device 0 of its stage, read whole and split for its readers.
+
+A gradient the step returns split (a split variable's weight gradient)
+stays in its pieces: the step returns its ``t`` pieces, each on its device
+(`Traced.split_outputs`), and nothing gathers it unless its user asks for
+the whole value (`smp_tf.step_output.SplitValue`). Any other output is
+gathered whole on device 0 of its stage.
 
 The new graph has the same arguments and outputs as the traced one, and
 the captures of the pieces besides the traced ones, so the partitioner and
@@ -346,29 +351,50 @@ class _Writer:
             op_type == "Conv2DBackpropFilter" and position == 1)
 
 
+def _is_split_gradient(op_graph: OpGraph, name: str, spec: ShardSpec) -> bool:
+    """Whether output `name`, made in layout `spec`, is a floating-point
+    gradient split along one dimension (not a partial sum): the step returns
+    its pieces (module doc)."""
+    if spec.partial or spec.split_dim is None:
+        return False
+    op_name, _, port = name.partition(":")
+    op = op_graph.ops[op_graph.op_index[op_name]]
+    tensor = op_graph.tensors[op.outputs[int(port or 0)]]
+    return op.is_gradient and op.kind == "op" and tensor.dtype.startswith(("float", "bfloat", "half", "double"))
+
+
 def expand_graph_def(graph_def: Any, op_graph: OpGraph, plan: ShardPlan, t: int, outputs: Sequence[Optional[str]],
-                     infos: Optional[Mapping[str, OpInfo]] = None, stored_split: Optional[Mapping[str, str]] = None):
-    """The sharded `GraphDef`, the names of `outputs` in it (whole), and the
-    static shapes of its tensors. `infos`: op name -> `OpInfo` (from the
-    `ShardGraph`), which the special lowerings read; `stored_split`: the
-    captured handles of the variables stored in pieces (name -> key)."""
+                     infos: Optional[Mapping[str, OpInfo]] = None, stored_split: Optional[Mapping[str, str]] = None,
+                     split_gradients: bool = True):
+    """The sharded `GraphDef`, the names of `outputs` in it, the static
+    shapes of its tensors, and the outputs returned in pieces (flat index ->
+    (split dimension, piece names); their name in the first list is piece
+    0's). `infos`: op name -> `OpInfo` (from the `ShardGraph`), which the
+    special lowerings read; `stored_split`: the captured handles of the
+    variables stored in pieces (name -> key); `split_gradients`: return the
+    split gradients in pieces (False: every output whole)."""
     w = _Writer(graph_def, plan, op_graph, t, infos, stored_split)
     w.write()
     w.finish()
-    renamed = []
-    for name in outputs:
+    renamed: List[Optional[str]] = []
+    split: Dict[int, Tuple[int, List[str]]] = {}
+    for i, name in enumerate(outputs):
         if name is None:
             renamed.append(None)
             continue
         spec = w.physical.get(name)
         if spec is None or spec.is_replicated:
             renamed.append(name)
+        elif split_gradients and _is_split_gradient(op_graph, name, spec):
+            pieces = [ref if ":" in ref else f"{ref}:0" for ref in w._copies(name)]
+            split[i] = (spec.split_dim, pieces)
+            renamed.append(pieces[0])
         else:
             ref = w._whole(name, spec)
             renamed.append(ref if ":" in ref else f"{ref}:0")
     shapes = dict(w.shape_of)
     shapes.update(w.shapes)
-    return w.out, renamed, shapes
+    return w.out, renamed, shapes, split
 
 
 def _restore_shapes(view: OpGraph, shapes: Mapping[str, Any], graph: tf.Graph) -> None:
@@ -419,15 +445,15 @@ def shard_traced(
     if not plan.decisions:
         return traced, plan
     plan.stored_split = {key: variable_specs[key].split_dim for key in stored_split.values()}
-    graph_def, outputs, shapes = expand_graph_def(traced.graph_def, g, plan, t, traced.output_names,
-                                                  {op.name: op.info for op in sgraph.ops}, stored_split)
+    graph_def, outputs, shapes, split_outputs = expand_graph_def(
+        traced.graph_def, g, plan, t, traced.output_names, {op.name: op.info for op in sgraph.ops}, stored_split)
     captures = dict(traced.captures)
     for name in stored_split:
         cap = traced.captures[name]
         for k in range(t):
             captures[f"{name}{MARK}_s{k}"] = CapturedShard(cap.key, cap.variable, k)
     sharded = Traced(graph_def, g, traced.arg_names, outputs, traced.output_structure, captures, traced.layers,
-                     functions=traced.functions)
+                     functions=traced.functions, split_outputs=split_outputs)
     by_name = {op.name: op for op in g.ops}
     captured_vars = {}
     for name, cap in captures.items():

@@ -18,14 +18,22 @@ A gradient reduced to its pieces (`smp_tf.distributed.collectives`) is a
 1-D tensor of `Piece.length` elements; `register` remembers which
 variable's piece a tensor is, so that the optimizer update can tell a
 piece from a whole gradient.
+
+Under tensor parallelism a split variable's gradient is accumulated in its
+pieces over the devices of its stage (`SplitGradient`): the tensor handed to
+the optimizer is their concatenation, which the update of a split variable
+never reads (it updates piece k with gradient piece k on device k), so
+inside a ``tf.function`` the whole gradient is never made.
 """
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 from typing import Any, Dict, Optional, Tuple
 
-__all__ = ["Piece", "piece_length", "piece_bounds", "register", "piece_of", "forget_all"]
+__all__ = ["Piece", "SplitGradient", "piece_length", "piece_bounds", "register", "piece_of", "register_split",
+           "split_of", "forget_all"]
 
 
 def piece_length(n: int, replicas: int) -> int:
@@ -75,9 +83,26 @@ class Piece:
         return piece_length(self.size, self.replicas)
 
 
+@dataclass(frozen=True)
+class SplitGradient:
+    """A gradient held in pieces over the devices of a tensor-parallel stage.
+
+    Attributes:
+        axis: the dimension the pieces split.
+        pieces: the pieces, piece k on device k of the stage.
+    """
+
+    axis: int
+    pieces: Tuple[Any, ...]
+
+
 # id(tensor) -> (tensor, Piece): the tensor is held so that its id stays its own
 # until the registry forgets it (at the next emitted step).
 _REGISTRY: Dict[int, Tuple[Any, Piece]] = {}
+# id(tensor) -> (weak reference to it, SplitGradient): a split gradient is
+# known as long as its tensor lives (dead entries go at the next
+# registration).
+_SPLIT: Dict[int, Tuple[Any, SplitGradient]] = {}
 
 
 def register(tensor: Any, piece: Piece) -> Any:
@@ -92,6 +117,22 @@ def piece_of(tensor: Any) -> Optional[Piece]:
     return entry[1] if entry is not None and entry[0] is tensor else None
 
 
+def register_split(tensor: Any, axis: int, pieces: Any) -> Any:
+    """Marks `tensor` (the concatenation of `pieces` along `axis`) as a
+    gradient held in those pieces; returns it."""
+    for key in [k for k, (ref, _) in _SPLIT.items() if ref() is None]:
+        del _SPLIT[key]
+    _SPLIT[id(tensor)] = (weakref.ref(tensor), SplitGradient(int(axis), tuple(pieces)))
+    return tensor
+
+
+def split_of(tensor: Any) -> Optional[SplitGradient]:
+    """The `SplitGradient` that `tensor` was registered as, or None."""
+    entry = _SPLIT.get(id(tensor))
+    return entry[1] if entry is not None and entry[0]() is tensor else None
+
+
 def forget_all() -> None:
-    """Forgets every registered tensor (a new step is being emitted)."""
+    """Forgets every registered piece of the data-parallel replicas (a new
+    step is being emitted)."""
     _REGISTRY.clear()
