@@ -484,6 +484,7 @@ class StepFunction:
             entry.generation = state.generation()
             self._compiled[key] = entry
         entry.outputs_held = entry.outputs_held or self._eager_trace
+        entry.plan.data_shards = state.dp_size() if cfg.shard_optimizer_state else 1
         self.last_plan = entry.plan
         scheduled = entry.scheduled(cfg.pipeline, len(mbs))
         if len(mbs) == cfg.microbatches or self.schedule is None:

@@ -103,6 +103,11 @@ def _check_run(name: str, a: dict, b: dict, tolerance: float) -> None:
         assert sharded["slot_elements"] * 2 - plain["slot_elements"] in range(0, 2 * len(plain["slots"]) + 1)
     # Every replica ends every step with bit-identical parameters.
     assert a[name]["sharded"]["weights"] == b[name]["sharded"]["weights"]
+    # The partition report says how: the slots in pieces over the replicas.
+    for result in (a, b):
+        assert [tuple(x) for x in result[name]["sharded"]["storage"]] == [("whole", "whole", "data", 2)]
+        assert [tuple(x) for x in result[name]["plain"]["storage"]] == [("whole", "whole", "whole", 1)]
+        assert "whole / whole / pieces over data (2)" in result[name]["sharded"]["report"]
 
 
 @pytest.mark.multiprocess

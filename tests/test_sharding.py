@@ -253,6 +253,22 @@ def test_completion_reads_outputs_whole():
     assert [(r.tensor, r.steps) for r in plan.reshards] == [("b1:0", ("split",)), ("relu:0", ("all_gather",))]
 
 
+def test_gradients_returned_in_pieces_are_not_gathered():
+    # The step returns a split gradient in its pieces: no gather of it is
+    # planned. A partial sum returned as a gradient is still added up, and
+    # an output that is not a gradient is still gathered.
+    from dataclasses import replace
+
+    from smp_tf.sharding.completion import returned_in_pieces
+
+    g = _mlp()
+    g = replace(g, outputs=["mm1:0", "mm2:0", "relu:0"], gradient_outputs=frozenset({"mm1:0", "mm2:0"}))
+    plan = complete(g, {"w1": S1, "b1": ShardSpec(("tensor",)), "w2": S0}, 2)
+    assert [(r.tensor, r.steps) for r in plan.reshards] == [("mm2:0", ("all_reduce",)), ("relu:0", ("all_gather",))]
+    assert returned_in_pieces(S1) and returned_in_pieces(S0)
+    assert not returned_in_pieces(P2) and not returned_in_pieces(ShardSpec.replicated(2))
+
+
 # ------------------------------------------------------- built-in layouts
 
 

@@ -756,6 +756,12 @@ def test_split_gradients_stay_in_pieces_and_update_bit_for_bit(optimizer, monkey
     split = step.last_plan.shard_plan.stored_split
     # (Each function may be traced twice: its first call creates variables.)
     assert len(split) == 6 and used.count(True) == used.count(False) and used.count(True) % len(split) == 0 and used
+    # The partition report says how each variable is stored.
+    storage = {r["variable"]: (r["parameters"], r["gradients"], r["optimizer"])
+               for r in step.last_plan.variable_storage()}
+    assert storage["up/kernel"] == storage["down/kernel"] == ("tensor",) * 3
+    assert storage["down/bias"] == ("whole",) * 3
+    assert "pieces over tensor (2) / pieces over tensor (2) / pieces over tensor (2)" in step.last_plan.report()
     # The step returned them in pieces, each on its own device, and nothing
     # in the training function reads the whole gradient: the concatenation
     # the optimizer was handed is never computed.

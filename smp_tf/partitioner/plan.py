@@ -746,6 +746,9 @@ class PartitionPlan:
         # The device of each op within its partition's stage (index of
         # `op_graph.ops`); None without tensor parallelism.
         self.shard_of_op: Optional[List[int]] = None
+        # The data-parallel replicas each optimizer slot is divided over
+        # (``shard_optimizer_state``; 1: whole on every replica).
+        self.data_shards: int = 1
         # With a declared cluster (config key "cluster"): the
         # `smp_tf.planner.resources.Device` of each stage.
         self.stage_resources: Optional[List[Any]] = None
@@ -816,6 +819,42 @@ class PartitionPlan:
                 rows[p * t + k]["variable_bytes"] += nbytes // t if v in split else nbytes
         return rows
 
+    def variable_storage(self) -> List[Dict[str, Any]]:
+        """How each variable is stored, one dict per variable (in partition
+        order): ``variable``, ``partition``, and for ``parameters``,
+        ``gradients`` and ``optimizer`` (its slots) one of ``"whole"``,
+        ``"tensor"`` (in pieces over the devices of its tensor-parallel
+        stage), ``"data"`` (in pieces over the data-parallel replicas), with
+        ``tensor`` (t) and ``data`` (R), the number of pieces."""
+        t = len(self.tensor_devices[0]) if self.tensor_devices and self.shard_of_op is not None else 1
+        split = self.shard_plan.stored_split if self.shard_plan is not None and t > 1 else {}
+        rows = []
+        for v, p in sorted(self.partition_of_variable().items(), key=lambda kv: (kv[1], kv[0])):
+            trained = self.op_graph.trainable.get(v, True)
+            kind = "tensor" if v in split else "whole"
+            optimizer = kind if kind == "tensor" or self.data_shards == 1 else "data"
+            rows.append({"variable": v, "partition": p, "parameters": kind,
+                         "gradients": kind if trained else None, "optimizer": optimizer if trained else None,
+                         "tensor": t, "data": self.data_shards})
+        return rows
+
+    def _storage_lines(self) -> List[str]:
+        """`variable_storage` grouped by how the variables are stored."""
+        groups: Dict[Tuple[Any, ...], List[str]] = {}
+        for r in self.variable_storage():
+            key = tuple(r[k] for k in ("parameters", "gradients", "optimizer"))
+            groups.setdefault(key, []).append(r["variable"])
+        if list(groups) == [("whole", "whole", "whole")]:
+            return []
+        t = len(self.tensor_devices[0]) if self.tensor_devices and self.shard_of_op is not None else 1
+        label = {"whole": "whole", "tensor": f"pieces over tensor ({t})", "data": f"pieces over data ({self.data_shards})",
+                 None: "-"}
+        lines = ["storage of the variables (parameters / gradients / optimizer slots):"]
+        for (params, grads, slots), names in groups.items():
+            shown = ", ".join(names[:4]) + (", ..." if len(names) > 4 else "")
+            lines.append(f"  {len(names):>4} variables: {label[params]} / {label[grads]} / {label[slots]}: {shown}")
+        return lines
+
     def report(self) -> str:
         """A readable table of the partitions."""
         rows = self.summary()
@@ -845,6 +884,7 @@ class PartitionPlan:
                 speed = self.op_graph_speed(p)
                 lines.append(f"{p:>4}  {device.name:<{width}} {speed / 1e9:>9.2f} GFLOP/s {seconds * 1e3:>10.3f} ms "
                              f"compute {sends[p] * 1e3:>9.3f} ms sends")
+        lines.extend(self._storage_lines())
         if self.shard_plan is not None:
             lines.append(self.shard_plan.summary())
         return "\n".join(lines)

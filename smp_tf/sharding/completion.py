@@ -21,7 +21,8 @@ as in PaddlePaddle's completion of distributed attributes:
    reads, constraints and stateful ops are never moved.
 3. **Reshards.** Wherever a tensor is produced in one spec and read in
    another, a reshard (`smp_tf.sharding.reshard`) is recorded, once per
-   tensor and target spec. The step's outputs are read whole.
+   tensor and target spec. The step's outputs are read whole, but for
+   the gradients that are returned in their pieces.
 
 Plain Python over `ShardGraph`, a small graph description that tests can
 write by hand (`ShardGraph.from_spec`).
@@ -30,7 +31,7 @@ write by hand (`ShardGraph.from_spec`).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
+from typing import Any, Dict, FrozenSet, List, Mapping, Optional, Sequence, Tuple
 
 from smp_tf.sharding.reshard import reshard_bytes, reshard_steps
 from smp_tf.sharding.rules import Decision, OpInfo, back_rule_for, rule_for
@@ -84,6 +85,9 @@ class ShardGraph:
     ops: List[ShardOp]
     outputs: List[str] = field(default_factory=list)
     bytes_of: Dict[str, int] = field(default_factory=dict)
+    #: The outputs that are floating-point gradients: returned in pieces
+    #: where their layout allows (`returned_in_pieces`), not gathered.
+    gradient_outputs: FrozenSet[str] = frozenset()
 
     @classmethod
     def from_spec(cls, spec: Sequence[Mapping[str, Any]], outputs: Sequence[str] = (), t: int = 2) -> "ShardGraph":
@@ -273,9 +277,17 @@ def _moves_back(graph: ShardGraph, readers, decisions, preferred: Dict[str, Deci
     return moved
 
 
+def returned_in_pieces(spec: ShardSpec) -> bool:
+    """Whether a gradient the step returns in layout `spec` is returned in
+    its pieces rather than whole: split along one dimension, not a partial
+    sum (which is added up first)."""
+    return not spec.partial and spec.split_dim is not None
+
+
 def _reshards(graph: ShardGraph, specs, readers) -> List[Reshard]:
     """One reshard per tensor and target layout its readers need (module
-    doc, 3); the step's outputs are read whole."""
+    doc, 3); the step's outputs are read whole, but for the gradients
+    returned in pieces (`returned_in_pieces`)."""
     reshards: List[Reshard] = []
     for x, (have, reads) in readers.items():
         groups: Dict[ShardSpec, List[Tuple[str, int]]] = {}
@@ -286,7 +298,8 @@ def _reshards(graph: ShardGraph, specs, readers) -> List[Reshard]:
             reshards.append(Reshard(x, have, need, tuple(who), graph.bytes_of.get(x, 0)))
     for k, x in enumerate(graph.outputs):
         have = specs.get(x)
-        if have is not None and not have.is_replicated:
+        if have is not None and not have.is_replicated and not (
+                x in graph.gradient_outputs and returned_in_pieces(have)):
             reshards.append(Reshard(x, have, ShardSpec.replicated(have.rank), (("<output>", k),),
                                     graph.bytes_of.get(x, 0)))
     return reshards

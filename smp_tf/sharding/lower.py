@@ -48,8 +48,8 @@ import tensorflow as tf
 from tensorflow.core.framework import graph_pb2
 
 from smp_tf.graph_view import OpGraph, from_tf_graph
-from smp_tf.sharding.completion import READ_OPS, ShardGraph, ShardPlan, complete
-from smp_tf.sharding.read import MARK, SHARD_ATTR, origin_of, shard_graph_of
+from smp_tf.sharding.completion import READ_OPS, ShardGraph, ShardPlan, complete, returned_in_pieces
+from smp_tf.sharding.read import MARK, SHARD_ATTR, is_float_gradient, origin_of, shard_graph_of
 from smp_tf.sharding.rules import OpInfo
 from smp_tf.sharding.special import SPECIAL
 from smp_tf.sharding.spec import ShardSpec
@@ -351,18 +351,6 @@ class _Writer:
             op_type == "Conv2DBackpropFilter" and position == 1)
 
 
-def _is_split_gradient(op_graph: OpGraph, name: str, spec: ShardSpec) -> bool:
-    """Whether output `name`, made in layout `spec`, is a floating-point
-    gradient split along one dimension (not a partial sum): the step returns
-    its pieces (module doc)."""
-    if spec.partial or spec.split_dim is None:
-        return False
-    op_name, _, port = name.partition(":")
-    op = op_graph.ops[op_graph.op_index[op_name]]
-    tensor = op_graph.tensors[op.outputs[int(port or 0)]]
-    return op.is_gradient and op.kind == "op" and tensor.dtype.startswith(("float", "bfloat", "half", "double"))
-
-
 def expand_graph_def(graph_def: Any, op_graph: OpGraph, plan: ShardPlan, t: int, outputs: Sequence[Optional[str]],
                      infos: Optional[Mapping[str, OpInfo]] = None, stored_split: Optional[Mapping[str, str]] = None,
                      split_gradients: bool = True):
@@ -385,7 +373,7 @@ def expand_graph_def(graph_def: Any, op_graph: OpGraph, plan: ShardPlan, t: int,
         spec = w.physical.get(name)
         if spec is None or spec.is_replicated:
             renamed.append(name)
-        elif split_gradients and _is_split_gradient(op_graph, name, spec):
+        elif split_gradients and returned_in_pieces(spec) and is_float_gradient(op_graph, name):
             pieces = [ref if ":" in ref else f"{ref}:0" for ref in w._copies(name)]
             split[i] = (spec.split_dim, pieces)
             renamed.append(pieces[0])

@@ -171,6 +171,18 @@ def shard_graph_of(graph_def: Any, op_graph: OpGraph, outputs: Sequence[str], t:
         ))
         for x in op.outputs:
             bytes_of[g.tensor_name(x)] = g.tensors[x].bytes
-    return ShardGraph(ops, [o for o in outputs if o], bytes_of)
+    wanted = [o for o in outputs if o]
+    gradients = frozenset(o for o in wanted if is_float_gradient(g, o))
+    return ShardGraph(ops, wanted, bytes_of, gradients)
+
+
+def is_float_gradient(op_graph: OpGraph, name: str) -> bool:
+    """Whether tensor `name` is a floating-point output of a gradient op
+    (what the memory model counts as a gradient)."""
+    from smp_tf.memory import is_gradient_output
+
+    op_name, _, port = name.partition(":")
+    op = op_graph.op_index[op_name]
+    return is_gradient_output(op_graph, op, op_graph.ops[op].outputs[int(port or 0)])
 
 

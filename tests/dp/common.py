@@ -64,4 +64,5 @@ def apply_accumulated(step, optimizer, model):
         optimizer.apply_gradients(zip([g.accumulate() for g in grads], model.trainable_variables))
         return batch_loss.reduce_mean()
 
+    train.step = step  # for the tests that read its plan
     return train

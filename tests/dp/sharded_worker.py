@@ -75,6 +75,9 @@ def run(name: str, sharded: bool, fit: bool = False, checkpoint: bool = False) -
     else:
         train = common.train_function(model, optimizer)
         losses = [float(train(*common.half(x[s], y[s], RANK))) for s in range(STEPS)]
+        storage = {(r["parameters"], r["gradients"], r["optimizer"], r["data"])
+                   for r in train.step.last_plan.variable_storage()}
+        report = train.step.last_plan.report()
     if checkpoint:
         # Saving reads each divided slot whole: every replica saves at once
         # (each to its own path here; a job keeps rank 0's).
@@ -85,6 +88,9 @@ def run(name: str, sharded: bool, fit: bool = False, checkpoint: bool = False) -
         "slot_elements": slot_elements(optimizer),
         # A whole read of every slot (a checkpoint's): gathered from the replicas.
         "slots": [v.numpy().tolist() for v in optimizer.variables if tuple(v.shape)],
+        # How the partition report says the variables are stored.
+        "storage": sorted(storage) if not fit else None,
+        "report": report if not fit else None,
     }
 
 
