@@ -165,6 +165,9 @@ def test_tensor_parallelism_under_data_parallelism_matches_one_process(tmp_path)
     # Partition p on devices 2p and 2p + 1 of its replica's process.
     assert a["devices"] == [f"/job:worker/replica:0/task:0/device:CPU:{p}" for p in (0, 2)]
     assert b["devices"] == [f"/job:worker/replica:0/task:1/device:CPU:{p}" for p in (0, 2)]
+    # A split variable's gradient is all-reduced in its pieces, each on its
+    # own device of the stage: no device gathers it whole.
+    assert a["reduce_devices"] == b["reduce_devices"] == ["CPU:0", "CPU:1", "CPU:2", "CPU:3"]
     _assert_matches_whole_batch(a, b)
 
 

@@ -67,9 +67,21 @@ BUCKET_BYTES = 8 << 20
 OVERLAP = True
 
 
+#: Group index of device k > 0 of a partition's tensor-parallel stage:
+#: partition + k * SHARD_STRIDE (a collective group has one device per
+#: replica, so each device of a stage has its own group).
+SHARD_STRIDE = 1 << 12
+
+
 def group_key(partition: int) -> int:
     """The collective group of a partition's devices across replicas."""
     return GROUP_BASE + int(partition)
+
+
+def stage_group(partition: int, shard: int) -> int:
+    """The group index (what `group_key` takes) of device `shard` of
+    partition `partition`'s tensor-parallel stage across the replicas."""
+    return int(partition) + SHARD_STRIDE * int(shard)
 
 
 def instance_key(*parts: Any) -> int:
@@ -395,6 +407,7 @@ class GradientReducer:
         scatter: bool = False,
     ) -> None:
         self._local = local_values
+        self._scatter = scatter
         self._reduce = reduce_scatter_bucket if scatter else reduce_bucket
         self._after_pipeline = list(after_pipeline)
         self._site = site
@@ -421,15 +434,35 @@ class GradientReducer:
             deps = [] if OVERLAP else self._after_pipeline
             with tf.device(self._devices[p]), tf.control_dependencies(deps):
                 locals_ = [self._local[m]() for m in ks]
+            # A gradient held in pieces over a tensor-parallel stage is
+            # reduced piece by piece, each on its own device.
+            split = [None if v is None or self._scatter else data_pieces.split_of(v) for v in locals_]
             reduced = self._reduce(
-                locals_, p, self._devices[p], self._index_in_partition[b], self._site, self._plan,
-                raise_if_uneven=self._raise,
+                [None if g is not None else v for v, g in zip(locals_, split)], p, self._devices[p],
+                self._index_in_partition[b], self._site, self._plan, raise_if_uneven=self._raise,
             )
-            for m, v, local in zip(ks, reduced, locals_):
+            for i, (m, v, local) in enumerate(zip(ks, reduced, locals_)):
+                if split[i] is not None:
+                    self._result[m] = self._reduce_pieces(split[i], p, f"{self._index_in_partition[b]}/{i}")
+                    continue
                 # The bucket's dtype is its values': the cast returns a
                 # registered piece itself.
                 self._result[m] = None if local is None else tf.cast(v, _dense(local).dtype)
         return self._result[k]
+
+    def _reduce_pieces(self, split: Any, partition: int, index: str) -> tf.Tensor:
+        """The mean over the replicas of a gradient held in pieces: each
+        piece all-reduced on its device, in the group of that device of the
+        stage (`stage_group`); the result held in pieces again."""
+        out = []
+        for k, piece in enumerate(split.pieces):
+            device = piece.device
+            (mean,) = reduce_bucket([piece], stage_group(partition, k), device, index, self._site, self._plan,
+                                    raise_if_uneven=self._raise)
+            out.append(mean)
+        with tf.device(out[0].device):
+            whole = tf.concat(out, axis=split.axis)
+        return data_pieces.register_split(whole, split.axis, out)
 
 
 def _pack(values: Sequence[tf.Tensor], dtype: tf.DType, weight: Any) -> Tuple[tf.Tensor, int]:

@@ -61,6 +61,11 @@ if SCENARIO in ("custom_loop", "custom_loops"):
     train = train_function(keras.optimizers.SGD(common.LR))
     x, y = common.batches(5)
     result["losses"] = [float(train(*common.half(x[s], y[s], RANK))) for s in range(5)]
+    # Where the gradients' all-reduces run (each device of a tensor-parallel
+    # stage reduces its pieces).
+    graph = train.get_concrete_function(*common.half(x[0], y[0], RANK)).graph
+    result["reduce_devices"] = sorted({op.device.rsplit("device:", 1)[-1] for op in graph.get_operations()
+                                       if op.type == "CollectiveReduceV2"})
     if SCENARIO == "custom_loops":
         # Then again with 2 chunks per device (smp.init again, a new model).
         smp.init(dict(CONFIG, virtual_stages=2))
