@@ -675,3 +675,72 @@ def test_a_row_that_fits_only_with_its_optimizer_state_sharded_is_chosen_with_it
     assert best.max_peak == pytest.approx(peak - slot_bytes / 2, rel=1e-3)
     assert not next(r for r in tight.rows if not r.candidate.shard_optimizer_state).fits
     assert "opt" in str(tight) and "shard" in str(tight)
+
+
+def test_a_cluster_declared_by_the_config_key_is_searched_with_replicas_as_the_argument_is():
+    # The same declared cluster, given to smp.init or to smp.plan, gives the
+    # same rows, data-parallel ones included; this process's own devices
+    # keep one replica.
+    _, step, x, y = _mlp(width=64, layers=4, batch=16)
+    cluster = _cluster(devices=4, hosts=2)
+    dims = dict(pipelines=["interleaved"], virtual_stages=[1], recompute=["never"])
+    smp.init({"partitions": 1})
+    by_argument = smp.plan(step, x, y, cluster=cluster, **dims)
+    smp.init({"partitions": 1, "cluster": cluster})
+    by_key = smp.plan(step, x, y, **dims)
+    labels = [r.candidate.label() for r in by_key.rows]
+    assert labels == [r.candidate.label() for r in by_argument.rows]
+    assert [r.step_time for r in by_key.rows] == pytest.approx([r.step_time for r in by_argument.rows])
+    assert any(r.replicas > 1 for r in by_key.rows)
+    smp.init({"partitions": 1})
+    own = smp.plan(step, x, y, partitions=[1, 2], **dims)
+    assert {r.replicas for r in own.rows} == {1}
+
+
+def test_each_row_shows_throughput_and_model_flops_utilisation():
+    # samples/s is the batch over the predicted step; tokens/s multiplies
+    # it by the sequence of token-id inputs; MFU is the model's operations
+    # (every op of the step's graph, each micro-batch of each replica) over
+    # the step's time and the product speed of the devices the row uses.
+    import keras
+    import keras_hub
+    import tensorflow as tf
+
+    _, step, x, y = _mlp(width=64, layers=4, batch=16)
+    smp.init({"partitions": 1})
+    plan = smp.plan(step, x, y, cluster=_cluster(devices=2, speed=1e11), pipelines=["interleaved"],
+                    virtual_stages=[1], recompute=["never"], tensor_parallel_degrees=[1])
+    assert plan.sequence_length is None
+    one = next(r for r in plan.rows if r.candidate.devices == 1 and r.candidate.microbatches == 1)
+    for row in plan.rows:
+        assert row.samples_per_second == pytest.approx(16 / row.step_time)
+        assert row.tokens_per_second is None
+        used = {n for names in row.devices.values() for n in names}
+        assert row.mfu == pytest.approx(row.model_flops / (row.step_time * 1e11 * len(used)))
+        assert 0 < row.mfu < 1
+        # The same model's work whatever the split: per step, for the batch.
+        assert row.model_flops == pytest.approx(one.model_flops, rel=0.02)
+    text = str(plan)
+    assert "samples/s" in text and "MFU" in text and "tokens/s" not in text
+
+    keras.utils.set_random_seed(0)
+    backbone = keras_hub.models.GPT2Backbone(vocabulary_size=64, num_layers=1, num_heads=2, hidden_dim=16,
+                                             intermediate_dim=32, dropout=0.0, max_sequence_length=8)
+    inputs = {"token_ids": keras.Input((8,), dtype="int32", name="token_ids"),
+              "padding_mask": keras.Input((8,), dtype="int32", name="padding_mask")}
+    gpt = smp.DistributedModel(inputs, backbone.token_embedding(backbone(inputs), reverse=True))
+
+    @smp.step
+    def lm(x, y):
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_mean(keras.losses.sparse_categorical_crossentropy(y, gpt(x), from_logits=True))
+        return loss, tape.gradient(loss, gpt.trainable_variables)
+
+    tokens = {"token_ids": np.zeros((8, 8), "int32"), "padding_mask": np.ones((8, 8), "int32")}
+    plan = smp.plan(lm, tokens, np.zeros((8, 8), "int32"), cluster=_cluster(devices=2), partitions=[1, 2],
+                    pipelines=["interleaved"], virtual_stages=[1], recompute=["never"], tensor_parallel_degrees=[1],
+                    microbatches=[1, 2])
+    assert plan.sequence_length == 8
+    for row in plan.rows:
+        assert row.tokens_per_second == pytest.approx(8 * row.samples_per_second)
+    assert "tokens/s" in str(plan)

@@ -132,6 +132,96 @@ def worker_step(args) -> None:
         print("RESULT " + json.dumps({"step": statistics.median(times), **state}), flush=True)
 
 
+def worker_fits(args) -> None:
+    """A keras_hub GPT-2 with Adam, 3 steps at R=2 (P=2, M=4), under the
+    memory budget `--budget` (bytes per device; 0: none) and whatever
+    ``TF_CPU_BFC_MEM_LIMIT_IN_MB`` the environment sets. Prints the
+    outcome (``trains``, ``MemoryBudgetError`` or ``OOM``), the losses, the
+    largest device's and the process's predicted peak, and the allocator's
+    measured peak of the process over the steps after the first."""
+    import smp_tf as smp
+
+    rank = int(os.environ.get("SMP_TF_RANK", "0"))
+    _pin(rank)
+    config = {"partitions": 2, "microbatches": 4, "horovod": True, "dp_timeout": 60,
+              "shard_optimizer_state": args.sharded == "on"}
+    if args.budget:
+        config["memory_budget"] = args.budget
+    smp.init(config)
+    import keras
+    import keras_hub
+    import numpy as np
+    import tensorflow as tf
+
+    from smp_tf.memory import MemoryBudgetError
+
+    keras.utils.set_random_seed(0)
+    rng = np.random.default_rng(rank)
+    seq, vocab = 64, args.vocab
+    backbone = keras_hub.models.GPT2Backbone(
+        vocabulary_size=vocab, num_layers=args.layers, num_heads=8, hidden_dim=args.width,
+        intermediate_dim=4 * args.width, dropout=0.0, max_sequence_length=seq)
+    inputs = {"token_ids": keras.Input((seq,), dtype="int32", name="token_ids"),
+              "padding_mask": keras.Input((seq,), dtype="int32", name="padding_mask")}
+    model = smp.DistributedModel(inputs, backbone.token_embedding(backbone(inputs), reverse=True))
+    tokens = rng.integers(0, vocab, size=(args.batch, seq + 1)).astype("int32")
+    x = {"token_ids": tf.constant(tokens[:, :-1]), "padding_mask": tf.ones((args.batch, seq), "int32")}
+    y = tf.constant(tokens[:, 1:])
+    optimizer = keras.optimizers.Adam(1e-4)
+
+    @smp.step
+    def step(x, y):
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(
+                labels=y, logits=model(x, training=True)))
+        return loss, tape.gradient(loss, model.trainable_variables)
+
+    @tf.function(autograph=False)
+    def train(x, y):
+        loss, grads = step(x, y)
+        accumulated = [g.accumulate() for g in grads]
+        if args.without_update:
+            # The gradients reduced over the replicas, then only summed: the
+            # peak without the optimizer's update.
+            used = [tf.reduce_sum(tf.convert_to_tensor(a)) for a in accumulated if a is not None]
+            return loss.reduce_mean() + 0.0 * tf.add_n(used)
+        optimizer.apply_gradients(zip(accumulated, model.trainable_variables))
+        return loss.reduce_mean()
+
+    out = {"outcome": "trains", "losses": [], "measured_peak": None}
+    try:
+        out["losses"].append(float(train(x, y)))
+        if os.environ.get("TF_CPU_ALLOCATOR_USE_BFC", "").lower() == "true":
+            tf.config.experimental.reset_memory_stats("CPU:0")
+        for _ in range(2):
+            out["losses"].append(float(train(x, y)))
+        if os.environ.get("TF_CPU_ALLOCATOR_USE_BFC", "").lower() == "true":
+            out["measured_peak"] = tf.config.experimental.get_memory_info("CPU:0")["peak"]
+    except MemoryBudgetError as e:
+        out["outcome"], out["detail"] = "MemoryBudgetError", str(e).splitlines()[0][:160]
+    except Exception as e:  # noqa: BLE001 - the outcome is the result: OOM, or the peer's failure
+        out["outcome"] = "OOM" if "OOM" in str(e) or isinstance(e, tf.errors.ResourceExhaustedError) else type(e).__name__
+        limit = os.environ.get("TF_CPU_BFC_MEM_LIMIT_IN_MB")
+        if out["outcome"] == "CancelledError" and limit:
+            # TensorFlow raises an OOM inside a function call as its
+            # cancellation; the allocator's peak says whether it was one.
+            peak = tf.config.experimental.get_memory_info("CPU:0")["peak"]
+            if peak >= 0.9 * int(limit) * (1 << 20):
+                out["outcome"] = "OOM (as CancelledError)"
+        out["detail"] = str(e).splitlines()[0][:160]
+    if step.last_compiled is not None:
+        report = step.memory_report(optimizer)
+        out["device_peak"] = max(r.total for r in report.partitions)
+        out["process_peak"] = report.process_peak
+        out["optimizer"] = sum(r.optimizer for r in report.partitions)
+    if rank == 0:
+        print("RESULT " + json.dumps(out), flush=True)
+    sys.stdout.flush()
+    # A replica that ran out of memory leaves its peer's collectives open:
+    # end without waiting for them.
+    os._exit(0)
+
+
 def worker_collectives(args) -> None:
     """The collectives of one step on the model's bytes, timed alone:
     all-reduce (plain), all-to-all + all-gather (sharded)."""
@@ -188,6 +278,66 @@ def _mib(n: float) -> str:
     return f"{n / (1 << 20):.2f}"
 
 
+def fits_table(args) -> None:
+    """The 'fits only when sharded' table (module doc of `worker_fits`):
+    reference runs without a limit, then the budget and the allocator limit
+    each set between the plain and the sharded figure."""
+    sys.path.insert(0, ROOT)
+    from benchmarks.machine import aligned
+
+    model = ["--layers", str(args.layers), "--width", str(args.width), "--batch", str(args.batch),
+             "--vocab", str(args.vocab)]
+    held = {k: os.environ.get(k) for k in ("TF_CPU_ALLOCATOR_USE_BFC", "TF_CPU_BFC_MEM_LIMIT_IN_MB",
+                                           "TF_ENABLE_ONEDNN_OPTS")}
+
+    def fits(sharded: str, budget: int = 0, limit_mib: int = 0, without_update: bool = False) -> dict:
+        os.environ["TF_CPU_ALLOCATOR_USE_BFC"] = "true"
+        # oneDNN's einsum kernel aborts the process when the allocator
+        # refuses its scratch (a failed check in TensorFlow 2.21) instead of
+        # raising ResourceExhaustedError: every run of this table uses
+        # TensorFlow's own kernels.
+        os.environ["TF_ENABLE_ONEDNN_OPTS"] = "0"
+        if limit_mib:
+            os.environ["TF_CPU_BFC_MEM_LIMIT_IN_MB"] = str(limit_mib)
+        else:
+            os.environ.pop("TF_CPU_BFC_MEM_LIMIT_IN_MB", None)
+        try:
+            return run("fits", model + ["--sharded", sharded, "--budget", str(budget)]
+                       + (["--without-update"] if without_update else []), timeout=600)
+        finally:
+            for k, v in held.items():
+                os.environ.pop(k, None) if v is None else os.environ.__setitem__(k, v)
+
+    plain, sharded = fits("off"), fits("on")
+    plain_pipe, sharded_pipe = fits("off", without_update=True), fits("on", without_update=True)
+    budget = (plain["device_peak"] + sharded["device_peak"]) // 2
+    limit = int((plain["measured_peak"] + sharded["measured_peak"]) / 2 / (1 << 20))
+    runs = [("plain, no limit", plain, "-", "-"), ("sharded, no limit", sharded, "-", "-"),
+            ("plain, memory_budget", fits("off", budget=budget), _mib(budget), "-"),
+            ("sharded, memory_budget", fits("on", budget=budget), _mib(budget), "-"),
+            ("plain, allocator limit", fits("off", limit_mib=limit), "-", str(limit)),
+            ("sharded, allocator limit", fits("on", limit_mib=limit), "-", str(limit))]
+    rows = []
+    for label, r, b, l in runs:
+        same = ("-" if not r["losses"] else
+                "equal" if r["losses"] == plain["losses"][:len(r["losses"])] else
+                f"{max(abs(a - c) / abs(c) for a, c in zip(r['losses'], plain['losses'])):.1e}")
+        rows.append((label, b, l, r["outcome"], " ".join(f"{v:.4f}" for v in r["losses"]) or "-", same,
+                     _mib(r["device_peak"]) if r.get("device_peak") else "-",
+                     _mib(r["process_peak"]) if r.get("process_peak") else "-",
+                     _mib(r["measured_peak"]) if r.get("measured_peak") else "-",
+                     f"{r['measured_peak'] / r['process_peak']:.2f}" if r.get("measured_peak") else "-"))
+    print(f"fits only when sharded: 2 replicas x (keras_hub GPT-2, {args.layers} blocks of width {args.width}, "
+          f"vocabulary {args.vocab}, sequence 64, P=2, M=4, batch {args.batch}, Adam), 1 core each, 3 steps")
+    header = ("run", "budget MiB", "limit MiB", "outcome", "losses", "vs plain", "pred device MiB",
+              "pred process MiB", "allocator peak MiB", "measured/pred")
+    print("\n".join(aligned(header, rows, left=[0, 3, 4])))
+    print("allocator peak without the optimizer's update (gradients reduced, then only summed): "
+          f"plain {_mib(plain_pipe['measured_peak'])} MiB, sharded {_mib(sharded_pipe['measured_peak'])} MiB; "
+          f"the update adds {_mib(plain['measured_peak'] - plain_pipe['measured_peak'])} and "
+          f"{_mib(sharded['measured_peak'] - sharded_pipe['measured_peak'])} MiB")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--role", default="main")
@@ -201,9 +351,20 @@ def main() -> None:
                         help="an MLP of --layers x Dense(--width), or a keras_hub GPT-2 of --layers blocks of "
                              "width --width (sequence 128, vocabulary 1024)")
     parser.add_argument("--elements", type=int, default=0, help=argparse.SUPPRESS)
+    parser.add_argument("--budget", type=int, default=0, help=argparse.SUPPRESS)
+    parser.add_argument("--without-update", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--vocab", type=int, default=16384, help=argparse.SUPPRESS)
+    parser.add_argument("--fits", action="store_true",
+                        help="only the 'fits only when sharded' table: a keras_hub GPT-2 (--layers, --width, "
+                             "vocabulary 16384, sequence 64) under a memory budget and an allocator limit")
     args = parser.parse_args()
     if args.role != "main":
-        {"step": worker_step, "collectives": worker_collectives}[args.role](args)
+        {"step": worker_step, "collectives": worker_collectives, "fits": worker_fits}[args.role](args)
+        return
+    if args.fits:
+        if args.quick:
+            args.layers, args.width, args.batch, args.vocab = 1, 64, 8, 1024
+        fits_table(args)
         return
     if args.quick:
         args.repeats, args.layers, args.width, args.batch = 3, 2, 128, 16

@@ -184,6 +184,12 @@ class Plan:
         #: What `measure` measured of each row it ran (`smp_tf.planner.learn.Run`).
         self.runs: List[Any] = []
         self._step, self._args, self._kwargs = step, args, kwargs
+        #: Tokens per sample when the inputs are sequences (`sequence_length`).
+        self.sequence_length: Optional[int] = sequence_length(args, kwargs)
+        speed = {d.name: d.flops.get("matmul", 0.0) for d in cluster.devices}
+        for row in self.rows:
+            used = {name for names in row.devices.values() for name in names}
+            row.set_throughput(batch_size, self.sequence_length, sum(speed.get(n, 0.0) for n in used))
 
     @property
     def best(self) -> PlanRow:
@@ -268,7 +274,9 @@ class Plan:
             f"{self.batch_size}; {self.evaluated} candidates predicted in {self.search_seconds:.1f} s "
             f"(tracing {self.trace_seconds:.1f} s); {sum(r.fits for r in self.rows)} fit",
             f"{'rank':>4}  {'P':>3} {'t':>2} {'R':>3} {'M':>4}  {'pipeline':<11} {'v':>2}  {'recompute':<9}  "
-            f"{'shard':<5}  {'step ms':>9}  {'measured':>9}  {'peak MiB':>9}  {'of MiB':>8}  fits",
+            f"{'shard':<5}  {'step ms':>9}  {'measured':>9}  {'samples/s':>10}  "
+            + (f"{'tokens/s':>10}  " if self.sequence_length else "")
+            + f"{'MFU':>6}  {'peak MiB':>9}  {'of MiB':>8}  fits",
         ]
         for n, row in enumerate(self.rows[:limit]):
             c = row.candidate
@@ -279,6 +287,9 @@ class Plan:
                 f"{n + 1:>4}  {c.partitions:>3} {c.tensor_parallel_degree:>2} {c.replicas:>3} {c.microbatches:>4}  "
                 f"{c.pipeline:<11} {c.virtual_stages:>2}  {c.recompute:<9}  "
                 f"{'opt' if c.shard_optimizer_state else '-':<5}  {row.step_time * 1e3:9.2f}  {measured}  "
+                f"{_rate(row.samples_per_second)}  "
+                + (f"{_rate(row.tokens_per_second or 0.0)}  " if self.sequence_length else "")
+                + f"{100 * row.mfu:5.1f}%  "
                 f"{row.max_peak / 2**20:9.1f}  {(cap / 2**20 if cap else 0):8.0f}  {'yes' if row.fits else 'NO'}{mark}")
         if len(self.rows) > limit:
             lines.append(f"... {len(self.rows) - limit} more row(s) in plan.rows")
@@ -295,9 +306,31 @@ class Plan:
     def __str__(self) -> str:
         return self.table()
 
+
+def _rate(per_second: float) -> str:
+    """A rate in 10 characters: 3 significant digits, k/M/G above 1000."""
+    for scale, unit in ((1e9, "G"), (1e6, "M"), (1e3, "k")):
+        if per_second >= scale:
+            return f"{per_second / scale:9.3g}{unit}"
+    return f"{per_second:10.3g}"
+
     def __repr__(self) -> str:
         best = next((r for r in self.rows if r.fits), None)
         return f"<Plan {len(self.rows)} rows, best {best.candidate.label() if best else None}>"
+
+
+def sequence_length(args: tuple, kwargs: dict) -> Optional[int]:
+    """The tokens per sample of a step's example arguments: the second
+    dimension of the first integer argument of rank 2 (token ids), or None
+    when no argument is one."""
+    for leaf in tf.nest.flatten((args, kwargs)):
+        shape = getattr(leaf, "shape", None)
+        dtype = getattr(leaf, "dtype", None)
+        if shape is None or dtype is None or len(shape) != 2:
+            continue
+        if tf.as_dtype(dtype).is_integer and shape[1] is not None:
+            return int(shape[1])
+    return None
 
 
 #: How the table names each class of skipped candidates.
@@ -516,6 +549,10 @@ def plan(
         cluster: the machines: a `ResourceGraph`, a dict or a JSON file's
             path (`ResourceGraph.from_dict`); None: `smp.cluster()` (the
             config's ``cluster``, or this process's devices, calibrated).
+            A declared cluster, given here or by the config key, is searched
+            with data-parallel replicas (each row's ``replicas`` processes
+            to launch); this process's own devices with one replica unless
+            ``replicas=[...]`` asks for more.
         memory_budget: bytes per device; lowers every device's memory.
         keep: how many fitting candidates get their memory predicted (the
             fastest by predicted time); the rest are listed as skipped.
@@ -564,13 +601,16 @@ def plan(
     if config is None:
         config = _kept_keys(state.config().to_dict()) if state.is_initialized() else {}
     layout_map = (config or {}).get("layout_map")
-    if dims.get("replicas") is None and state.is_initialized() and cluster is None:
+    own_devices = cluster is None and not (state.is_initialized() and state.config().cluster is not None)
+    if dims.get("replicas") is None and state.is_initialized() and own_devices:
         # This process's devices: data parallelism is a process per replica.
+        # A declared cluster (the config key or `cluster=`) is searched with
+        # replicas, each row saying how many processes to launch.
         dims["replicas"] = [1]
     cands, skipped = candidates(len(graph.devices), batch, **dims)
     tracer = _Tracer(step, args, kwargs, batch, layout_map,
                      sorted({batch // (c.replicas * c.microbatches) for c in cands}))
-    if memory_budget is None and state.is_initialized() and cluster is None:
+    if memory_budget is None and state.is_initialized() and own_devices:
         memory_budget = state.config().memory_budget
 
     # One cache for every search and prediction of this step on these

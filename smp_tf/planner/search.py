@@ -200,6 +200,15 @@ class PlanRow:
         partition_of_op: the split the prediction is for: op index (of
             the step's graph) -> stage, as `smp.init` with ``config``
             splits the step (`PartitionPlan.partition_of_op`).
+        model_flops: the model's operations per step: its forward and
+            backward ops as the graph view counts them (`smp_tf.graph_view`),
+            for every micro-batch of every replica, without recomputation.
+        samples_per_second: the batch over the predicted step time.
+        tokens_per_second: ``samples_per_second`` times the sequence length
+            when the inputs have one (None otherwise).
+        mfu: predicted model-flops utilisation: ``model_flops`` per
+            predicted step against the product speed (``flops["matmul"]``)
+            of every device the row uses.
     """
 
     candidate: Candidate
@@ -216,6 +225,21 @@ class PlanRow:
     task_parts: Dict[Tuple[int, int], Tuple[float, int, float]] = field(default_factory=dict)
     partition_of_op: Sequence[int] = ()
     ops_run: int = 0
+    model_flops: float = 0.0
+    samples_per_second: float = 0.0
+    tokens_per_second: Optional[float] = None
+    mfu: float = 0.0
+
+    def set_throughput(self, batch: int, sequence: Optional[int], product_speed: float) -> None:
+        """Fills ``samples_per_second``, ``tokens_per_second`` and ``mfu``
+        for a batch of `batch` samples of `sequence` tokens (None: not a
+        sequence) on devices of `product_speed` operations per second in
+        all."""
+        if self.step_time <= 0:
+            return
+        self.samples_per_second = batch / self.step_time
+        self.tokens_per_second = self.samples_per_second * sequence if sequence else None
+        self.mfu = self.model_flops / (self.step_time * product_speed) if product_speed > 0 else 0.0
 
     @property
     def replicas(self) -> int:
@@ -822,6 +846,11 @@ def predict_time(info: GraphInfo, cand: Candidate, cluster: ResourceGraph, *, sl
         devices=dict(groups), times={"pipeline": span, "update": update, "allreduce": allreduce, "step": overhead,
                                      "dispatch": dispatch},
         ops_run=ops_run,
+        # The model's own operations: every op of one micro-batch's graph
+        # (whose ops are the stage devices' copies under tensor
+        # parallelism, each its piece's share), for every micro-batch and
+        # replica; recomputation is not the model's work.
+        model_flops=float(sum(op.flops for op in graph.ops)) * cand.microbatches * cand.replicas,
     )
     row.task_seconds = seconds
     row.task_parts = parts
