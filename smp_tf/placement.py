@@ -42,9 +42,11 @@ traced before the first step".
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import threading
 import weakref
-from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple
 
 import tensorflow as tf
 
@@ -178,6 +180,23 @@ def relocate_variable(variable: Any, device: str) -> Optional[Any]:
 # --------------------------------------------------------------------------
 # optimizer slots
 # --------------------------------------------------------------------------
+_SLOT_HOOK = threading.local()
+
+
+@contextlib.contextmanager
+def on_slot_created(hook: Callable[[Any, Any], None]) -> Iterator[None]:
+    """Calls ``hook(reference_variable, slot)`` right after each optimizer
+    slot this thread creates inside the block (`install_slot_placement`):
+    ``shard_optimizer_state`` divides each slot before Keras creates the
+    next one, so that the optimizer's whole state never exists at once."""
+    previous = getattr(_SLOT_HOOK, "hook", None)
+    _SLOT_HOOK.hook = hook
+    try:
+        yield
+    finally:
+        _SLOT_HOOK.hook = previous
+
+
 def install_slot_placement() -> None:
     """Makes Keras optimizer slots live on the device of their variable.
 
@@ -212,6 +231,9 @@ def install_slot_placement() -> None:
         if pieces and sv is not None and tuple(sv.shape) == tuple(rv.shape):
             storage.shard_variable(sv, storage.split_dim_of(rv), [p.device for p in pieces])
             setattr(sv, _PLACED, getattr(rv, _PLACED, None))
+        hook = getattr(_SLOT_HOOK, "hook", None)
+        if hook is not None:
+            hook(reference_variable, slot)
         _OPTIMIZERS.add(self)
         return slot
 

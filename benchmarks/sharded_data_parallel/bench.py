@@ -26,6 +26,7 @@ import json
 import os
 import statistics
 import sys
+import tempfile
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -188,14 +189,19 @@ def worker_fits(args) -> None:
         optimizer.apply_gradients(zip(accumulated, model.trainable_variables))
         return loss.reduce_mean()
 
-    out = {"outcome": "trains", "losses": [], "measured_peak": None}
+    out = {"outcome": "trains", "losses": [], "measured_peak": None, "first_peak": None}
+    bfc = os.environ.get("TF_CPU_ALLOCATOR_USE_BFC", "").lower() == "true"
     try:
+        if bfc:
+            tf.config.experimental.reset_memory_stats("CPU:0")
+        # The first step also builds the optimizer's slots.
         out["losses"].append(float(train(x, y)))
-        if os.environ.get("TF_CPU_ALLOCATOR_USE_BFC", "").lower() == "true":
+        if bfc:
+            out["first_peak"] = tf.config.experimental.get_memory_info("CPU:0")["peak"]
             tf.config.experimental.reset_memory_stats("CPU:0")
         for _ in range(2):
             out["losses"].append(float(train(x, y)))
-        if os.environ.get("TF_CPU_ALLOCATOR_USE_BFC", "").lower() == "true":
+        if bfc:
             out["measured_peak"] = tf.config.experimental.get_memory_info("CPU:0")["peak"]
     except MemoryBudgetError as e:
         out["outcome"], out["detail"] = "MemoryBudgetError", str(e).splitlines()[0][:160]
@@ -214,8 +220,12 @@ def worker_fits(args) -> None:
         out["device_peak"] = max(r.total for r in report.partitions)
         out["process_peak"] = report.process_peak
         out["optimizer"] = sum(r.optimizer for r in report.partitions)
+    # Each replica's figures in a file of its own (after a failure the
+    # replicas' collectives cannot be trusted to gather them).
+    with open(os.path.join(args.out, f"rank{rank}.json"), "w") as f:
+        json.dump(out, f)
     if rank == 0:
-        print("RESULT " + json.dumps(out), flush=True)
+        print("RESULT {}", flush=True)
     sys.stdout.flush()
     # A replica that ran out of memory leaves its peer's collectives open:
     # end without waiting for them.
@@ -301,17 +311,31 @@ def fits_table(args) -> None:
             os.environ["TF_CPU_BFC_MEM_LIMIT_IN_MB"] = str(limit_mib)
         else:
             os.environ.pop("TF_CPU_BFC_MEM_LIMIT_IN_MB", None)
-        try:
-            return run("fits", model + ["--sharded", sharded, "--budget", str(budget)]
-                       + (["--without-update"] if without_update else []), timeout=600)
-        finally:
-            for k, v in held.items():
-                os.environ.pop(k, None) if v is None else os.environ.__setitem__(k, v)
+        with tempfile.TemporaryDirectory() as out:
+            try:
+                run("fits", model + ["--sharded", sharded, "--budget", str(budget), "--out", out]
+                    + (["--without-update"] if without_update else []), timeout=600)
+            finally:
+                for k, v in held.items():
+                    os.environ.pop(k, None) if v is None else os.environ.__setitem__(k, v)
+            ranks = []
+            for name in sorted(os.listdir(out)):
+                with open(os.path.join(out, name)) as f:
+                    ranks.append(json.load(f))
+        # The fuller replica's figures, and what happened to each: a replica
+        # whose peer ran out of memory sees its collectives fail.
+        merged = dict(ranks[0])
+        merged["outcome"] = " / ".join(dict.fromkeys(r["outcome"] for r in ranks))
+        for key in ("measured_peak", "first_peak"):
+            values = [r[key] for r in ranks if r.get(key) is not None]
+            merged[key] = max(values) if values else None
+        return merged
 
     plain, sharded = fits("off"), fits("on")
     plain_pipe, sharded_pipe = fits("off", without_update=True), fits("on", without_update=True)
     budget = (plain["device_peak"] + sharded["device_peak"]) // 2
-    limit = int((plain["measured_peak"] + sharded["measured_peak"]) / 2 / (1 << 20))
+    peak = {name: max(r["measured_peak"], r["first_peak"]) for name, r in (("plain", plain), ("sharded", sharded))}
+    limit = int((peak["plain"] + peak["sharded"]) / 2 / (1 << 20))
     runs = [("plain, no limit", plain, "-", "-"), ("sharded, no limit", sharded, "-", "-"),
             ("plain, memory_budget", fits("off", budget=budget), _mib(budget), "-"),
             ("sharded, memory_budget", fits("on", budget=budget), _mib(budget), "-"),
@@ -325,12 +349,13 @@ def fits_table(args) -> None:
         rows.append((label, b, l, r["outcome"], " ".join(f"{v:.4f}" for v in r["losses"]) or "-", same,
                      _mib(r["device_peak"]) if r.get("device_peak") else "-",
                      _mib(r["process_peak"]) if r.get("process_peak") else "-",
+                     _mib(r["first_peak"]) if r.get("first_peak") else "-",
                      _mib(r["measured_peak"]) if r.get("measured_peak") else "-",
                      f"{r['measured_peak'] / r['process_peak']:.2f}" if r.get("measured_peak") else "-"))
     print(f"fits only when sharded: 2 replicas x (keras_hub GPT-2, {args.layers} blocks of width {args.width}, "
           f"vocabulary {args.vocab}, sequence 64, P=2, M=4, batch {args.batch}, Adam), 1 core each, 3 steps")
     header = ("run", "budget MiB", "limit MiB", "outcome", "losses", "vs plain", "pred device MiB",
-              "pred process MiB", "allocator peak MiB", "measured/pred")
+              "pred process MiB", "first step MiB", "later steps MiB", "later/pred")
     print("\n".join(aligned(header, rows, left=[0, 3, 4])))
     print("allocator peak without the optimizer's update (gradients reduced, then only summed): "
           f"plain {_mib(plain_pipe['measured_peak'])} MiB, sharded {_mib(sharded_pipe['measured_peak'])} MiB; "
@@ -353,6 +378,7 @@ def main() -> None:
     parser.add_argument("--elements", type=int, default=0, help=argparse.SUPPRESS)
     parser.add_argument("--budget", type=int, default=0, help=argparse.SUPPRESS)
     parser.add_argument("--without-update", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--out", default="", help=argparse.SUPPRESS)
     parser.add_argument("--vocab", type=int, default=16384, help=argparse.SUPPRESS)
     parser.add_argument("--fits", action="store_true",
                         help="only the 'fits only when sharded' table: a keras_hub GPT-2 (--layers, --width, "

@@ -218,6 +218,18 @@ def _divide_slots(optimizer: Any, var: Any, piece: pieces.Piece) -> List[Any]:
     return slots
 
 
+def _divide_new_slot(reference: Any, slot: Any, replicas: int, rank: int) -> None:
+    """A slot Keras just created whole, divided at once (this replica
+    keeps its piece): a slot of another shape than its variable stays
+    whole here and is refused at the update (`_divide_slots`)."""
+    sv = getattr(slot, "value", slot)
+    if storage.is_data_sharded(sv) or tuple(sv.shape) != tuple(reference.shape):
+        return
+    piece = pieces.Piece(tuple(int(d) for d in reference.shape), replicas, rank)
+    device = getattr(reference, "value", reference).device
+    storage.shard_over_data(sv, piece, _gather_for(device, _partition_of(reference), sv.name, piece.size))
+
+
 class _ParamPiece:
     """This replica's piece of a variable's parameters while the optimizer
     updates it: the optimizer's assignments replace a tensor, so no storage
@@ -401,8 +413,12 @@ def install() -> None:
         if not self.built:
             # Built now, outside the caller's trace: a slot created inside a
             # `tf.function` is initialised only when the function first runs,
-            # and its value is read here to keep this replica's piece.
-            with tf.init_scope():
+            # and its value is read here to keep this replica's piece. Each
+            # slot is divided as soon as Keras creates it, before the next.
+            first = next(p for p in found if p is not None)
+            replicas, rank = first.replicas, first.rank
+            with tf.init_scope(), placement.on_slot_created(
+                    lambda reference, slot: _divide_new_slot(reference, slot, replicas, rank)):
                 self.build(variables)
             self.built = True
         site = _apply_site()
