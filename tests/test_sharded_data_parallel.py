@@ -99,8 +99,13 @@ def _check_run(name: str, a: dict, b: dict, tolerance: float) -> None:
         # Every slot, read whole (gathered from the replicas), too.
         assert len(sharded["slots"]) == len(plain["slots"]) > 0
         assert _max_difference(sharded["slots"], plain["slots"]) <= tolerance, (name, rank)
-        # Each replica stores half of the slots (the pieces of 2 replicas).
-        assert sharded["slot_elements"] * 2 - plain["slot_elements"] in range(0, 2 * len(plain["slots"]) + 1)
+        # Each replica stores half of the slots (the pieces of 2 replicas);
+        # Adafactor's factored moments (a vector per row and per column)
+        # are whole on each.
+        if name == "adafactor":
+            assert plain["slot_elements"] / 2 < sharded["slot_elements"] < 0.6 * plain["slot_elements"]
+        else:
+            assert sharded["slot_elements"] * 2 - plain["slot_elements"] in range(0, 2 * len(plain["slots"]) + 1)
     # Every replica ends every step with bit-identical parameters.
     assert a[name]["sharded"]["weights"] == b[name]["sharded"]["weights"]
     # The partition report says how: the slots in pieces over the replicas.
@@ -122,12 +127,13 @@ def test_element_wise_optimizers_update_their_pieces_bit_for_bit(name, tmp_path_
 
 @pytest.mark.multiprocess
 @pytest.mark.xdist_group("sharded_data_parallel")
-@pytest.mark.parametrize("name", ["adam_global_clipnorm", "sgd_momentum_clipnorm", "lamb"])
+@pytest.mark.parametrize("name", ["adam_global_clipnorm", "sgd_momentum_clipnorm", "lamb", "adafactor"])
 def test_clipping_and_trust_ratio_norms_are_summed_over_every_replicas_piece(name, tmp_path_factory):
-    # A norm over a piece alone would clip (or scale, Lamb's trust ratio)
-    # each replica's piece differently, and wrongly; summed over the pieces
-    # it is the whole gradient's (or variable's) norm, within the rounding
-    # of a sum in another order.
+    # A norm over a piece alone would clip (or scale, Lamb's trust ratio,
+    # Adafactor's factored moments and its update's root-mean-square) each
+    # replica's piece differently, and wrongly; summed over the pieces it
+    # is the whole gradient's (or variable's), within the rounding of a sum
+    # in another order.
     _, (a, b) = _run("optimizers", tmp_path_factory)
     _check_run(name, a, b, tolerance=1e-6)
 
@@ -189,5 +195,5 @@ def test_a_checkpoint_saved_sharded_restores_in_one_process(tmp_path_factory):
 def test_an_optimizer_that_cannot_work_on_pieces_is_refused_naming_it(tmp_path_factory):
     _, (a, b) = _run("refused", tmp_path_factory)
     for result in (a, b):
-        assert "cannot divide the state of optimizer Adafactor" in result["error"]
-        assert "factored over the rows and columns" in result["error"]
+        assert "cannot divide the state of optimizer RenamedSGD" in result["error"]
+        assert "only built-in optimizers can be sharded" in result["error"]

@@ -29,9 +29,9 @@ recognises them (`smp_tf.sharding.pieces.piece_of`):
 Optimizers whose update is element-wise in the variable, its gradient and
 its slots compute, on a piece, what they compute on the whole variable
 (`SHARDABLE`). Lamb's trust ratio takes the norms of the whole variable and
-of its whole update: its update of a piece sums those norms over the
-replicas (`_NORMED_UPDATES`). Any other optimizer is refused at its first
-update.
+of its whole update, Adafactor's factored moments means over whole rows
+and columns: their update of a piece sums those over the replicas
+(`_NORMED_UPDATES`). Any other optimizer is refused at its first update.
 """
 
 from __future__ import annotations
@@ -53,7 +53,6 @@ __all__ = ["SHARDABLE", "install", "begin_step", "check_shardable"]
 SHARDABLE = frozenset(["SGD", "Adam", "AdamW", "Adamax", "Nadam", "RMSprop", "Adagrad", "Adadelta", "Lion", "Ftrl"])
 #: Why the other built-in optimizers cannot be updated on pieces.
 _WHY_NOT = {
-    "Adafactor": "its second moments are factored over the rows and columns of each whole variable",
     "LossScaleOptimizer": "it checks that every gradient of the replica is finite before it updates",
     "Muon": "it orthogonalises each whole weight matrix's update",
 }
@@ -200,12 +199,16 @@ def _slots_of(optimizer: Any, var: Any) -> List[Any]:
 
 
 def _divide_slots(optimizer: Any, var: Any, piece: pieces.Piece) -> List[Any]:
-    """The Keras slots of `var` (`_slots_of`), divided over the replicas
-    the first time (Keras created them whole)."""
+    """The Keras slots of `var` (`_slots_of`) that are divided over the
+    replicas, divided the first time if Keras created them whole; a slot
+    of another shape than the variable is kept whole where the optimizer's
+    update on pieces expects it (`_WHOLE_SLOTS`)."""
     slots = []
     for slot in _slots_of(optimizer, var):
         sv = slot.value
         if not storage.is_data_sharded(sv):
+            if tuple(sv.shape) != tuple(var.shape) and type(optimizer).__name__ in _WHOLE_SLOTS:
+                continue
             if tuple(sv.shape) != tuple(var.shape):
                 raise ValueError(
                     f"shard_optimizer_state: {type(optimizer).__name__} keeps a slot of shape {tuple(sv.shape)} for "
@@ -284,9 +287,93 @@ def _lamb_update(optimizer: Any, grad: tf.Tensor, variable: "_ParamPiece", learn
     optimizer.assign_sub(variable, ratio * lr * update)
 
 
-#: Built-in optimizers whose update takes norms of whole variables: the
-#: update of a piece with those norms summed over the replicas.
-_NORMED_UPDATES = {"Lamb": _lamb_update}
+def _adafactor_update(optimizer: Any, grad: tf.Tensor, variable: "_ParamPiece", learning_rate: Any,
+                      norms: Any, piece: pieces.Piece) -> None:
+    """Keras's ``Adafactor.update_step`` on a piece.
+
+    Its factored second moments (``r``, the mean of ``g^2 + eps1`` over a
+    variable's last dimension, and ``c``, over its second-last) are small
+    and kept whole on every replica: each replica adds its piece's elements
+    into their rows and columns, and the sums are added over the replicas
+    (`norms`, one all-reduce). So are the root-mean-squares of the
+    variable and of the update that scale the step. The unfactored moment
+    of a variable of fewer than 2 dimensions has the variable's shape and
+    is divided like any slot. The padding of the last piece is left out of
+    every sum."""
+    dtype = variable.dtype
+    shape = [int(d) for d in piece.shape]
+    lr = tf.cast(learning_rate, dtype)
+    gradient = tf.cast(grad, dtype)
+    epsilon_2 = tf.cast(optimizer.epsilon_2, dtype)
+    local_step = tf.cast(optimizer.iterations + 1, dtype)
+    if not callable(optimizer._learning_rate) and optimizer.relative_step:
+        lr = tf.minimum(lr, 1 / tf.sqrt(local_step))
+    index = optimizer._get_variable_index(variable)
+    r, c, v = optimizer._r[index], optimizer._c[index], optimizer._v[index]
+    start, stop = pieces.piece_bounds(piece.size, piece.replicas, piece.rank)
+    positions = tf.range(start, start + piece.length)
+    real = positions < stop
+    n = float(piece.size)
+
+    def rms(x: tf.Tensor) -> tf.Tensor:
+        return tf.sqrt(norms(tf.reshape(tf.reduce_sum(tf.square(tf.where(real, x, tf.zeros_like(x)))), [1]))[0] / n)
+
+    rho_t = tf.minimum(lr, 1 / tf.sqrt(local_step))
+    alpha_t = tf.maximum(epsilon_2, rms(tf.convert_to_tensor(variable))) * rho_t
+    regulated = tf.where(real, tf.square(gradient) + optimizer.epsilon_1, tf.zeros_like(gradient))
+    beta_2_t = 1 - tf.pow(local_step, optimizer.beta_2_decay)
+    if len(shape) >= 2:
+        rows, cols = shape[-2], shape[-1]
+        lead = max(piece.size // (rows * cols), 1)
+        safe = tf.minimum(positions, piece.size - 1)  # padding indexes the last element; it is masked
+        row_of = safe // cols  # over the leading dimensions and the rows
+        col_of = (safe // (rows * cols)) * cols + safe % cols
+        row_sums = tf.math.unsorted_segment_sum(regulated, row_of, lead * rows)
+        col_sums = tf.math.unsorted_segment_sum(regulated, col_of, lead * cols)
+        summed = norms(tf.concat([row_sums, col_sums], axis=0))
+        row_mean = tf.reshape(summed[: lead * rows] / cols, shape[:-1])
+        col_mean = tf.reshape(summed[lead * rows:] / rows, shape[:-2] + [cols])
+        optimizer.assign(r, beta_2_t * r + (1 - beta_2_t) * row_mean)
+        optimizer.assign(c, beta_2_t * c + (1 - beta_2_t) * col_mean)
+        r_flat = tf.reshape(tf.convert_to_tensor(r), [-1])
+        r_scaled = r_flat / tf.repeat(tf.reduce_mean(tf.reshape(r_flat, [lead, rows]), axis=-1), rows)
+        second = tf.gather(r_scaled, row_of) * tf.gather(tf.reshape(tf.convert_to_tensor(c), [-1]), col_of)
+        optimizer.assign(v, second)
+    else:
+        optimizer.assign(v, beta_2_t * v + (1 - beta_2_t) * regulated)
+    u_t = tf.where(real, gradient / tf.sqrt(tf.where(real, tf.convert_to_tensor(v), tf.ones_like(gradient))),
+                   tf.zeros_like(gradient))
+    u_t_hat = u_t / tf.maximum(tf.cast(1.0, dtype), rms(u_t) / optimizer.clip_threshold)
+    optimizer.assign_sub(variable, alpha_t * u_t_hat)
+
+
+def _lamb_on_piece(optimizer: Any, grad: tf.Tensor, variable: "_ParamPiece", learning_rate: Any, norms: Any,
+                   piece: pieces.Piece) -> None:
+    _lamb_update(optimizer, grad, variable, learning_rate, norms)
+
+
+#: Built-in optimizers whose update takes norms or means over whole
+#: variables: the update of a piece with those sums added over the
+#: replicas.
+_NORMED_UPDATES = {"Lamb": _lamb_on_piece, "Adafactor": _adafactor_update}
+#: Their slots that are not of the variable's shape, kept whole on every
+#: replica (Adafactor's factored moments).
+_WHOLE_SLOTS = frozenset(["Adafactor"])
+
+
+def _summing(optimizer: Any, site: str, index: int, size: int, partition: int, device: str) -> Any:
+    """An all-reduce sum over the replicas for one variable's update, each
+    call keyed alike on every replica (an update may sum several times, and
+    each optimizer its own shapes)."""
+    calls = [0]
+
+    def total(t: tf.Tensor) -> tf.Tensor:
+        calls[0] += 1
+        key = collectives.instance_key("update-norms", type(optimizer).__name__, optimizer.name, site, index, size,
+                                       calls[0])
+        return collectives.all_reduce_sum(t, partition, device, key)
+
+    return total
 
 
 def _update_piece(optimizer: Any, var: Any, grad: tf.Tensor, learning_rate: Any, piece: pieces.Piece,
@@ -307,9 +394,8 @@ def _update_piece(optimizer: Any, var: Any, grad: tf.Tensor, learning_rate: Any,
             if normed is None:
                 optimizer.update_step(grad, param, learning_rate)
             else:
-                key = collectives.instance_key("update-norms", site, index, piece.size)
                 normed(optimizer, grad, param, learning_rate,
-                       lambda t: collectives.all_reduce_sum(t, _partition_of(var), device, key))
+                       _summing(optimizer, site, index, piece.size, _partition_of(var), device), piece)
     finally:
         for slot, whole in held:
             slot._value = whole
