@@ -744,3 +744,32 @@ def test_each_row_shows_throughput_and_model_flops_utilisation():
     for row in plan.rows:
         assert row.tokens_per_second == pytest.approx(8 * row.samples_per_second)
     assert "tokens/s" in str(plan)
+
+
+def test_candidates_whose_compute_alone_is_too_slow_are_not_predicted_and_the_rows_do_not_change(monkeypatch):
+    # The search predicts a candidate only once the ranking reaches a lower
+    # bound of its time (its ops' seconds on the fastest devices, shared by
+    # its P x t devices): the rows are those of predicting every candidate.
+    from smp_tf.planner import search as search_module
+
+    _, step, x, y = _mlp(width=256, layers=8, batch=64)
+    smp.init({"partitions": 1})
+    dims = dict(pipelines=["interleaved", "simple"], virtual_stages=[1], recompute=["never"], keep=4)
+    pruned = smp.plan(step, x, y, cluster=_cluster(devices=8, hosts=2), **dims)
+    bound = [s for s in pruned.skipped if s.kind == "bound"]
+    assert bound and "compute alone" in bound[0].reason
+    assert "compute alone on the fastest devices" in str(pruned)
+    monkeypatch.setattr(search_module._BoundCache, "__call__", lambda self, *a: 0.0)
+    every = smp.plan(step, x, y, cluster=_cluster(devices=8, hosts=2), **dims)
+    assert every.evaluated == pruned.evaluated + len(bound)
+    assert [r.candidate for r in pruned.rows] == [r.candidate for r in every.rows]
+    assert [r.step_time for r in pruned.rows] == [r.step_time for r in every.rows]
+    assert [r.peak for r in pruned.rows] == [r.peak for r in every.rows]
+    # The bound is below every predicted time.
+    from smp_tf.planner.plan import _Tracer
+
+    monkeypatch.undo()
+    bounds = search_module._BoundCache(smp.ResourceGraph.from_dict(_cluster(devices=8, hosts=2)))
+    tracer, infos = _Tracer(step, (x, y), {}, 64, None), {}
+    for r in every.rows:
+        assert 0 < bounds(r.candidate, infos, tracer, 64) <= r.step_time, r.candidate.label()

@@ -45,9 +45,15 @@ would do, without running anything:
 
 `search` enumerates candidates, predicts their times first (cheap), then
 their memory in order of time until ``keep`` fitting rows are found. A
-candidate that recomputes activations is predicted only when the same
-candidate without recomputation does not fit (recomputing only adds
-time). What it does not predict, and why, is listed in ``skipped``.
+candidate's time is predicted only once the ranking reaches a lower bound
+of it: ``M`` micro-batches of every op of the step (at the fastest
+devices' speeds) shared by its ``P * t`` devices (`_compute_bound`; not
+on CPU devices that share cores). A candidate whose bound is slower than
+every row the ranking needs is never predicted; the rows are those that
+predicting every candidate gives. A candidate that recomputes activations
+is predicted only when the same candidate without recomputation does not
+fit (recomputing only adds time). What it does not predict, and why, is
+listed in ``skipped``.
 """
 
 from __future__ import annotations
@@ -260,7 +266,10 @@ class Skipped:
         candidate: the candidate.
         reason: why, in words.
         kind: the reason's class: ``"slower"`` (predicted slower than the
-            ranked rows; its memory was not predicted), ``"memory"``
+            ranked rows; its memory was not predicted), ``"bound"`` (a
+            lower bound of its time, its compute alone on the fastest
+            devices, is slower than the ranked rows: not predicted),
+            ``"memory"``
             (cannot fit), ``"devices"``, ``"batch"``, ``"trace"`` or
             ``"invalid"`` (the graph or schedule cannot take it) or
             ``"recompute"`` (the same candidate fits without recomputing,
@@ -975,6 +984,60 @@ def _static_floor(info: GraphInfo, cand: Candidate, slots: float) -> float:
     return float(total) / (cand.partitions * cand.tensor_parallel_degree)
 
 
+class _BoundCache:
+    """A lower bound of each candidate's predicted step time
+    (`_compute_bound`), or 0 where the cluster's CPU devices share cores
+    (a task may then use more than its device's share of them)."""
+
+    def __init__(self, cluster: ResourceGraph) -> None:
+        self.cluster = cluster
+        self.enabled = not cluster.cores
+        self._per_graph: Dict[int, float] = {}
+
+    def __call__(self, cand: Candidate, infos: Dict[Tuple[int, int], Any], graph_for: Callable[[int, int], Any],
+                 batch_size: int) -> float:
+        if not self.enabled or cand.devices > len(self.cluster.devices):
+            return 0.0
+        key = (batch_size // (cand.replicas * cand.microbatches), cand.tensor_parallel_degree)
+        if key not in infos:
+            try:
+                infos[key] = graph_for(*key)
+            except (ValueError, RuntimeError, NotImplementedError) as e:
+                infos[key] = e
+        info = infos[key]
+        if isinstance(info, Exception):
+            return 0.0
+        seconds = self._per_graph.get(id(info.graph))
+        if seconds is None:
+            seconds = self._per_graph[id(info.graph)] = _fastest_ops_seconds(info.graph, self.cluster)
+        return _compute_bound(seconds, cand)
+
+
+def _fastest_ops_seconds(graph: OpGraph, cluster: ResourceGraph) -> float:
+    """The seconds of one micro-batch's ops, each once, on the cluster's
+    fastest kind of device (`_op_seconds`)."""
+    best = math.inf
+    seen = set()
+    for device in cluster.devices:
+        kind = (tuple(sorted(device.flops.items())), device.overhead, device.bandwidth, tuple(sorted(device.ops.items())))
+        if kind in seen:
+            continue
+        seen.add(kind)
+        on = _op_seconds(graph, device)
+        best = min(best, sum(on(i) for i in range(len(graph.ops))))
+    return 0.0 if best == math.inf else best
+
+
+def _compute_bound(seconds: float, cand: Candidate) -> float:
+    """A lower bound of `cand`'s predicted step time: each micro-batch runs
+    every op of the step once on one of the replica's ``P * t`` devices, so
+    the busiest runs at least their share of ``M`` micro-batches' op
+    seconds (`seconds`, on the fastest devices), whatever the split, the
+    schedule and the links; the update, the all-reduce and the runtime's
+    costs only add."""
+    return cand.microbatches * seconds / (cand.partitions * cand.tensor_parallel_degree)
+
+
 def search(
     graph_for: Callable[[int, int], GraphInfo],
     batch_size: int,
@@ -1063,15 +1126,36 @@ def search(
             first.append(c)
     heap: List[Tuple[float, int, Tuple[PlanRow, Any, GraphInfo]]] = []
     evaluated = 0
-    for c in first:
-        got = timed(c)
+    # Candidates are predicted lazily, in the order of a lower bound of
+    # their step time (`_compute_bound`): one whose bound exceeds the
+    # predicted time of the next row to rank cannot come before it, so it
+    # is predicted only when the ranking reaches its bound. The ranking is
+    # the one predicting every candidate gives.
+    bounds = _BoundCache(cluster)
+    pending: List[Tuple[float, int, Candidate]] = []
+    for n, c in enumerate(first):
+        pending.append((bounds(c, infos, graph_for, batch_size), n, c))
+    pending.sort(key=lambda x: (x[0], x[1]))
+    pending.reverse()  # popped from the end: the smallest bound first
+
+    def predict_next() -> None:
+        nonlocal evaluated
+        got = timed(pending.pop()[2])
         if got is not None:
             evaluated += 1
             heapq.heappush(heap, (got[0].step_time, evaluated, got))
+
     rows: List[PlanRow] = []
     misfits: List[PlanRow] = []
     caps = [_capacity(cluster, d.name, memory_budget) for d in cluster.devices]
-    while heap and len(rows) < keep:
+    while len(rows) < keep:
+        while pending and not heap:
+            predict_next()
+        # Every candidate that could be faster than the next row is predicted.
+        while pending and heap and pending[-1][0] <= heap[0][0]:
+            predict_next()
+        if not heap:
+            break
         _, _, (row, st, info) = heapq.heappop(heap)
         floor = _static_floor(info, row.candidate, slots)
         if caps and all(caps) and floor > max(caps):
@@ -1096,6 +1180,11 @@ def search(
             if got is not None:
                 evaluated += 1
                 heapq.heappush(heap, (got[0].step_time, evaluated, got))
+    for bound, _, c in reversed(pending):
+        skip.append(Skipped(c, f"its compute alone on the cluster's fastest devices, {bound * 1e3:.1f} ms, is "
+                               f"slower than the {keep} fitting plans ranked (not predicted)", "bound"))
+        skip.extend(Skipped(v, "its variant without recomputation or sharding was not ranked", "recompute")
+                    for v in variants.pop(c, []))
     for _, _, (row, _, _) in sorted(heap, key=lambda x: x[0]):
         skip.append(Skipped(row.candidate, f"predicted {row.step_time * 1e3:.1f} ms, slower than the {keep} "
                                            "fitting plans ranked (memory not predicted)", "slower"))
