@@ -746,10 +746,11 @@ def test_each_row_shows_throughput_and_model_flops_utilisation():
     assert "tokens/s" in str(plan)
 
 
-def test_candidates_whose_compute_alone_is_too_slow_are_not_predicted_and_the_rows_do_not_change(monkeypatch):
+def test_candidates_too_slow_by_a_lower_bound_are_not_predicted_and_the_rows_do_not_change(monkeypatch):
     # The search predicts a candidate only once the ranking reaches a lower
-    # bound of its time (its ops' seconds on the fastest devices, shared by
-    # its P x t devices): the rows are those of predicting every candidate.
+    # bound of its time (its ops' seconds on the fastest devices shared by
+    # its P x t devices, its update and all-reduce at their least): the
+    # rows are those of predicting every candidate.
     from smp_tf.planner import search as search_module
 
     _, step, x, y = _mlp(width=256, layers=8, batch=64)
@@ -757,8 +758,8 @@ def test_candidates_whose_compute_alone_is_too_slow_are_not_predicted_and_the_ro
     dims = dict(pipelines=["interleaved", "simple"], virtual_stages=[1], recompute=["never"], keep=4)
     pruned = smp.plan(step, x, y, cluster=_cluster(devices=8, hosts=2), **dims)
     bound = [s for s in pruned.skipped if s.kind == "bound"]
-    assert bound and "compute alone" in bound[0].reason
-    assert "compute alone on the fastest devices" in str(pruned)
+    assert bound and "a lower bound of its time" in bound[0].reason
+    assert "slower than the ranked rows by a lower bound of their time" in str(pruned)
     monkeypatch.setattr(search_module._BoundCache, "__call__", lambda self, *a: 0.0)
     every = smp.plan(step, x, y, cluster=_cluster(devices=8, hosts=2), **dims)
     assert every.evaluated == pruned.evaluated + len(bound)

@@ -336,7 +336,7 @@ def sequence_length(args: tuple, kwargs: dict) -> Optional[int]:
 #: How the table names each class of skipped candidates.
 _KINDS = {
     "slower": "predicted slower than the ranked rows (memory not predicted)",
-    "bound": "slower than the ranked rows by their compute alone on the fastest devices (not predicted)",
+    "bound": "slower than the ranked rows by a lower bound of their time (not predicted)",
     "memory": "cannot fit (variables and optimizer state alone)",
     "devices": "need more devices than the cluster has",
     "batch": "batch not divisible",

@@ -47,8 +47,9 @@ would do, without running anything:
 their memory in order of time until ``keep`` fitting rows are found. A
 candidate's time is predicted only once the ranking reaches a lower bound
 of it: ``M`` micro-batches of every op of the step (at the fastest
-devices' speeds) shared by its ``P * t`` devices (`_compute_bound`; not
-on CPU devices that share cores). A candidate whose bound is slower than
+devices' speeds) shared by its ``P * t`` devices, and its update and
+all-reduce at their least (`_lower_bound`; not on CPU devices that
+share cores). A candidate whose bound is slower than
 every row the ranking needs is never predicted; the rows are those that
 predicting every candidate gives. A candidate that recomputes activations
 is predicted only when the same candidate without recomputation does not
@@ -267,8 +268,8 @@ class Skipped:
         reason: why, in words.
         kind: the reason's class: ``"slower"`` (predicted slower than the
             ranked rows; its memory was not predicted), ``"bound"`` (a
-            lower bound of its time, its compute alone on the fastest
-            devices, is slower than the ranked rows: not predicted),
+            lower bound of its time is slower than the ranked rows: not
+            predicted),
             ``"memory"``
             (cannot fit), ``"devices"``, ``"batch"``, ``"trace"`` or
             ``"invalid"`` (the graph or schedule cannot take it) or
@@ -986,13 +987,19 @@ def _static_floor(info: GraphInfo, cand: Candidate, slots: float) -> float:
 
 class _BoundCache:
     """A lower bound of each candidate's predicted step time
-    (`_compute_bound`), or 0 where the cluster's CPU devices share cores
+    (`_lower_bound`), or 0 where the cluster's CPU devices share cores
     (a task may then use more than its device's share of them)."""
 
-    def __init__(self, cluster: ResourceGraph) -> None:
+    def __init__(self, cluster: ResourceGraph, slots: float = 2.0) -> None:
         self.cluster = cluster
+        self.slots = slots
         self.enabled = not cluster.cores
-        self._per_graph: Dict[int, float] = {}
+        self._per_graph: Dict[int, Tuple[float, float]] = {}
+        # The links between two devices: the fastest and the quickest to start.
+        links = list(cluster.links.values()) + list(cluster.pairs.values())
+        self.bandwidth = max((l.bandwidth for l in links), default=math.inf)
+        self.latency = min((l.latency for l in links), default=0.0)
+        self.elementwise = max(d.flops["elementwise"] for d in cluster.devices) if cluster.devices else math.inf
 
     def __call__(self, cand: Candidate, infos: Dict[Tuple[int, int], Any], graph_for: Callable[[int, int], Any],
                  batch_size: int) -> float:
@@ -1007,10 +1014,14 @@ class _BoundCache:
         info = infos[key]
         if isinstance(info, Exception):
             return 0.0
-        seconds = self._per_graph.get(id(info.graph))
-        if seconds is None:
-            seconds = self._per_graph[id(info.graph)] = _fastest_ops_seconds(info.graph, self.cluster)
-        return _compute_bound(seconds, cand)
+        found = self._per_graph.get(id(info.graph))
+        if found is None:
+            from smp_tf.memory import gradient_bytes_by_partition
+
+            grads = sum(gradient_bytes_by_partition(info.graph, [0] * len(info.graph.ops), info.outputs).values())
+            found = self._per_graph[id(info.graph)] = (_fastest_ops_seconds(info.graph, self.cluster), float(grads))
+        seconds, grads = found
+        return _lower_bound(seconds, grads, cand, self)
 
 
 def _fastest_ops_seconds(graph: OpGraph, cluster: ResourceGraph) -> float:
@@ -1028,14 +1039,29 @@ def _fastest_ops_seconds(graph: OpGraph, cluster: ResourceGraph) -> float:
     return 0.0 if best == math.inf else best
 
 
-def _compute_bound(seconds: float, cand: Candidate) -> float:
-    """A lower bound of `cand`'s predicted step time: each micro-batch runs
-    every op of the step once on one of the replica's ``P * t`` devices, so
-    the busiest runs at least their share of ``M`` micro-batches' op
-    seconds (`seconds`, on the fastest devices), whatever the split, the
-    schedule and the links; the update, the all-reduce and the runtime's
-    costs only add."""
-    return cand.microbatches * seconds / (cand.partitions * cand.tensor_parallel_degree)
+def _lower_bound(seconds: float, grads: float, cand: Candidate, figures: "_BoundCache") -> float:
+    """A lower bound of `cand`'s predicted step time, whatever its split,
+    schedule and mapping, from the terms `predict_time` adds up:
+
+    * the pipeline: each micro-batch runs every op of the step once on one
+      of the replica's ``P * t`` devices, so the busiest runs at least their
+      share of ``M`` micro-batches' op seconds (`seconds`, on the fastest
+      devices);
+    * the update (`_update_seconds`) and, with ``R > 1``, the all-reduce: the
+      largest stage holds at least ``1/P`` of the gradient bytes (`grads`),
+      updated at the fastest element-wise speed and all-reduced over the
+      fastest link with the least latency;
+    * the runtime's cost of a step.
+    """
+    P, t, M, R = cand.partitions, cand.tensor_parallel_degree, cand.microbatches, cand.replicas
+    pipeline = M * seconds / (P * t)
+    elements = grads / P / 4.0
+    work = elements * (APPLY_FLOPS_PER_ELEMENT * (1 + figures.slots)) / t * cand.slot_share
+    update = (work + elements * max(M - 1, 0) / t) / figures.elementwise
+    allreduce = 0.0
+    if R > 1:
+        allreduce = 2 * (R - 1) / R * (grads / P) / figures.bandwidth + 2 * (R - 1) * figures.latency
+    return pipeline + update + allreduce + figures.cluster.runtime.get("step", 0.0)
 
 
 def search(
@@ -1127,11 +1153,11 @@ def search(
     heap: List[Tuple[float, int, Tuple[PlanRow, Any, GraphInfo]]] = []
     evaluated = 0
     # Candidates are predicted lazily, in the order of a lower bound of
-    # their step time (`_compute_bound`): one whose bound exceeds the
+    # their step time (`_lower_bound`): one whose bound exceeds the
     # predicted time of the next row to rank cannot come before it, so it
     # is predicted only when the ranking reaches its bound. The ranking is
     # the one predicting every candidate gives.
-    bounds = _BoundCache(cluster)
+    bounds = _BoundCache(cluster, slots)
     pending: List[Tuple[float, int, Candidate]] = []
     for n, c in enumerate(first):
         pending.append((bounds(c, infos, graph_for, batch_size), n, c))
@@ -1181,8 +1207,9 @@ def search(
                 evaluated += 1
                 heapq.heappush(heap, (got[0].step_time, evaluated, got))
     for bound, _, c in reversed(pending):
-        skip.append(Skipped(c, f"its compute alone on the cluster's fastest devices, {bound * 1e3:.1f} ms, is "
-                               f"slower than the {keep} fitting plans ranked (not predicted)", "bound"))
+        skip.append(Skipped(c, f"a lower bound of its time (its ops shared by its devices at the fastest speeds, "
+                               f"its update and all-reduce at their least), {bound * 1e3:.1f} ms, is slower than the "
+                               f"{keep} fitting plans ranked (not predicted)", "bound"))
         skip.extend(Skipped(v, "its variant without recomputation or sharding was not ranked", "recompute")
                     for v in variants.pop(c, []))
     for _, _, (row, _, _) in sorted(heap, key=lambda x: x[0]):
