@@ -766,11 +766,13 @@ def test_candidates_too_slow_by_a_lower_bound_are_not_predicted_and_the_rows_do_
     assert [r.candidate for r in pruned.rows] == [r.candidate for r in every.rows]
     assert [r.step_time for r in pruned.rows] == [r.step_time for r in every.rows]
     assert [r.peak for r in pruned.rows] == [r.peak for r in every.rows]
-    # The bound is below every predicted time.
+    # The bound is below every candidate's predicted time.
     from smp_tf.planner.plan import _Tracer
 
+    everything = smp.plan(step, x, y, cluster=_cluster(devices=8, hosts=2), **dict(dims, keep=10**4))
     monkeypatch.undo()
     bounds = search_module._BoundCache(smp.ResourceGraph.from_dict(_cluster(devices=8, hosts=2)))
     tracer, infos = _Tracer(step, (x, y), {}, 64, None), {}
-    for r in every.rows:
+    assert len(everything.rows) == everything.evaluated > len(every.rows)
+    for r in everything.rows:
         assert 0 < bounds(r.candidate, infos, tracer, 64) <= r.step_time, r.candidate.label()

@@ -1019,14 +1019,20 @@ class _BoundCache:
             from smp_tf.memory import gradient_bytes_by_partition
 
             grads = sum(gradient_bytes_by_partition(info.graph, [0] * len(info.graph.ops), info.outputs).values())
-            found = self._per_graph[id(info.graph)] = (_fastest_ops_seconds(info.graph, self.cluster), float(grads))
+            found = self._per_graph[id(info.graph)] = (_fastest_ops_seconds(info.graph, info.outputs, self.cluster),
+                                                      float(grads))
         seconds, grads = found
         return _lower_bound(seconds, grads, cand, self)
 
 
-def _fastest_ops_seconds(graph: OpGraph, cluster: ResourceGraph) -> float:
+def _fastest_ops_seconds(graph: OpGraph, outputs: Sequence[int], cluster: ResourceGraph) -> float:
     """The seconds of one micro-batch's ops, each once, on the cluster's
-    fastest kind of device (`_op_seconds`)."""
+    fastest kind of device (`_op_seconds`): the ops the tasks run
+    themselves, not the free ones a task copies in (`duplicable_ops`)."""
+    from smp_tf.rewrite import duplicable_ops
+
+    dup = duplicable_ops(graph, [graph.tensors[x].producer for x in outputs])
+    mine = [i for i in range(len(graph.ops)) if not dup[i]]
     best = math.inf
     seen = set()
     for device in cluster.devices:
@@ -1035,7 +1041,7 @@ def _fastest_ops_seconds(graph: OpGraph, cluster: ResourceGraph) -> float:
             continue
         seen.add(kind)
         on = _op_seconds(graph, device)
-        best = min(best, sum(on(i) for i in range(len(graph.ops))))
+        best = min(best, sum(on(i) for i in mine))
     return 0.0 if best == math.inf else best
 
 
