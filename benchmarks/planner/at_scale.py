@@ -1,7 +1,7 @@
 """The planner on declared clusters larger than this machine: search time,
 the chosen row's throughput and predicted MFU, next to published figures.
 
-Every case plans a keras_hub GPT-2 (Adam) with ``smp.plan`` on a cluster
+Every case plans a keras_hub GPT-2 or Llama (Adam) with ``smp.plan`` on a cluster
 declared as a dict (no device of it exists here) and prints, per case, the
 search time and its tracing share, the candidates predicted, and the best
 row: its configuration, predicted step, samples and tokens per second and
@@ -57,17 +57,23 @@ A100 = dict(memory=80e9, matmul=2e14, elementwise=1.5e12, nvlink=3e11, network=2
 V100 = dict(memory=16e9, matmul=1.25e14, elementwise=7.5e11, nvlink=1.5e11, network=1.25e10)
 
 
-def gpt2(smp: Any, layers: int, width: int, seq: int, vocab: int, batch: int):
-    """A keras_hub GPT-2 LM step, its Adam and one batch."""
+def gpt2(smp: Any, layers: int, width: int, seq: int, vocab: int, batch: int, family: str = "gpt2"):
+    """A keras_hub GPT-2 (or Llama, `family="llama"`) LM step, its Adam and
+    one batch."""
     import keras
     import keras_hub
     import numpy as np
     import tensorflow as tf
 
     keras.utils.set_random_seed(0)
-    backbone = keras_hub.models.GPT2Backbone(
-        vocabulary_size=vocab, num_layers=layers, num_heads=max(width // 64, 1), hidden_dim=width,
-        intermediate_dim=4 * width, dropout=0.0, max_sequence_length=seq)
+    if family == "llama":
+        backbone = keras_hub.models.LlamaBackbone(
+            vocabulary_size=vocab, num_layers=layers, num_query_heads=max(width // 64, 1),
+            num_key_value_heads=max(width // 64, 1), hidden_dim=width, intermediate_dim=int(width * 8 / 3) // 64 * 64)
+    else:
+        backbone = keras_hub.models.GPT2Backbone(
+            vocabulary_size=vocab, num_layers=layers, num_heads=max(width // 64, 1), hidden_dim=width,
+            intermediate_dim=4 * width, dropout=0.0, max_sequence_length=seq)
     inputs = {"token_ids": keras.Input((seq,), dtype="int32", name="token_ids"),
               "padding_mask": keras.Input((seq,), dtype="int32", name="padding_mask")}
     model = smp.DistributedModel(inputs, backbone.token_embedding(backbone(inputs), reverse=True))
@@ -90,6 +96,9 @@ CASES = [
      dict(layers=12, width=768, seq=512, vocab=50257, batch=64), dict(A100, hosts=2, per_host=8), None),
     ("GPT-2 124M, seq 512, batch 64 on 8 x 8 A100-like",
      dict(layers=12, width=768, seq=512, vocab=50257, batch=64), dict(A100, hosts=8, per_host=8), None),
+    ("Llama 134M, seq 512, batch 64 on 4 x 8 A100-like",
+     dict(layers=8, width=1024, seq=512, vocab=32000, batch=64, family="llama"), dict(A100, hosts=4, per_host=8),
+     None),
     ("GPT 117M, seq 2048, batch 8 on 1 V100",
      dict(layers=12, width=768, seq=2048, vocab=51200, batch=8), dict(V100, hosts=1, per_host=1),
      "Megatron-LM (DLPerf MP_1x1x1_8_768x12): 26% of peak, 13.09 sequences/s"),
