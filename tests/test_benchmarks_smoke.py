@@ -26,12 +26,12 @@ TENSOR_PARALLEL_BENCH = ROOT / "benchmarks" / "tensor_parallel" / "bench.py"
 SHARDED_BENCH = ROOT / "benchmarks" / "sharded_data_parallel" / "bench.py"
 
 
-def _run(script: Path, timeout: int) -> str:
+def _run(script: Path, timeout: int, extra: tuple = ()) -> str:
     env = dict(os.environ)
     env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
     env.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
     proc = subprocess.run(
-        [sys.executable, str(script), "--quick"],
+        [sys.executable, str(script), "--quick", *extra],
         cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, timeout=timeout,
     )
     assert proc.returncode == 0, f"{script} --quick failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
@@ -81,6 +81,16 @@ def test_sharded_data_parallel_bench_quick_prints_the_table():
     for row in ("optimizer state", "parameters + gradients + optimizer", "shard_optimizer_state",
                 "all-to-all + all-gather"):
         assert row in out, row
+
+
+@pytest.mark.benchmark
+def test_sharded_data_parallel_fits_table_quick_prints_every_run():
+    out = _run(SHARDED_BENCH, timeout=900, extra=("--fits",))
+    assert "fits only when sharded" in out
+    for row in ("plain, no limit", "sharded, no limit", "plain, memory_budget", "sharded, memory_budget",
+                "plain, allocator limit", "sharded, allocator limit", "without the optimizer's update"):
+        assert row in out, row
+    assert "MemoryBudgetError" in out
 
 
 @pytest.mark.benchmark
@@ -441,3 +451,17 @@ def test_heterogeneous_split_bound_tries_every_split():
     # slowest is a slow stage's 4 layers); 7:3:3 takes 3.5.
     assert bench.split_bound([1.0, 1.0, 1.0], 13) == pytest.approx(1.0)
     assert bench.split_bound([2.0, 1.0, 1.0], 13) == pytest.approx(4 / 3.5)
+
+
+AT_SCALE_BENCH = ROOT / "benchmarks" / "planner" / "at_scale.py"
+
+
+@pytest.mark.benchmark
+def test_planner_at_scale_quick_prints_every_case():
+    out = _run(AT_SCALE_BENCH, timeout=900)
+    header = next(line for line in out.splitlines() if line.startswith("case"))
+    for column in ("search s", "tracing s", "best row", "samples/s", "tokens/s", "MFU"):
+        assert column in header, column
+    for case in ("on 8 x 8 A100-like", "Llama 134M", "on 8 V100"):
+        assert case in out, case
+    assert "published Megatron-LM (DLPerf" in out
