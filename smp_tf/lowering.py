@@ -698,21 +698,20 @@ class CompiledStep:
         """
         g = self.plan.op_graph
         gradient_bytes: Dict[int, int] = {}
-        for info in self.output_info():
-            if info is not None and info[0]:
-                gradient_bytes[info[1]] = gradient_bytes.get(info[1], 0) + info[2]
         # Where on its stage each partition's gradients are made: a gradient
         # returned in pieces has piece k on device k, the others are whole
         # on device 0.
         gradient_shards: Dict[int, Dict[int, int]] = {}
-        if self.plan.shard_of_op is not None:
-            for k, info in enumerate(self.output_info()):
-                if info is None or not info[0]:
-                    continue
-                per = gradient_shards.setdefault(info[1], {})
-                for x in (self.split_outputs[k][1] if k in self.split_outputs else [self.output_tensors[k]]):
-                    shard = self.plan.shard_of_op[g.tensors[x].producer] if k in self.split_outputs else 0
-                    per[shard] = per.get(shard, 0) + g.tensors[x].bytes
+        for k, info in enumerate(self.output_info()):
+            if info is None or not info[0]:
+                continue
+            gradient_bytes[info[1]] = gradient_bytes.get(info[1], 0) + info[2]
+            if self.plan.shard_of_op is None:
+                continue
+            per = gradient_shards.setdefault(info[1], {})
+            for x in (self.split_outputs[k][1] if k in self.split_outputs else [self.output_tensors[k]]):
+                shard = self.plan.shard_of_op[g.tensors[x].producer] if k in self.split_outputs else 0
+                per[shard] = per.get(shard, 0) + g.tensors[x].bytes
         held, combined = self._output_holds()
         if not (self.outputs_held if outputs_held is None else outputs_held):
             held, combined = None, None

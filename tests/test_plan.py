@@ -47,6 +47,29 @@ def _mlp(width=64, layers=8, batch=16):
     return model, step, x, y
 
 
+def _tiny_gpt_lm():
+    """The `smp.step` of a one-block keras_hub GPT-2 language model
+    (vocabulary 64, width 16, sequence 8)."""
+    import keras
+    import keras_hub
+    import tensorflow as tf
+
+    keras.utils.set_random_seed(0)
+    backbone = keras_hub.models.GPT2Backbone(vocabulary_size=64, num_layers=1, num_heads=2, hidden_dim=16,
+                                             intermediate_dim=32, dropout=0.0, max_sequence_length=8)
+    inputs = {"token_ids": keras.Input((8,), dtype="int32", name="token_ids"),
+              "padding_mask": keras.Input((8,), dtype="int32", name="padding_mask")}
+    gpt = smp.DistributedModel(inputs, backbone.token_embedding(backbone(inputs), reverse=True))
+
+    @smp.step
+    def lm(x, y):
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_mean(keras.losses.sparse_categorical_crossentropy(y, gpt(x), from_logits=True))
+        return loss, tape.gradient(loss, gpt.trainable_variables)
+
+    return lm
+
+
 def _single_device(model, x, y):
     import tensorflow as tf
 
@@ -111,26 +134,10 @@ def test_a_graph_at_another_micro_batch_size_is_interpolated_exactly():
     """Every op's flops and every tensor's shape and bytes of the graph
     extrapolated from two traces equal a third trace's (an MLP and a GPT-2
     block, whose attention products are batched einsums)."""
-    import keras
-    import keras_hub
-    import tensorflow as tf
-
     from smp_tf.planner.plan import _Tracer
 
     _, step, x, y = _mlp(batch=32)
-    keras.utils.set_random_seed(0)
-    backbone = keras_hub.models.GPT2Backbone(vocabulary_size=64, num_layers=1, num_heads=2, hidden_dim=16,
-                                             intermediate_dim=32, dropout=0.0, max_sequence_length=8)
-    inputs = {"token_ids": keras.Input((8,), dtype="int32", name="token_ids"),
-              "padding_mask": keras.Input((8,), dtype="int32", name="padding_mask")}
-    gpt = smp.DistributedModel(inputs, backbone.token_embedding(backbone(inputs), reverse=True))
-
-    @smp.step
-    def lm(x, y):
-        with tf.GradientTape() as tape:
-            loss = tf.reduce_mean(keras.losses.sparse_categorical_crossentropy(y, gpt(x), from_logits=True))
-        return loss, tape.gradient(loss, gpt.trainable_variables)
-
+    lm = _tiny_gpt_lm()
     tokens = {"token_ids": np.zeros((32, 8), "int32"), "padding_mask": np.ones((32, 8), "int32")}
     for fn, args in ((step, (x, y)), (lm, (tokens, np.zeros((32, 8), "int32")))):
         tracer = _Tracer(fn, args, {}, 32, None)
@@ -702,10 +709,6 @@ def test_each_row_shows_throughput_and_model_flops_utilisation():
     # it by the sequence of token-id inputs; MFU is the model's operations
     # (every op of the step's graph, each micro-batch of each replica) over
     # the step's time and the product speed of the devices the row uses.
-    import keras
-    import keras_hub
-    import tensorflow as tf
-
     _, step, x, y = _mlp(width=64, layers=4, batch=16)
     smp.init({"partitions": 1})
     plan = smp.plan(step, x, y, cluster=_cluster(devices=2, speed=1e11), pipelines=["interleaved"],
@@ -723,19 +726,7 @@ def test_each_row_shows_throughput_and_model_flops_utilisation():
     text = str(plan)
     assert "samples/s" in text and "MFU" in text and "tokens/s" not in text
 
-    keras.utils.set_random_seed(0)
-    backbone = keras_hub.models.GPT2Backbone(vocabulary_size=64, num_layers=1, num_heads=2, hidden_dim=16,
-                                             intermediate_dim=32, dropout=0.0, max_sequence_length=8)
-    inputs = {"token_ids": keras.Input((8,), dtype="int32", name="token_ids"),
-              "padding_mask": keras.Input((8,), dtype="int32", name="padding_mask")}
-    gpt = smp.DistributedModel(inputs, backbone.token_embedding(backbone(inputs), reverse=True))
-
-    @smp.step
-    def lm(x, y):
-        with tf.GradientTape() as tape:
-            loss = tf.reduce_mean(keras.losses.sparse_categorical_crossentropy(y, gpt(x), from_logits=True))
-        return loss, tape.gradient(loss, gpt.trainable_variables)
-
+    lm = _tiny_gpt_lm()
     tokens = {"token_ids": np.zeros((8, 8), "int32"), "padding_mask": np.ones((8, 8), "int32")}
     plan = smp.plan(lm, tokens, np.zeros((8, 8), "int32"), cluster=_cluster(devices=2), partitions=[1, 2],
                     pipelines=["interleaved"], virtual_stages=[1], recompute=["never"], tensor_parallel_degrees=[1],

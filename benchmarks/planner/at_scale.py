@@ -59,11 +59,11 @@ V100 = dict(memory=16e9, matmul=1.25e14, elementwise=7.5e11, nvlink=1.5e11, netw
 
 def gpt2(smp: Any, layers: int, width: int, seq: int, vocab: int, batch: int, family: str = "gpt2"):
     """A keras_hub GPT-2 (or Llama, `family="llama"`) LM step, its Adam and
-    one batch."""
+    one batch (`benchmarks.planner.bench.lm_step`)."""
     import keras
     import keras_hub
-    import numpy as np
-    import tensorflow as tf
+
+    from benchmarks.planner.bench import lm_step
 
     keras.utils.set_random_seed(0)
     if family == "llama":
@@ -74,20 +74,7 @@ def gpt2(smp: Any, layers: int, width: int, seq: int, vocab: int, batch: int, fa
         backbone = keras_hub.models.GPT2Backbone(
             vocabulary_size=vocab, num_layers=layers, num_heads=max(width // 64, 1), hidden_dim=width,
             intermediate_dim=4 * width, dropout=0.0, max_sequence_length=seq)
-    inputs = {"token_ids": keras.Input((seq,), dtype="int32", name="token_ids"),
-              "padding_mask": keras.Input((seq,), dtype="int32", name="padding_mask")}
-    model = smp.DistributedModel(inputs, backbone.token_embedding(backbone(inputs), reverse=True))
-
-    @smp.step
-    def step(x, y):
-        with tf.GradientTape() as tape:
-            logits = model(x, training=True)
-            loss = tf.reduce_mean(keras.losses.sparse_categorical_crossentropy(y, logits, from_logits=True))
-        return loss, tape.gradient(loss, model.trainable_variables)
-
-    tokens = np.zeros((batch, seq + 1), "int32")
-    x = {"token_ids": tokens[:, :-1], "padding_mask": np.ones((batch, seq), "int32")}
-    return model, step, keras.optimizers.Adam(1e-4), (x, tokens[:, 1:])
+    return lm_step(smp, backbone, seq, vocab, batch)
 
 
 #: (label, model sizes, cluster, published figure or None)

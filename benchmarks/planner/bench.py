@@ -120,13 +120,23 @@ def _mlp(smp, width: int, layers: int, batch: int, optimizer: str):
 def _gpt2(smp, layers: int, width: int, seq: int, vocab: int, batch: int):
     import keras
     import keras_hub
-    import numpy as np
-    import tensorflow as tf
 
     keras.utils.set_random_seed(0)
     backbone = keras_hub.models.GPT2Backbone(
         vocabulary_size=vocab, num_layers=layers, num_heads=max(width // 64, 1), hidden_dim=width,
         intermediate_dim=4 * width, dropout=0.0, max_sequence_length=seq)
+    return lm_step(smp, backbone, seq, vocab, batch)
+
+
+def lm_step(smp, backbone: Any, seq: int, vocab: int, batch: int):
+    """A language model of a keras_hub backbone (its embedding read
+    reversed for the logits) as a `DistributedModel`, its `smp.step`
+    (sparse cross-entropy), Adam and one batch of random tokens:
+    (model, step, optimizer, (x, y))."""
+    import keras
+    import numpy as np
+    import tensorflow as tf
+
     inputs = {"token_ids": keras.Input((seq,), dtype="int32", name="token_ids"),
               "padding_mask": keras.Input((seq,), dtype="int32", name="padding_mask")}
     model = smp.DistributedModel(inputs, backbone.token_embedding(backbone(inputs), reverse=True))

@@ -66,6 +66,32 @@ def _model_state(model, optimizer, report) -> dict:
     }
 
 
+def _gpt2_lm(args, rng, seq: int, vocab: int, heads: int):
+    """A keras_hub GPT-2 language model of ``--layers`` blocks of width
+    ``--width`` (its embedding tied to its output), one batch of
+    ``--batch`` random sequences, and its loss: (model, x, y, loss_of)."""
+    import keras
+    import keras_hub
+    import tensorflow as tf
+
+    import smp_tf as smp
+
+    backbone = keras_hub.models.GPT2Backbone(
+        vocabulary_size=vocab, num_layers=args.layers, num_heads=heads, hidden_dim=args.width,
+        intermediate_dim=4 * args.width, dropout=0.0, max_sequence_length=seq)
+    inputs = {"token_ids": keras.Input((seq,), dtype="int32", name="token_ids"),
+              "padding_mask": keras.Input((seq,), dtype="int32", name="padding_mask")}
+    model = smp.DistributedModel(inputs, backbone.token_embedding(backbone(inputs), reverse=True))
+    tokens = rng.integers(0, vocab, size=(args.batch, seq + 1)).astype("int32")
+    x = {"token_ids": tf.constant(tokens[:, :-1]), "padding_mask": tf.ones((args.batch, seq), "int32")}
+    y = tf.constant(tokens[:, 1:])
+
+    def loss_of(x, y):
+        return tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(labels=y, logits=model(x, training=True)))
+
+    return model, x, y, loss_of
+
+
 def worker_step(args) -> None:
     import smp_tf as smp
 
@@ -80,22 +106,7 @@ def worker_step(args) -> None:
     keras.utils.set_random_seed(0)
     rng = np.random.default_rng(rank)
     if args.model == "gpt2":
-        import keras_hub
-
-        seq, vocab = 128, 1024
-        backbone = keras_hub.models.GPT2Backbone(
-            vocabulary_size=vocab, num_layers=args.layers, num_heads=4, hidden_dim=args.width,
-            intermediate_dim=4 * args.width, dropout=0.0, max_sequence_length=seq)
-        inputs = {"token_ids": keras.Input((seq,), dtype="int32", name="token_ids"),
-                  "padding_mask": keras.Input((seq,), dtype="int32", name="padding_mask")}
-        model = smp.DistributedModel(inputs, backbone.token_embedding(backbone(inputs), reverse=True))
-        tokens = rng.integers(0, vocab, size=(args.batch, seq + 1)).astype("int32")
-        x = {"token_ids": tf.constant(tokens[:, :-1]), "padding_mask": tf.ones((args.batch, seq), "int32")}
-        y = tf.constant(tokens[:, 1:])
-
-        def loss_of(x, y):
-            return tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(
-                labels=y, logits=model(x, training=True)))
+        model, x, y, loss_of = _gpt2_lm(args, rng, seq=128, vocab=1024, heads=4)
     else:
         inp = keras.Input((args.width,))
         h = inp
@@ -150,7 +161,6 @@ def worker_fits(args) -> None:
         config["memory_budget"] = args.budget
     smp.init(config)
     import keras
-    import keras_hub
     import numpy as np
     import tensorflow as tf
 
@@ -158,23 +168,13 @@ def worker_fits(args) -> None:
 
     keras.utils.set_random_seed(0)
     rng = np.random.default_rng(rank)
-    seq, vocab = 64, args.vocab
-    backbone = keras_hub.models.GPT2Backbone(
-        vocabulary_size=vocab, num_layers=args.layers, num_heads=8, hidden_dim=args.width,
-        intermediate_dim=4 * args.width, dropout=0.0, max_sequence_length=seq)
-    inputs = {"token_ids": keras.Input((seq,), dtype="int32", name="token_ids"),
-              "padding_mask": keras.Input((seq,), dtype="int32", name="padding_mask")}
-    model = smp.DistributedModel(inputs, backbone.token_embedding(backbone(inputs), reverse=True))
-    tokens = rng.integers(0, vocab, size=(args.batch, seq + 1)).astype("int32")
-    x = {"token_ids": tf.constant(tokens[:, :-1]), "padding_mask": tf.ones((args.batch, seq), "int32")}
-    y = tf.constant(tokens[:, 1:])
+    model, x, y, loss_of = _gpt2_lm(args, rng, seq=64, vocab=args.vocab, heads=8)
     optimizer = keras.optimizers.Adam(1e-4)
 
     @smp.step
     def step(x, y):
         with tf.GradientTape() as tape:
-            loss = tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(
-                labels=y, logits=model(x, training=True)))
+            loss = loss_of(x, y)
         return loss, tape.gradient(loss, model.trainable_variables)
 
     @tf.function(autograph=False)

@@ -73,10 +73,7 @@ def _case(args) -> dict:
         y = tf.constant(rng.normal(size=(batch, args.seq, args.width)).astype("float32"))
     opt = keras.optimizers.SGD(1e-3)
 
-    def body(x, y):
-        with tf.GradientTape() as tape:
-            loss = tf.reduce_mean((model(x, training=True) - y) ** 2)
-        return loss, tape.gradient(loss, model.trainable_variables)
+    body = _mse_body(model)
 
     if args.mode == "plain":
         @tf.function
@@ -126,27 +123,44 @@ def _case(args) -> dict:
         # Where the variables and Adam's slots live: the bytes of the live
         # storage on each device (a split variable's pieces on theirs), and
         # what the memory model predicts for each device.
-        from smp_tf.sharding import storage
-
-        def by_device(variables):
-            out = {}
-            for v in variables:
-                for piece in storage.shards_of(v) or [v.value]:
-                    d = "/device:" + piece.device.rsplit("device:", 1)[1]
-                    out[d] = out.get(d, 0) + int(np.prod(piece.shape)) * piece.dtype.size
-            return out
-
         sharded = {k for k, s in plan.variables.items() if not s.is_replicated}
         result["sharded_variables"] = len(sharded)
         result["stored_split"] = len(plan.stored_split)
-        result["variable_bytes_by_device"] = by_device(model.trainable_variables)
+        result["variable_bytes_by_device"] = _bytes_by_device(model.trainable_variables)
         adam = keras.optimizers.Adam()
         adam.build(model.trainable_variables)  # slots of split variables are split too
-        result["adam_slot_bytes_by_device"] = by_device([v for v in adam.variables if len(v.shape)])
+        result["adam_slot_bytes_by_device"] = _bytes_by_device([v for v in adam.variables if len(v.shape)])
         result["variable_bytes"] = sum(int(np.prod(v.shape)) * 4 for v in model.trainable_variables)
         report = step.memory_report(adam)
         result["predicted_bytes_by_device"] = {r.device: r.variables + r.optimizer for r in report.devices}
     return result
+
+
+def _mse_body(model):
+    """One micro-batch of a regression step: mean squared error and the gradients."""
+    import tensorflow as tf
+
+    def body(x, y):
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_mean((model(x, training=True) - y) ** 2)
+        return loss, tape.gradient(loss, model.trainable_variables)
+
+    return body
+
+
+def _bytes_by_device(variables) -> dict:
+    """Bytes of each variable's live storage on each device (a split
+    variable's pieces on theirs)."""
+    import numpy as np
+
+    from smp_tf.sharding import storage
+
+    out = {}
+    for v in variables:
+        for piece in storage.shards_of(v) or [v.value]:
+            d = "/device:" + piece.device.rsplit("device:", 1)[1]
+            out[d] = out.get(d, 0) + int(np.prod(piece.shape)) * piece.dtype.size
+    return out
 
 
 def _lm_body(model):
@@ -268,7 +282,6 @@ def _gradients_case(args) -> dict:
     import tensorflow as tf
 
     import smp_tf as smp
-    from smp_tf.sharding import storage
 
     smp.init({"partitions": 1, "microbatches": 4, "tensor_parallel_degree": args.t})
     keras.utils.set_random_seed(0)
@@ -284,10 +297,7 @@ def _gradients_case(args) -> dict:
     y = tf.constant(rng.normal(size=(args.tokens, width)).astype("float32"))
     opt = keras.optimizers.Adam(1e-3)
 
-    def body(x, y):
-        with tf.GradientTape() as tape:
-            loss = tf.reduce_mean((model(x, training=True) - y) ** 2)
-        return loss, tape.gradient(loss, model.trainable_variables)
+    body = _mse_body(model)
 
     step = smp.step(body)
 
@@ -299,20 +309,12 @@ def _gradients_case(args) -> dict:
 
     losses = [float(train(x, y)) for _ in range(2)]
 
-    def by_device(variables):
-        out = {}
-        for v in variables:
-            for piece in storage.shards_of(v) or [v.value]:
-                d = "/device:" + piece.device.rsplit("device:", 1)[1]
-                out[d] = out.get(d, 0) + int(np.prod(piece.shape)) * piece.dtype.size
-        return out
-
     report = step.memory_report(opt)
     rows = report.devices or report.partitions
     return {
         "losses": losses,
-        "variables": by_device(model.trainable_variables),
-        "optimizer": by_device([v for v in opt.variables if len(v.shape)]),
+        "variables": _bytes_by_device(model.trainable_variables),
+        "optimizer": _bytes_by_device([v for v in opt.variables if len(v.shape)]),
         "predicted": {r.device: {"variables": r.variables, "optimizer": r.optimizer, "gradients": r.gradients}
                       for r in rows},
     }

@@ -985,6 +985,56 @@ def _static_floor(info: GraphInfo, cand: Candidate, slots: float) -> float:
     return float(total) / (cand.partitions * cand.tensor_parallel_degree)
 
 
+def _info_for(infos: Dict[Tuple[int, int], Any], graph_for: Callable[[int, int], Any], b: int, t: int) -> Any:
+    """The traced step at micro-batch `b` and degree `t` (`graph_for`, once
+    per pair, kept in `infos`), or the error tracing it raised."""
+    key = (b, t)
+    if key not in infos:
+        try:
+            infos[key] = graph_for(*key)
+        except (ValueError, RuntimeError, NotImplementedError) as e:
+            infos[key] = e
+    return infos[key]
+
+
+def _split_variants(cands: Sequence[Candidate]) -> Tuple[List[Candidate], Dict[Candidate, List[Candidate]]]:
+    """The candidates to predict first, and per candidate the variants that
+    recompute or divide the optimizer state, predicted only where it does
+    not fit (both only add time)."""
+    variants: Dict[Candidate, List[Candidate]] = {}
+    first: List[Candidate] = []
+    given = set(cands)
+    for c in cands:
+        base = dataclasses.replace(c, recompute="never", shard_optimizer_state=False)
+        if c != base and base in given:
+            variants.setdefault(base, []).append(c)
+        else:
+            first.append(c)
+    return first, variants
+
+
+def _unranked(pending: Sequence[Tuple[float, int, Candidate]], heap: Sequence[Tuple[float, int, Any]],
+              variants: Dict[Candidate, List[Candidate]], keep: int) -> List[Skipped]:
+    """Why each candidate `search` did not rank was left out: never
+    predicted (its bound), predicted but slower, or a variant of one of
+    those."""
+    skip: List[Skipped] = []
+    not_ranked = "its variant without recomputation or sharding was not ranked"
+    for bound, _, c in reversed(pending):
+        skip.append(Skipped(c, f"a lower bound of its time (its ops shared by its devices at the fastest speeds, "
+                               f"its update and all-reduce at their least), {bound * 1e3:.1f} ms, is slower than the "
+                               f"{keep} fitting plans ranked (not predicted)", "bound"))
+        skip.extend(Skipped(v, not_ranked, "recompute") for v in variants.pop(c, []))
+    for _, _, (row, _, _) in sorted(heap, key=lambda x: x[0]):
+        skip.append(Skipped(row.candidate, f"predicted {row.step_time * 1e3:.1f} ms, slower than the {keep} "
+                                           "fitting plans ranked (memory not predicted)", "slower"))
+        skip.extend(Skipped(v, not_ranked, "recompute") for v in variants.pop(row.candidate, []))
+    for vs in variants.values():
+        skip.extend(Skipped(v, "its variant without recomputation or sharding could not be predicted", "recompute")
+                    for v in vs)
+    return skip
+
+
 class _BoundCache:
     """A lower bound of each candidate's predicted step time
     (`_lower_bound`), or 0 where the cluster's CPU devices share cores
@@ -1005,13 +1055,8 @@ class _BoundCache:
                  batch_size: int) -> float:
         if not self.enabled or cand.devices > len(self.cluster.devices):
             return 0.0
-        key = (batch_size // (cand.replicas * cand.microbatches), cand.tensor_parallel_degree)
-        if key not in infos:
-            try:
-                infos[key] = graph_for(*key)
-            except (ValueError, RuntimeError, NotImplementedError) as e:
-                infos[key] = e
-        info = infos[key]
+        info = _info_for(infos, graph_for, batch_size // (cand.replicas * cand.microbatches),
+                         cand.tensor_parallel_degree)
         if isinstance(info, Exception):
             return 0.0
         found = self._per_graph.get(id(info.graph))
@@ -1125,13 +1170,7 @@ def search(
                                 "devices"))
             return None
         b = batch_size // (cand.replicas * cand.microbatches)
-        key = (b, cand.tensor_parallel_degree)
-        if key not in infos:
-            try:
-                infos[key] = graph_for(*key)
-            except (ValueError, RuntimeError, NotImplementedError) as e:
-                infos[key] = e
-        info = infos[key]
+        info = _info_for(infos, graph_for, b, cand.tensor_parallel_degree)
         if isinstance(info, Exception):
             skip.append(Skipped(cand, f"tracing at micro-batch {b}, t={cand.tensor_parallel_degree} failed: {info}",
                                 "trace"))
@@ -1144,18 +1183,8 @@ def search(
         return row, st, info
 
     # Recomputation only adds time, and dividing the optimizer state adds
-    # collectives: a candidate recomputes or divides its optimizer state
-    # only where the same candidate without either does not fit (its
-    # variants wait until then).
-    variants: Dict[Candidate, List[Candidate]] = {}
-    first: List[Candidate] = []
-    given = set(cands)
-    for c in cands:
-        base = dataclasses.replace(c, recompute="never", shard_optimizer_state=False)
-        if c != base and base in given:
-            variants.setdefault(base, []).append(c)
-        else:
-            first.append(c)
+    # collectives: their variants wait until the candidate does not fit.
+    first, variants = _split_variants(cands)
     heap: List[Tuple[float, int, Tuple[PlanRow, Any, GraphInfo]]] = []
     evaluated = 0
     # Candidates are predicted lazily, in the order of a lower bound of
@@ -1170,9 +1199,9 @@ def search(
     pending.sort(key=lambda x: (x[0], x[1]))
     pending.reverse()  # popped from the end: the smallest bound first
 
-    def predict_next() -> None:
+    def predict(cand: Candidate) -> None:
         nonlocal evaluated
-        got = timed(pending.pop()[2])
+        got = timed(cand)
         if got is not None:
             evaluated += 1
             heapq.heappush(heap, (got[0].step_time, evaluated, got))
@@ -1182,10 +1211,10 @@ def search(
     caps = [_capacity(cluster, d.name, memory_budget) for d in cluster.devices]
     while len(rows) < keep:
         while pending and not heap:
-            predict_next()
+            predict(pending.pop()[2])
         # Every candidate that could be faster than the next row is predicted.
         while pending and heap and pending[-1][0] <= heap[0][0]:
-            predict_next()
+            predict(pending.pop()[2])
         if not heap:
             break
         _, _, (row, st, info) = heapq.heappop(heap)
@@ -1208,22 +1237,6 @@ def search(
             continue
         misfits.append(row)
         for v in variants.pop(row.candidate, []):
-            got = timed(v)
-            if got is not None:
-                evaluated += 1
-                heapq.heappush(heap, (got[0].step_time, evaluated, got))
-    for bound, _, c in reversed(pending):
-        skip.append(Skipped(c, f"a lower bound of its time (its ops shared by its devices at the fastest speeds, "
-                               f"its update and all-reduce at their least), {bound * 1e3:.1f} ms, is slower than the "
-                               f"{keep} fitting plans ranked (not predicted)", "bound"))
-        skip.extend(Skipped(v, "its variant without recomputation or sharding was not ranked", "recompute")
-                    for v in variants.pop(c, []))
-    for _, _, (row, _, _) in sorted(heap, key=lambda x: x[0]):
-        skip.append(Skipped(row.candidate, f"predicted {row.step_time * 1e3:.1f} ms, slower than the {keep} "
-                                           "fitting plans ranked (memory not predicted)", "slower"))
-        skip.extend(Skipped(v, "its variant without recomputation or sharding was not ranked", "recompute")
-                    for v in variants.pop(row.candidate, []))
-    for vs in variants.values():
-        skip.extend(Skipped(v, "its variant without recomputation or sharding could not be predicted", "recompute")
-                    for v in vs)
+            predict(v)
+    skip.extend(_unranked(pending, heap, variants, keep))
     return SearchResult(rows + misfits, skip, time.perf_counter() - start, evaluated)

@@ -265,10 +265,11 @@ tf.register_tensor_conversion_function(
 
 
 def _lamb_update(optimizer: Any, grad: tf.Tensor, variable: "_ParamPiece", learning_rate: Any,
-                 norms: Any) -> None:
+                 norms: Any, piece: pieces.Piece) -> None:
     """Keras's ``Lamb.update_step`` on a piece, its trust ratio from the
     norms of the whole variable and of its whole update (`norms`: the sums
-    of squares of the piece's, summed over every replica)."""
+    of squares of the piece's, summed over every replica; an element-wise
+    update needs nothing else of `piece`)."""
     dtype = variable.dtype
     lr = tf.cast(learning_rate, dtype)
     gradient = tf.cast(grad, dtype)
@@ -347,15 +348,10 @@ def _adafactor_update(optimizer: Any, grad: tf.Tensor, variable: "_ParamPiece", 
     optimizer.assign_sub(variable, alpha_t * u_t_hat)
 
 
-def _lamb_on_piece(optimizer: Any, grad: tf.Tensor, variable: "_ParamPiece", learning_rate: Any, norms: Any,
-                   piece: pieces.Piece) -> None:
-    _lamb_update(optimizer, grad, variable, learning_rate, norms)
-
-
 #: Built-in optimizers whose update takes norms or means over whole
 #: variables: the update of a piece with those sums added over the
 #: replicas.
-_NORMED_UPDATES = {"Lamb": _lamb_on_piece, "Adafactor": _adafactor_update}
+_NORMED_UPDATES = {"Lamb": _lamb_update, "Adafactor": _adafactor_update}
 #: Their slots that are not of the variable's shape, kept whole on every
 #: replica (Adafactor's factored moments).
 _WHOLE_SLOTS = frozenset(["Adafactor"])
