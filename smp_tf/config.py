@@ -75,6 +75,10 @@ shard_optimizer_state  False          with data parallelism, each replica
                                       gradients are reduce-scattered, the
                                       parameters all-gathered after the
                                       update
+sequence_parallel      False          with tensor_parallel_degree > 1,
+                                      the ops between the tensor-parallel
+                                      regions (norms, dropouts, residual
+                                      additions) split along the sequence
 auto                   False          (smp_tf only) plan the configuration
                                       (``smp.plan``) at a step's first call
                                       and re-initialise with the best one;
@@ -119,7 +123,7 @@ _INT_KEYS = (
 )
 _BOOL_KEYS = (
     "auto_partition", "contiguous", "horovod", "fuse_weight_gradients", "pretranspose_weights", "shard_inputs", "auto",
-    "shard_optimizer_state",
+    "shard_optimizer_state", "sequence_parallel",
 )
 
 
@@ -217,6 +221,13 @@ class Config:
             instead of all-reduced and the parameters all-gathered after the
             update (`docs/sharded_data_parallelism.md`). Needs
             ``horovod`` and several replicas.
+        sequence_parallel: with ``tensor_parallel_degree`` t > 1, the ops
+            that run whole between the tensor-parallel regions (norms,
+            dropouts, residual additions, biases) run on 1/t of the
+            sequence each (Megatron-LM's sequence parallelism): a
+            row-parallel product's all-reduce becomes a reduce-scatter and
+            the next column-parallel product's input is all-gathered
+            (`docs/tensor_parallelism.md`).
 
     Raises:
         ValueError: a value has the wrong type or is out of range.
@@ -245,6 +256,7 @@ class Config:
     cluster: Optional[Any] = None
     auto: bool = False
     shard_optimizer_state: bool = False
+    sequence_parallel: bool = False
 
     @property
     def raises_on_uneven_inputs(self) -> bool:
@@ -316,6 +328,14 @@ class Config:
                         f"shard_optimizer_state=True does not compose with {key}={value} yet: shard the "
                         f"optimizer state of pipelines that run in one process each, with {key}=1."
                     )
+
+        if self.sequence_parallel and self.tensor_parallel_degree < 2:
+            raise ValueError(
+                "sequence_parallel=True splits the activations between the tensor-parallel regions over a "
+                "partition's tensor_parallel_degree devices, so it needs tensor_parallel_degree > 1. Received: "
+                f"tensor_parallel_degree={self.tensor_parallel_degree}. Set tensor_parallel_degree to 2 or more, "
+                "or leave sequence_parallel False."
+            )
 
         if self.partitions % self.pipeline_processes:
             raise ValueError(

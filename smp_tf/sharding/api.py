@@ -131,6 +131,7 @@ def shard_step(traced: Any, cfg: Any, generation: Any = None) -> Any:
     graph = shard_graph_of(traced.graph_def, traced.op_graph, [n for n in traced.output_names if n], t)
     specs = variable_layouts(graph, shapes, t, cfg.layout_map, traced.layers)
     pieces = stored_split(traced, specs, t, generation)
-    sharded, plan = shard_traced(traced, specs, t, graph=graph, stored_split=pieces)
+    sharded, plan = shard_traced(traced, specs, t, graph=graph, stored_split=pieces,
+                                 sequence_parallel=bool(getattr(cfg, "sequence_parallel", False)))
     plan.whole_variables = sorted(k for k in shapes if k not in specs or specs[k].is_replicated)
     return sharded, plan

@@ -19,7 +19,17 @@ as in PaddlePaddle's completion of distributed attributes:
    moves to its inputs; then the forward pass runs again. Repeated until
    nothing moves, so a mark reaches every op it determines. Variable
    reads, constraints and stateful ops are never moved.
-3. **Reshards.** Wherever a tensor is produced in one spec and read in
+3. **Sequence parallelism** (``sequence_parallel``, Megatron-LM's). Once
+   nothing moves, the ops that run whole between the tensor-parallel
+   regions (norms, dropouts, residual additions, biases) are split along
+   the sequence instead: starting from each partial sum that is read
+   whole (a row-parallel product's output, or in the backward pass a
+   column-parallel product's input gradient), every op downstream whose
+   rule computes it from sequence pieces without gathering anything
+   runs on its rows (`sequence_dim`). The partial sum's all-reduce becomes
+   a reduce-scatter, and the next column-parallel product's input is
+   all-gathered. Then the forward and backward passes run again.
+4. **Reshards.** Wherever a tensor is produced in one spec and read in
    another, a reshard (`smp_tf.sharding.reshard`) is recorded, once per
    tensor and target spec. The step's outputs are read whole, but for
    the gradients that are returned in their pieces.
@@ -37,7 +47,8 @@ from smp_tf.sharding.reshard import reshard_bytes, reshard_steps
 from smp_tf.sharding.rules import Decision, OpInfo, back_rule_for, rule_for
 from smp_tf.sharding.spec import ShardSpec
 
-__all__ = ["ShardOp", "ShardGraph", "Reshard", "ShardPlan", "complete", "READ_OPS", "WRITE_OPS"]
+__all__ = ["ShardOp", "ShardGraph", "Reshard", "ShardPlan", "complete", "sequence_dim", "SequenceLengthError",
+           "READ_OPS", "WRITE_OPS"]
 
 #: Ops that read a variable's value: they produce the variable's layout.
 READ_OPS = frozenset(["ReadVariableOp"])
@@ -112,6 +123,12 @@ class ShardGraph:
             shapes[s["name"]] = shape
         nbytes = {f"{n}:0": 4 * _elements(sh) for n, sh in shapes.items()}
         return cls(ops, [f"{o}:0" for o in outputs], nbytes)
+
+    def shape_of(self, tensor: str) -> Any:
+        """The static shape of `tensor` (None if unknown)."""
+        if not hasattr(self, "_shapes"):
+            self._shapes = {x: s for op in self.ops for x, s in zip(op.outputs, op.info.output_shapes)}
+        return self._shapes.get(tensor)
 
 
 def _elements(shape: Any) -> int:
@@ -277,6 +294,122 @@ def _moves_back(graph: ShardGraph, readers, decisions, preferred: Dict[str, Deci
     return moved
 
 
+class SequenceLengthError(ValueError):
+    """Sequence parallelism cannot split an activation's sequence over ``t``."""
+
+
+def sequence_dim(shape: Any, batch: Optional[int]) -> Optional[int]:
+    """The sequence dimension of an activation of `shape` (batch-major):
+    1 of a ``(batch, sequence, features)`` tensor, 0 of a ``(tokens,
+    features)`` one; None for any other rank, or when the leading
+    dimension is not the micro-batch's `batch` (a weight's gradient, not
+    an activation)."""
+    if shape is None or batch is None or not shape or shape[0] != batch:
+        return None
+    return {2: 0, 3: 1}.get(len(shape))
+
+
+def _batch_size(graph: ShardGraph) -> Optional[int]:
+    """The micro-batch size: the leading dimension the arguments share."""
+    sizes = {op.info.output_shapes[0][0] for op in graph.ops
+             if op.argument and op.info.output_shapes and op.info.output_shapes[0]}
+    return sizes.pop() if len(sizes) == 1 else None
+
+
+def _sequence_splits(graph: ShardGraph, specs, decisions, readers, preferred: Dict[str, Decision], t: int,
+                     seq: Dict[str, ShardSpec]) -> bool:
+    """Sequence parallelism (module doc, 3): adds to `preferred` the ops
+    that run whole downstream of a partial sum read whole and that their
+    rule computes from sequence pieces with no gather; whether any was.
+    `seq`: the tensors made sequence pieces so far (updated).
+
+    Raises:
+        SequenceLengthError: such a partial sum's sequence dimension has a
+            size `t` does not divide.
+    """
+    batch = _batch_size(graph)
+    outputs = set(graph.outputs)
+    for x, (have, reads) in readers.items():
+        if any(need.is_replicated for _, _, need in reads):
+            piece = _sequence_piece(graph, x, have, batch, t)
+            if piece is not None:
+                seq[x] = piece
+    moved = False
+    for op in graph.ops:
+        offered = [seq.get(x) for x in op.inputs]
+        if op.name in preferred or not any(offered) or op.variable is not None or op.constraint is not None:
+            continue
+        # A partial sum read beside sequence pieces is reduce-scattered too
+        # (the backward pass's chains of linear ops on partial sums).
+        offered = [o or _sequence_piece(graph, x, specs.get(x), batch, t) for o, x in zip(offered, op.inputs)]
+        dec = decisions.get(op.name)
+        new = _on_sequence_pieces(op, dec, offered, specs, outputs, batch)
+        if new is None:
+            # It keeps the layout it has (the forward pass would otherwise
+            # ask its rule again with the sequence pieces arriving, and a
+            # product could gather its weight instead of its input).
+            new = dec or Decision(tuple(_replicated_like(s) for s in op.info.input_shapes),
+                                  tuple(_replicated_like(s) for s in op.info.output_shapes))
+        else:
+            for x, s in zip(op.outputs, new.outputs):
+                if s.split_dim is not None:
+                    seq[x] = s
+        preferred[op.name] = new
+        moved = True
+    return moved
+
+
+def _sequence_piece(graph: ShardGraph, x: str, have: Optional[ShardSpec], batch: Optional[int],
+                    t: int) -> Optional[ShardSpec]:
+    """The sequence split of `x` if it is a partial sum of an activation,
+    else None.
+
+    Raises:
+        SequenceLengthError: `t` does not divide its sequence.
+    """
+    if have is None or not have.partial:
+        return None
+    shape = graph.shape_of(x)
+    d = sequence_dim(shape, batch)
+    if d is None:
+        return None
+    if shape[d] is None or shape[d] % t or shape[d] < t:
+        raise SequenceLengthError(
+            f"sequence_parallel=True splits {x} of shape {tuple(shape)} along its sequence dimension "
+            f"{d} over tensor_parallel_degree={t}, but {t} does not divide its size {shape[d]}. Use a "
+            f"sequence length (or micro-batch of tokens) that {t} divides, or sequence_parallel=False.")
+    return ShardSpec.split(len(shape), d)
+
+
+def _on_sequence_pieces(op: ShardOp, dec: Optional[Decision], offered, specs, outputs,
+                        batch: Optional[int]) -> Optional[Decision]:
+    """How `op` runs on the sequence pieces `offered` (None per input that
+    arrives as before), or None if it cannot without a gather, or it
+    already runs split over the tensor axis, or it is stateful or makes a
+    step output."""
+    if op.stateful or op.argument or any(x in outputs for x in op.outputs):
+        return None
+    if dec is not None and any(s.split_dim is not None for s in dec.inputs + dec.outputs):
+        return None
+    rule = rule_for(op.type)
+    if rule is None:
+        return None
+    ins = [o or specs.get(x) or _replicated_like(s) for o, x, s in zip(offered, op.inputs, op.info.input_shapes)]
+    new = rule(op.info, ins)
+    if new is None or all(s.is_replicated for s in new.outputs):
+        return None
+    # Nothing gathered: each input is needed as it arrives, or arrives whole
+    # and is sliced where it is, or arrives a partial sum and is
+    # reduce-scattered along its sequence.
+    for need, have, shape in zip(new.inputs, ins, op.info.input_shapes):
+        if need == have or (have.is_replicated and not need.partial):
+            continue
+        if have.partial and need.split_dim is not None and need.split_dim == sequence_dim(shape, batch):
+            continue
+        return None
+    return new
+
+
 def returned_in_pieces(spec: ShardSpec) -> bool:
     """Whether a gradient the step returns in layout `spec` is returned in
     its pieces rather than whole: split along one dimension, not a partial
@@ -305,14 +438,24 @@ def _reshards(graph: ShardGraph, specs, readers) -> List[Reshard]:
     return reshards
 
 
-def complete(graph: ShardGraph, variables: Mapping[str, ShardSpec], t: int, max_rounds: int = 16) -> ShardPlan:
+def complete(graph: ShardGraph, variables: Mapping[str, ShardSpec], t: int, max_rounds: int = 16,
+             sequence_parallel: bool = False) -> ShardPlan:
     """Completes the specs of `graph` from the `variables`' layouts and the
-    ops' constraints (see the module doc)."""
+    ops' constraints (see the module doc); with `sequence_parallel`, the
+    ops between the tensor-parallel regions split along the sequence.
+
+    Raises:
+        SequenceLengthError: with `sequence_parallel`, an activation whose
+            sequence `t` does not divide.
+    """
     preferred: Dict[str, Decision] = {}
+    seq: Dict[str, ShardSpec] = {}
     for _ in range(max_rounds):
         specs, decisions, whole = _forward(graph, variables, preferred)
         readers = _readers(graph, specs, decisions)
-        if not _moves_back(graph, readers, decisions, preferred):
+        if _moves_back(graph, readers, decisions, preferred):
+            continue
+        if not (sequence_parallel and _sequence_splits(graph, specs, decisions, readers, preferred, t, seq)):
             break
     # Decisions that change nothing (whole in, whole out) are not kept.
     kept = {n: d for n, d in decisions.items() if any(not s.is_replicated for s in d.inputs + d.outputs)}

@@ -413,7 +413,7 @@ def _restore_shapes(view: OpGraph, shapes: Mapping[str, Any], graph: tf.Graph) -
 
 def shard_traced(
     traced: Traced, variable_specs: Mapping[str, ShardSpec], t: int, graph: Optional[ShardGraph] = None,
-    stored_split: Optional[Mapping[str, str]] = None,
+    stored_split: Optional[Mapping[str, str]] = None, sequence_parallel: bool = False,
 ) -> Tuple[Traced, ShardPlan]:
     """Completes and applies the sharding of a traced step (module doc).
 
@@ -421,6 +421,8 @@ def shard_traced(
         stored_split: captured handle -> variable key, for the variables
             whose storage is split (`smp_tf.sharding.storage`): the step
             reads their pieces.
+        sequence_parallel: split the ops between the tensor-parallel
+            regions along the sequence (`complete`).
 
     Returns:
         The sharded `Traced` (same arguments and outputs; the captures of
@@ -429,7 +431,7 @@ def shard_traced(
     g = traced.op_graph
     stored_split = dict(stored_split or {})
     sgraph = graph or shard_graph_of(traced.graph_def, g, [n for n in traced.output_names if n], t)
-    plan = complete(sgraph, variable_specs, t)
+    plan = complete(sgraph, variable_specs, t, sequence_parallel=sequence_parallel)
     if not plan.decisions:
         return traced, plan
     plan.stored_split = {key: variable_specs[key].split_dim for key in stored_split.values()}
