@@ -181,6 +181,7 @@ class ShardPlan:
     whole_ops: List[Tuple[str, str]]
     whole_variables: List[str] = field(default_factory=list)
     stored_split: Dict[str, int] = field(default_factory=dict)
+    sequence_parallel: bool = False
 
     def reshard_bytes(self) -> float:
         """Bytes each device receives per micro-batch for the reshards."""
@@ -459,4 +460,5 @@ def complete(graph: ShardGraph, variables: Mapping[str, ShardSpec], t: int, max_
             break
     # Decisions that change nothing (whole in, whole out) are not kept.
     kept = {n: d for n, d in decisions.items() if any(not s.is_replicated for s in d.inputs + d.outputs)}
-    return ShardPlan(t, dict(variables), specs, kept, _reshards(graph, specs, readers), whole)
+    return ShardPlan(t, dict(variables), specs, kept, _reshards(graph, specs, readers), whole,
+                     sequence_parallel=sequence_parallel)

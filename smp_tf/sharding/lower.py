@@ -85,6 +85,7 @@ class _Writer:
         self.shape_of = {op_graph.tensor_name(x): info.shape for x, info in enumerate(op_graph.tensors)}
         # Captured handles of the variables stored in pieces (name -> key).
         self.stored_split: Mapping[str, str] = stored_split or {}
+        self.reader: Any = None  # the op being written
 
     # -- helpers -------------------------------------------------------------
     def _node(self, name: str, op: str, inputs: Sequence[str], dtype: Any = None, shard: Optional[int] = None):
@@ -124,29 +125,43 @@ class _Writer:
         have = self.physical.get(tensor)
         if have is None:
             have = ShardSpec.replicated(need.rank)
+        again = self._again(tensor, have)
         if need.is_replicated:
-            return self._whole(tensor, have)
-        key = (tensor, need)
+            return self._whole(tensor, have, again)
+        key = (tensor + again, need)
         if key not in self.pieces:
-            self.pieces[key] = self._reshard(tensor, have, need)
+            self.pieces[key] = self._reshard(tensor, have, need, again)
         return self.pieces[key][k or 0]
+
+    def _again(self, tensor: str, have: ShardSpec) -> str:
+        """``"_again"`` where the op being written is a gradient that reads
+        a forward tensor made in pieces, under sequence parallelism: it
+        gathers the pieces again rather than share the forward's gather, so
+        that between the two passes each device keeps only its piece
+        (Megatron-LM's sequence parallelism gathers again in the backward);
+        else ``""``."""
+        reader = self.reader
+        if not self.plan.sequence_parallel or reader is None or not reader.is_gradient or have.split_dim is None:
+            return ""
+        producer = self.g.tensors[self._tid(tensor)].producer
+        return "" if producer is None or self.g.ops[producer].is_gradient else "_again"
 
     def _copies(self, tensor: str) -> List[str]:
         name, _, port = tensor.partition(":")
         return [self._ref(f"{name}{MARK}_s{k}:{port or 0}") for k in range(self.t)]
 
-    def _whole(self, tensor: str, have: ShardSpec) -> str:
+    def _whole(self, tensor: str, have: ShardSpec, again: str = "") -> str:
         if have.is_replicated:
             return self._ref(tensor)
-        key = (tensor, ShardSpec.replicated(have.rank))
+        key = (tensor + again, ShardSpec.replicated(have.rank))
         if key not in self.pieces:
-            self.pieces[key] = [self._gather(tensor, have)] * self.t
+            self.pieces[key] = [self._gather(tensor, have, again)] * self.t
         return self.pieces[key][0]
 
-    def _gather(self, tensor: str, have: ShardSpec) -> str:
+    def _gather(self, tensor: str, have: ShardSpec, again: str = "") -> str:
         """All-gather (split) or all-reduce (partial) into a whole tensor on device 0."""
         dtype = self.dtype_of(tensor)
-        base = tensor.replace(":", "_")
+        base = tensor.replace(":", "_") + again
         parts = self._copies(tensor)
         shape = self.shape_of.get(tensor)
         if have.partial:
@@ -163,19 +178,27 @@ class _Writer:
         self.shapes[f"{node.name}:0"] = shape
         return node.name
 
-    def _reshard(self, tensor: str, have: ShardSpec, need: ShardSpec) -> List[str]:
+    def _reshard(self, tensor: str, have: ShardSpec, need: ShardSpec, again: str = "") -> List[str]:
         if have == need:
             return self._copies(tensor)
-        whole = self._whole(tensor, have)
+        whole = self._whole(tensor, have, again)
         dtype = self.dtype_of(tensor)
-        base = tensor.replace(":", "_")
+        base = tensor.replace(":", "_") + again
         d = need.split_dim
         axis = self._const(f"{base}{MARK}_split{d}_axis", d)
         node = self._node(f"{base}{MARK}_split{d}", "Split", [axis, whole], dtype)
         node.attr["num_split"].i = self.t
-        for k in range(self.t):
-            self.shapes[f"{node.name}:{k}"] = self.local_shape(self.shape_of.get(tensor), need)
-        return [f"{node.name}:{k}" if k else node.name for k in range(self.t)]
+        local = self.local_shape(self.shape_of.get(tensor), need)
+        out = [node.name]
+        for k in range(1, self.t):
+            self.shapes[f"{node.name}:{k}"] = local
+            # Each piece moves to its device at once: a piece kept for the
+            # backward is kept there, not where the split ran.
+            moved = self._node(f"{base}{MARK}_split{d}_to{k}", "Identity", [f"{node.name}:{k}"], dtype, shard=k)
+            self.shapes[f"{moved.name}:0"] = local
+            out.append(moved.name)
+        self.shapes[f"{node.name}:0"] = local
+        return out
 
     # -- ops -------------------------------------------------------------------
     def write(self) -> None:
@@ -190,6 +213,7 @@ class _Writer:
                 self._pieces_of_handle(src)
                 continue
             dec = self.plan.decisions.get(op.name)
+            self.reader = op
             if op.type in READ_OPS and self._handle_of(src) in self.stored_split:
                 self._read_pieces(op, src, dec)
                 continue
