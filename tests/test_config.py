@@ -68,6 +68,7 @@ def test_defaults():
         "cluster": None,
         "auto": False,
         "shard_optimizer_state": False,
+        "sequence_parallel": False,
     }
     assert parse({}) == cfg
 
@@ -100,12 +101,23 @@ def test_all_keys_set():
         "auto": True,
         # True needs pipeline_processes=1 (test_sharded_data_parallel.py).
         "shard_optimizer_state": False,
+        # True needs tensor_parallel_degree > 1 (test_sequence_parallel_needs_tensor_parallelism).
+        "sequence_parallel": False,
     }
     cfg = parse(given)
     assert cfg.to_dict() == given
     # to_dict round-trips, and a Config is accepted as the config.
     assert parse(cfg.to_dict()) == cfg
     assert parse(cfg) == cfg
+
+
+def test_sequence_parallel_needs_tensor_parallelism():
+    assert parse({"tensor_parallel_degree": 2, "sequence_parallel": True}).sequence_parallel
+    with pytest.raises(ValueError, match=r"sequence_parallel=True .* needs tensor_parallel_degree > 1\. "
+                                         r"Received: tensor_parallel_degree=1"):
+        parse({"sequence_parallel": True})
+    with pytest.raises(ValueError, match="sequence_parallel"):
+        parse({"tensor_parallel_degree": 2, "sequence_parallel": "yes"})
 
 
 def test_virtual_stages():

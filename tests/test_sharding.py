@@ -269,6 +269,67 @@ def test_gradients_returned_in_pieces_are_not_gathered():
     assert not returned_in_pieces(P2) and not returned_in_pieces(ShardSpec.replicated(2))
 
 
+def _two_blocks(tokens=8, t=2):
+    """Two Megatron MLP blocks with a bias, a residual addition and a
+    norm-like chain between them (what sequence parallelism splits)."""
+    def var(name, shape):
+        return [dict(name=f"h_{name}", type="Placeholder", shape=()),
+                dict(name=name, type="ReadVariableOp", inputs=[f"h_{name}"], shape=shape, variable=name)]
+    return ShardGraph.from_spec([
+        dict(name="x", type="Placeholder", shape=(tokens, 16), argument=True),
+        *var("w1", (16, 64)), *var("w2", (64, 16)), *var("b2", (16,)), *var("w3", (16, 64)), *var("w4", (64, 16)),
+        dict(name="mm1", type="MatMul", inputs=["x", "w1"], shape=(tokens, 64)),
+        dict(name="relu", type="Relu", inputs=["mm1"], shape=(tokens, 64)),
+        dict(name="mm2", type="MatMul", inputs=["relu", "w2"], shape=(tokens, 16)),
+        dict(name="ba2", type="BiasAdd", inputs=["mm2", "b2"], shape=(tokens, 16)),
+        dict(name="res", type="AddV2", inputs=["ba2", "x"], shape=(tokens, 16)),
+        dict(name="mean", type="Mean", inputs=["res"], shape=(tokens, 1), attrs={"keep_dims": True},
+             const={1: [-1]}),
+        dict(name="centred", type="Sub", inputs=["res", "mean"], shape=(tokens, 16)),
+        dict(name="norm", type="Mul", inputs=["centred", "centred"], shape=(tokens, 16)),
+        dict(name="mm3", type="MatMul", inputs=["norm", "w3"], shape=(tokens, 64)),
+        dict(name="relu3", type="Relu", inputs=["mm3"], shape=(tokens, 64)),
+        dict(name="mm4", type="MatMul", inputs=["relu3", "w4"], shape=(tokens, 16)),
+    ], outputs=["mm4"], t=t)
+
+
+_PAIRS = {"w1": S1, "w2": S0, "w3": S1, "w4": S0}
+
+
+def test_sequence_parallelism_splits_the_ops_between_the_regions_along_the_sequence():
+    plain = complete(_two_blocks(), _PAIRS, 2)
+    assert [str(plain.specs.get(f"{n}:0", "R")) for n in ("ba2", "res", "mean", "norm")] == ["R"] * 4
+    assert sorted(s for r in plain.reshards for s in r.steps) == ["all_reduce", "all_reduce"]
+
+    plan = complete(_two_blocks(), _PAIRS, 2, sequence_parallel=True)
+    # Between the regions every op runs on its rows (tokens) of the sequence.
+    assert [str(plan.specs[f"{n}:0"]) for n in ("ba2", "res", "mean", "centred", "norm")] == ["S(0)"] * 5
+    steps = {r.tensor: r.steps for r in plan.reshards}
+    # The row-parallel output is reduce-scattered instead of all-reduced,
+    # the residual input sliced where it is, the next column-parallel
+    # product's input all-gathered; the products keep their layouts.
+    assert steps["mm2:0"] == ("reduce_scatter",)
+    assert steps["x:0"] == ("split",)
+    assert steps["norm:0"] == ("all_gather",)
+    assert steps["mm4:0"] == ("all_reduce",)  # the step's output is read whole
+    assert plan.decisions["mm3"].inputs == (R2, S1)
+    assert str(plan.specs["mm3:0"]) == "S(1)" and plan.sequence_parallel
+    # The same volume moves: a reduce-scatter and an all-gather for an all-reduce.
+    assert plan.reshard_bytes() == plain.reshard_bytes()
+
+
+def test_sequence_parallelism_refuses_a_sequence_t_does_not_divide():
+    from smp_tf.sharding.completion import SequenceLengthError, sequence_dim
+
+    with pytest.raises(SequenceLengthError, match=r"mm2:0 of shape \(6, 16\).*tensor_parallel_degree=4.*size 6"):
+        complete(_two_blocks(tokens=6, t=4), {"w1": S1, "w2": S0}, 4, sequence_parallel=True)
+    assert complete(_two_blocks(tokens=6, t=4), {"w1": S1, "w2": S0}, 4).reshards  # fine without it
+    # The sequence of (batch, sequence, features) is dimension 1; a tensor
+    # whose leading dimension is not the batch is not an activation.
+    assert sequence_dim((4, 128, 64), 4) == 1 and sequence_dim((32, 64), 32) == 0
+    assert sequence_dim((64, 64), 4) is None and sequence_dim((4, 2, 8, 8), 4) is None
+
+
 # ------------------------------------------------------- built-in layouts
 
 

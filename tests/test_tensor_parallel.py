@@ -138,9 +138,12 @@ def test_builtin_rules_split_mlp_pairs_within_rounding(partitions):
     assert step.last_plan.devices == ["/device:CPU:0", "/device:CPU:2"][:partitions]
 
 
-@pytest.mark.parametrize("name", ["gpt2_lm", "bert_classifier"])
-def test_keras_hub_transformers_at_two_partitions_of_two_devices(name):
-    smp.init({"partitions": 2, "microbatches": M, "tensor_parallel_degree": 2})
+def _hub_against_the_loop(name, **config):
+    """Zoo transformer `name` under `config` against the single-device loop:
+    the losses within 1e-6 and every gradient within 1e-5 of its scale;
+    returns the step and the state after it (the dropout seeds') and the
+    loop's."""
+    smp.init({"partitions": 2, "microbatches": M, "tensor_parallel_degree": 2, **config})
     case = zoo_models.ENTRIES[name]()
     model = case.model
 
@@ -155,10 +158,23 @@ def test_keras_hub_transformers_at_two_partitions_of_two_devices(name):
     outs = [fn(mb(case.x, k), mb(case.y, k)) for k in range(M)]
     ref_losses = [float(l) for l, _ in outs]
     ref_grads = [[tf.convert_to_tensor(g).numpy() for g in gs] for _, gs in outs]
+    state = [v.numpy() for v in model.variables]
     for v, a in zip(model.variables, init):
         v.assign(a)
     step = smp.step(body)
     loss, grads = step(tf.nest.map_structure(tf.constant, case.x), tf.constant(case.y))
+    np.testing.assert_allclose([float(v) for v in loss.outputs], ref_losses, rtol=1e-6)
+    got = [[tf.convert_to_tensor(g.outputs[k]).numpy() for g in grads] for k in range(M)]
+    floor = 1e-3 * max(float(np.max(np.abs(g))) for gs in ref_grads for g in gs)
+    for gs, rs in zip(got, ref_grads):
+        for g, r in zip(gs, rs):
+            assert np.max(np.abs(g - r)) <= 1e-5 * max(float(np.max(np.abs(r))), floor)
+    return step, [v.numpy() for v in model.variables], state
+
+
+@pytest.mark.parametrize("name", ["gpt2_lm", "bert_classifier"])
+def test_keras_hub_transformers_at_two_partitions_of_two_devices(name):
+    step, _, _ = _hub_against_the_loop(name)
     plan = step.last_plan.shard_plan
     sharded = [k for k, s in plan.variables.items() if not s.is_replicated]
     # Attention split by heads, the feed-forward pairs by columns and rows.
@@ -170,12 +186,25 @@ def test_keras_hub_transformers_at_two_partitions_of_two_devices(name):
         table = next(k for k in plan.variables if k.endswith("token_embedding/embeddings"))
         assert plan.variables[table].dims == ("tensor", None)
         assert any(d.kind in VOCAB_PARALLEL for d in plan.decisions.values())
-    np.testing.assert_allclose([float(v) for v in loss.outputs], ref_losses, rtol=1e-6)
-    got = [[tf.convert_to_tensor(g.outputs[k]).numpy() for g in grads] for k in range(M)]
-    floor = 1e-3 * max(float(np.max(np.abs(g))) for gs in ref_grads for g in gs)
-    for gs, rs in zip(got, ref_grads):
-        for g, r in zip(gs, rs):
-            assert np.max(np.abs(g - r)) <= 1e-5 * max(float(np.max(np.abs(r))), floor)
+
+
+@pytest.mark.parametrize("extra", [
+    {}, {"pipeline": "zero_bubble", "recompute": "full"}, {"virtual_stages": 2, "optimize": "memory"},
+], ids=lambda e: "-".join(f"{k}={v}" for k, v in e.items()) or "default")
+def test_sequence_parallel_gpt2_matches_the_loop(extra):
+    # A pre-norm GPT-2 with dropout: the norms, dropouts and residual
+    # additions run on half the sequence each, every row-parallel output is
+    # reduce-scattered, and the step still equals the single-device loop
+    # (the dropout masks are the loop's, drawn whole and sliced).
+    step, after, state = _hub_against_the_loop("gpt2_lm", sequence_parallel=True, **extra)
+    plan = step.last_plan.shard_plan
+    steps = [s for r in plan.reshards for s in r.steps]
+    assert plan.sequence_parallel and steps.count("reduce_scatter") >= 8
+    norm = [n for n, d in plan.decisions.items() if "feedforward_layer_norm" in n and not n.startswith("gradient")]
+    assert norm and all(d.outputs[0].split_dim == 1 for n, d in plan.decisions.items() if n in norm
+                        and d.outputs and d.outputs[0].rank == 3)
+    for a, b in zip(after, state):
+        np.testing.assert_array_equal(a, b)
 
 
 def test_shard_tensor_constraint_splits_an_activation():
@@ -199,7 +228,8 @@ def test_shard_tensor_constraint_splits_an_activation():
     assert any(op.endswith("smp_shard_tensor") for op in plan.decisions)
 
 
-def test_fit_matches_plain_keras_and_weights_load_in_plain_keras(tmp_path):
+@pytest.mark.parametrize("sequence_parallel", [False, True], ids=["tp", "sp"])
+def test_fit_matches_plain_keras_and_weights_load_in_plain_keras(tmp_path, sequence_parallel):
     rng = np.random.default_rng(1)
     x, y = rng.normal(size=(64, 16)).astype("float32"), rng.integers(0, 4, size=(64,)).astype("int32")
 
@@ -216,7 +246,8 @@ def test_fit_matches_plain_keras_and_weights_load_in_plain_keras(tmp_path):
 
     plain = build(keras.Model)
     expected = fit(plain)
-    smp.init({"partitions": 2, "microbatches": 2, "tensor_parallel_degree": 2})
+    smp.init({"partitions": 2, "microbatches": 2, "tensor_parallel_degree": 2,
+              "sequence_parallel": sequence_parallel})
     model = build(smp.DistributedModel)
     got = fit(model)
     np.testing.assert_allclose(got, expected, rtol=1e-5)
@@ -275,6 +306,11 @@ def test_errors_before_anything_runs():
         smp.step(_body(model))(tf.constant(x), tf.constant(y))
     with pytest.raises(ValueError, match="rank 2"):
         smp.shard_tensor(tf.zeros((2, 3)), ("tensor",))
+    # Sequence parallelism over 2 devices of micro-batches of 3 tokens.
+    smp.init({"partitions": 1, "microbatches": M, "tensor_parallel_degree": 2, "sequence_parallel": True})
+    with pytest.raises(ValueError, match=r"sequence_parallel=True splits .*down.* of shape \(3, 16\) along its "
+                                         r"sequence dimension 0 over tensor_parallel_degree=2.*size 3"):
+        smp.step(_body(model))(tf.constant(x[:6]), tf.constant(y[:6]))
     # More devices than this process has (the test session made 4, and
     # TensorFlow's runtime has started).
     with pytest.raises(RuntimeError, match=r"partitions=3 x tensor_parallel_degree=2 needs 6 devices"):

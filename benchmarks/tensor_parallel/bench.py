@@ -320,6 +320,120 @@ def _gradients_case(args) -> dict:
     }
 
 
+def _sequence_case(args) -> dict:
+    """A pre-norm keras_hub GPT-2 with dropout at P x t, with or without
+    sequence parallelism: the step's median time, each device's predicted
+    activations and total (the memory model inside a ``tf.function``), the
+    reshards and the first losses."""
+    from benchmarks.machine import choose_cpus
+
+    devices = args.partitions * args.t
+    cpus = choose_cpus(min(devices, len(os.sched_getaffinity(0))))
+    os.sched_setaffinity(0, cpus)
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    import keras
+    import keras_hub
+    import numpy as np
+    import tensorflow as tf
+
+    import smp_tf as smp
+
+    smp.init({"partitions": args.partitions, "microbatches": 2, "tensor_parallel_degree": args.t,
+              "sequence_parallel": bool(args.sp)})
+    tf.config.threading.set_intra_op_parallelism_threads(1)
+    keras.utils.set_random_seed(0)
+    width, seq, batch = args.width, args.seq, args.tokens // args.seq
+    backbone = keras_hub.models.GPT2Backbone(
+        vocabulary_size=256, num_layers=2 * args.partitions, num_heads=max(width // 64, 2), hidden_dim=width,
+        intermediate_dim=4 * width, dropout=0.1, max_sequence_length=seq)
+    inputs = {"token_ids": keras.Input((seq,), dtype="int32", name="token_ids"),
+              "padding_mask": keras.Input((seq,), dtype="int32", name="padding_mask")}
+    model = smp.DistributedModel(inputs, backbone(inputs))
+    rng = np.random.default_rng(0)
+    x = {"token_ids": tf.constant(rng.integers(0, 256, size=(batch, seq)).astype("int32")),
+         "padding_mask": tf.ones((batch, seq), "int32")}
+    y = tf.constant(rng.normal(size=(batch, seq, width)).astype("float32"))
+    opt = keras.optimizers.SGD(1e-3)
+    step = smp.step(_mse_body(model))
+
+    @tf.function(autograph=False)
+    def train(x, y):
+        loss, grads = step(x, y)
+        opt.apply_gradients(zip([g.accumulate() for g in grads], model.trainable_variables))
+        return loss.reduce_mean()
+
+    losses = [float(train(x, y)) for _ in range(max(args.warmup, 2))]
+    times = []
+    for _ in range(args.repeats):
+        t0 = time.perf_counter()
+        float(train(x, y))
+        times.append(time.perf_counter() - t0)
+    report = step.memory_report(opt)
+    rows = report.devices or report.partitions
+    plan = step.last_plan.shard_plan
+    kinds: dict = {}
+    for r in plan.reshards:
+        for k in r.steps:
+            kinds[k] = kinds.get(k, 0) + 1
+    return {"median": statistics.median(times), "losses": losses, "cores": len(cpus), "reshards": kinds,
+            "reshard_mib": plan.reshard_bytes() / 2**20,
+            "devices": {r.device: {"activations": r.activations, "total": r.total,
+                                   "dynamic": r.total - r.variables - r.optimizer - r.gradients} for r in rows}}
+
+
+def _megatron_ratio(width: int, seq: int, heads: int, t: int) -> float:
+    """Activations per layer with sequence parallelism against without, as
+    Korthikanti et al. (2022, "Reducing Activation Recomputation in Large
+    Transformer Models", table 2) count them: s*b*h*(10 + 24/t + 5*a*s/(h*t))
+    without, s*b*h*(34/t + 5*a*s/(h*t)) with."""
+    scores = 5 * heads * seq / (width * t)
+    return (34 / t + scores) / (10 + 24 / t + scores)
+
+
+def _sequence_table(quick: bool, repeats: int) -> dict:
+    """Prints the sequence-parallel rows: each layout with and without it."""
+    sizes = (["--width", "128", "--tokens", "256", "--seq", "64"] if quick
+             else ["--width", "256", "--tokens", "1024", "--seq", "256"])
+    width, seq = int(sizes[1]), int(sizes[5])
+    out = {}
+    print()
+    head = ("layout", "cores", "sequence_parallel", "step s", "time ratio", "fullest activations MiB",
+            "ratio", "fullest dynamic MiB", "ratio", "Megatron's count", "reshards", "MiB/dev", "losses rel diff")
+    rows = []
+    for partitions, t in ((2, 2), (1, 2), (1, 4)):
+        got = {}
+        for sp in (0, 1):
+            cmd = [sys.executable, __file__, "--case", "--model", "sequence", "--partitions", str(partitions),
+                   "--t", str(t), "--sp", str(sp), "--repeats", str(2 if quick else repeats)] + sizes
+            done = subprocess.run(cmd, capture_output=True, text=True, timeout=1800)
+            lines = [l for l in done.stdout.splitlines() if l.startswith("{")]
+            if done.returncode or not lines:
+                print(f"sequence parallelism at P={partitions} x t={t}: error " + (done.stderr or done.stdout)[-600:])
+                return out
+            got[sp] = json.loads(lines[-1])
+        out[f"P{partitions}t{t}"] = got
+        act = {sp: max(d["activations"] for d in got[sp]["devices"].values()) for sp in (0, 1)}
+        dyn = {sp: max(d["dynamic"] for d in got[sp]["devices"].values()) for sp in (0, 1)}
+        diff = max(abs(a - b) / abs(b) for a, b in zip(got[1]["losses"], got[0]["losses"]))
+        for sp in (0, 1):
+            g = got[sp]
+            rows.append((f"P={partitions} x t={t}", g["cores"], "on" if sp else "off", f"{g['median']:.3f}",
+                         f"{g['median'] / got[0]['median']:.2f}" if sp else "",
+                         f"{act[sp] / 2**20:.1f}", f"{act[1] / act[0]:.2f}" if sp and act[0] else "",
+                         f"{dyn[sp] / 2**20:.1f}", f"{dyn[1] / dyn[0]:.2f}" if sp else "",
+                         f"{_megatron_ratio(width, seq, max(width // 64, 2), t):.2f}" if sp else "",
+                         ", ".join(f"{k} x{n}" for k, n in sorted(g["reshards"].items())), f"{g['reshard_mib']:.2f}",
+                         f"{diff:.1e}" if sp else ""))
+    widths = [max(len(str(r[i])) for r in rows + [head]) for i in range(len(head))]
+    print(f"Sequence parallelism: keras_hub GPT-2 (pre-norm, dropout 0.1), width {width}, sequence {seq}, "
+          f"{int(sizes[3]) // seq} sequences, 2 blocks per partition, M=2, SGD; predicted by the memory model")
+    print("  ".join(h.ljust(w) for h, w in zip(head, widths)))
+    print("  ".join("-" * w for w in widths))
+    for r in rows:
+        print("  ".join(str(c).ljust(w) for c, w in zip(r, widths)))
+    return out
+
+
 def _gradients_table(quick: bool) -> dict:
     """Prints the split-gradient line: t=2 against t=1 on the 4-block MLP."""
     sizes = ["--width", "64" if quick else "512", "--tokens", "64" if quick else "256"]
@@ -386,10 +500,16 @@ def main() -> None:
     p.add_argument("--tokens", type=int, default=1024)
     p.add_argument("--seq", type=int, default=256)
     p.add_argument("--vocab", type=int, default=32768, help="vocabulary of the memory-budget GPT-2")
+    p.add_argument("--partitions", type=int, default=1, help=argparse.SUPPRESS)
+    p.add_argument("--sp", type=int, default=0, help=argparse.SUPPRESS)
+    p.add_argument("--only-sequence", action="store_true", help="print only the sequence-parallel rows")
     args = p.parse_args()
     if args.case:
-        case = {"budget": _budget_case, "gradients": _gradients_case}.get(args.model, _case)
+        case = {"budget": _budget_case, "gradients": _gradients_case, "sequence": _sequence_case}.get(args.model, _case)
         print(json.dumps(case(args)))
+        return
+    if args.only_sequence:
+        _sequence_table(args.quick, args.repeats)
         return
     if args.quick:
         mlp_sizes, gpt_sizes = ["--width", "128", "--tokens", "64"], ["--width", "128", "--tokens", "64", "--seq", "32"]
@@ -461,6 +581,7 @@ def main() -> None:
               f"{b['budget'] / 2**20:.1f} MiB per device: P=2 x t=1 {b['t1']}, P=2 x t=2 {b['t2']}, loss against the "
               f"single-device loop within {gap:.1e} over {len(b['losses'])} Adam steps "
               f"(target: MemoryBudgetError, trains, within 1e-5: {'PASS' if ok else 'FAIL'})")
+    results["sequence"] = _sequence_table(args.quick, args.repeats)
     print(f"PyTorch tensor-parallel peer: {_torch_peer()}")
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=1))
