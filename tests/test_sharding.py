@@ -314,6 +314,8 @@ def test_sequence_parallelism_splits_the_ops_between_the_regions_along_the_seque
     assert steps["mm4:0"] == ("all_reduce",)  # the step's output is read whole
     assert plan.decisions["mm3"].inputs == (R2, S1)
     assert str(plan.specs["mm3:0"]) == "S(1)" and plan.sequence_parallel
+    assert plan.sequence_ops == ["ba2", "res", "mean", "centred", "norm"]
+    assert "sequence parallel: 5 ops between the regions run on 1/2 of the sequence" in plan.summary()
     # The same volume moves: a reduce-scatter and an all-gather for an all-reduce.
     assert plan.reshard_bytes() == plain.reshard_bytes()
 

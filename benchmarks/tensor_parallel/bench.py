@@ -393,7 +393,7 @@ def _megatron_ratio(width: int, seq: int, heads: int, t: int) -> float:
 def _sequence_table(quick: bool, repeats: int) -> dict:
     """Prints the sequence-parallel rows: each layout with and without it."""
     sizes = (["--width", "128", "--tokens", "256", "--seq", "64"] if quick
-             else ["--width", "256", "--tokens", "1024", "--seq", "256"])
+             else ["--width", "512", "--tokens", "2048", "--seq", "256"])
     width, seq = int(sizes[1]), int(sizes[5])
     out = {}
     print()

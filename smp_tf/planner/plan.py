@@ -274,7 +274,7 @@ class Plan:
             f"{self.batch_size}; {self.evaluated} candidates predicted in {self.search_seconds:.1f} s "
             f"(tracing {self.trace_seconds:.1f} s); {sum(r.fits for r in self.rows)} fit",
             f"{'rank':>4}  {'P':>3} {'t':>2} {'R':>3} {'M':>4}  {'pipeline':<11} {'v':>2}  {'recompute':<9}  "
-            f"{'shard':<5}  {'step ms':>9}  {'measured':>9}  {'samples/s':>10}  "
+            f"{'shard':<6}  {'step ms':>9}  {'measured':>9}  {'samples/s':>10}  "
             + (f"{'tokens/s':>10}  " if self.sequence_length else "")
             + f"{'MFU':>6}  {'peak MiB':>9}  {'of MiB':>8}  fits",
         ]
@@ -286,7 +286,7 @@ class Plan:
             lines.append(
                 f"{n + 1:>4}  {c.partitions:>3} {c.tensor_parallel_degree:>2} {c.replicas:>3} {c.microbatches:>4}  "
                 f"{c.pipeline:<11} {c.virtual_stages:>2}  {c.recompute:<9}  "
-                f"{'opt' if c.shard_optimizer_state else '-':<5}  {row.step_time * 1e3:9.2f}  {measured}  "
+                f"{_sharding(c):<6}  {row.step_time * 1e3:9.2f}  {measured}  "
                 f"{_rate(row.samples_per_second)}  "
                 + (f"{_rate(row.tokens_per_second or 0.0)}  " if self.sequence_length else "")
                 + f"{100 * row.mfu:5.1f}%  "
@@ -342,7 +342,8 @@ _KINDS = {
     "batch": "batch not divisible",
     "trace": "tracing failed",
     "invalid": "not possible on this graph",
-    "recompute": "recompute or shard_optimizer_state where the same candidate fits without (they only add time)",
+    "recompute": "recompute, shard_optimizer_state or sequence_parallel where the same candidate fits without "
+                 "(they only add time)",
 }
 
 
@@ -433,22 +434,28 @@ class _Tracer:
             self.traces += 1
         return traced
 
-    def _traced_info(self, b: int, t: int) -> GraphInfo:
+    def _traced_info(self, b: int, t: int, sequence_parallel: bool = False) -> GraphInfo:
         traced = self._trace(b)
         if t == 1:
             return GraphInfo(traced.op_graph, [x for x in traced.output_tensors() if x is not None])
         from smp_tf.sharding.api import shard_step
         from smp_tf.sharding.lower import shard_of_ops
 
-        cfg = types.SimpleNamespace(tensor_parallel_degree=t, layout_map=self.layout_map)
+        cfg = types.SimpleNamespace(tensor_parallel_degree=t, layout_map=self.layout_map,
+                                    sequence_parallel=sequence_parallel)
         sharded, shard_plan = shard_step(traced, cfg, None)
         return GraphInfo(sharded.op_graph, [x for x in sharded.output_tensors() if x is not None],
                          shard_of_ops(sharded.graph_def, sharded.op_graph), sorted(shard_plan.stored_split))
 
-    def __call__(self, b: int, t: int) -> GraphInfo:
-        key = (b, t)
+    def __call__(self, b: int, t: int, sequence_parallel: bool = False) -> GraphInfo:
+        key = (b, t, True) if sequence_parallel else (b, t)
         if key in self._infos:
             return self._infos[key]
+        if sequence_parallel:  # traced at each size: the layouts depend on the sequence pieces
+            t0 = time.perf_counter()
+            info = self._infos[key] = self._traced_info(b, t, True)
+            self.seconds += time.perf_counter() - t0
+            return info
         t0 = time.perf_counter()
         self._depth = getattr(self, "_depth", 0) + 1
         try:
@@ -473,6 +480,12 @@ class _Tracer:
             self._depth -= 1
             if not self._depth:  # the anchors' own calls are inside this one
                 self.seconds += time.perf_counter() - t0
+
+
+def _sharding(c: Any) -> str:
+    """The table's ``shard`` column: ``opt`` (the optimizer state over the
+    replicas), ``seq`` (sequence parallelism), both, or ``-``."""
+    return "+".join(n for n, on in (("opt", c.shard_optimizer_state), ("seq", c.sequence_parallel)) if on) or "-"
 
 
 def _is_step(value: Any) -> bool:
@@ -625,7 +638,8 @@ def plan(
 
     def predict(row: PlanRow, dispatch: float, parallel: float) -> float:
         cand = row.candidate
-        info = tracer(batch // (cand.replicas * cand.microbatches), cand.tensor_parallel_degree)
+        info = tracer(batch // (cand.replicas * cand.microbatches), cand.tensor_parallel_degree,
+                      cand.sequence_parallel)
         figures = graph.with_runtime(dispatch=dispatch, parallel=parallel)
         return predict_time(info, cand, figures, slots=slots, fixed=config, cache=cache)[0].step_time
 

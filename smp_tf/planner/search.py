@@ -107,6 +107,8 @@ class Candidate:
         recompute: the recompute mode.
         shard_optimizer_state: the optimizer state divided over the ``R``
             replicas (only with ``R > 1`` and ``t = 1``).
+        sequence_parallel: the ops between the tensor-parallel regions on
+            ``1/t`` of the sequence each (only with ``t > 1``).
     """
 
     partitions: int = 1
@@ -117,6 +119,7 @@ class Candidate:
     virtual_stages: int = 1
     recompute: str = "never"
     shard_optimizer_state: bool = False
+    sequence_parallel: bool = False
 
     @property
     def devices(self) -> int:
@@ -139,6 +142,8 @@ class Candidate:
             out["tensor_parallel_degree"] = self.tensor_parallel_degree
         if self.shard_optimizer_state:
             out["shard_optimizer_state"] = True
+        if self.sequence_parallel:
+            out["sequence_parallel"] = True
         return out
 
     @property
@@ -151,7 +156,8 @@ class Candidate:
         """``P2 t1 R1 M8 interleaved v1 never``: the table's columns in one word each."""
         return (f"P{self.partitions} t{self.tensor_parallel_degree} R{self.replicas} M{self.microbatches} "
                 f"{self.pipeline} v{self.virtual_stages} {self.recompute}"
-                + (" shard_optimizer_state" if self.shard_optimizer_state else ""))
+                + (" shard_optimizer_state" if self.shard_optimizer_state else "")
+                + (" sequence_parallel" if self.sequence_parallel else ""))
 
 
 @dataclass
@@ -324,8 +330,9 @@ def candidates(
     micro-batches than stages leave stages idle); the schedule, virtual
     stages and recompute mode only vary when ``P > 1``; ``v > 1`` needs
     ``M`` a multiple of ``P``. With ``R > 1`` and ``t = 1`` every candidate
-    comes again with ``shard_optimizer_state`` (`search` predicts it only
-    where the candidate does not fit without). With `use_all` (the default on more than 8
+    comes again with ``shard_optimizer_state``, and with ``t > 1`` with
+    ``sequence_parallel`` (`search` predicts them only where the candidate
+    does not fit without). With `use_all` (the default on more than 8
     devices) only candidates that use every device (``P * t * R ==
     num_devices``); on up to 8, also those that leave some idle.
 
@@ -368,6 +375,8 @@ def candidates(
                         out.append(Candidate(p, t, r, m, kind, v, rc))
                         if r > 1 and t == 1:
                             out.append(Candidate(p, t, r, m, kind, v, rc, shard_optimizer_state=True))
+                        if t > 1:
+                            out.append(Candidate(p, t, r, m, kind, v, rc, sequence_parallel=True))
     return out, skipped
 
 
@@ -985,10 +994,12 @@ def _static_floor(info: GraphInfo, cand: Candidate, slots: float) -> float:
     return float(total) / (cand.partitions * cand.tensor_parallel_degree)
 
 
-def _info_for(infos: Dict[Tuple[int, int], Any], graph_for: Callable[[int, int], Any], b: int, t: int) -> Any:
+def _info_for(infos: Dict[Tuple[int, ...], Any], graph_for: Callable[..., Any], b: int, t: int,
+              sequence_parallel: bool = False) -> Any:
     """The traced step at micro-batch `b` and degree `t` (`graph_for`, once
-    per pair, kept in `infos`), or the error tracing it raised."""
-    key = (b, t)
+    per pair, kept in `infos`; with `sequence_parallel`, ``graph_for(b, t,
+    True)``), or the error tracing it raised."""
+    key = (b, t, True) if sequence_parallel else (b, t)
     if key not in infos:
         try:
             infos[key] = graph_for(*key)
@@ -1005,7 +1016,7 @@ def _split_variants(cands: Sequence[Candidate]) -> Tuple[List[Candidate], Dict[C
     first: List[Candidate] = []
     given = set(cands)
     for c in cands:
-        base = dataclasses.replace(c, recompute="never", shard_optimizer_state=False)
+        base = dataclasses.replace(c, recompute="never", shard_optimizer_state=False, sequence_parallel=False)
         if c != base and base in given:
             variants.setdefault(base, []).append(c)
         else:
@@ -1056,7 +1067,7 @@ class _BoundCache:
         if not self.enabled or cand.devices > len(self.cluster.devices):
             return 0.0
         info = _info_for(infos, graph_for, batch_size // (cand.replicas * cand.microbatches),
-                         cand.tensor_parallel_degree)
+                         cand.tensor_parallel_degree, cand.sequence_parallel)
         if isinstance(info, Exception):
             return 0.0
         found = self._per_graph.get(id(info.graph))
@@ -1170,7 +1181,7 @@ def search(
                                 "devices"))
             return None
         b = batch_size // (cand.replicas * cand.microbatches)
-        info = _info_for(infos, graph_for, b, cand.tensor_parallel_degree)
+        info = _info_for(infos, graph_for, b, cand.tensor_parallel_degree, cand.sequence_parallel)
         if isinstance(info, Exception):
             skip.append(Skipped(cand, f"tracing at micro-batch {b}, t={cand.tensor_parallel_degree} failed: {info}",
                                 "trace"))

@@ -182,6 +182,8 @@ class ShardPlan:
     whole_variables: List[str] = field(default_factory=list)
     stored_split: Dict[str, int] = field(default_factory=dict)
     sequence_parallel: bool = False
+    #: With sequence parallelism: the ops that run on sequence pieces.
+    sequence_ops: List[str] = field(default_factory=list)
 
     def reshard_bytes(self) -> float:
         """Bytes each device receives per micro-batch for the reshards."""
@@ -199,6 +201,9 @@ class ShardPlan:
             shown = ", ".join(self.whole_variables[:6]) + (", ..." if len(self.whole_variables) > 6 else "")
             lines.append(f"  variables left whole ({len(self.whole_variables)}): {shown}")
         lines.append(f"  ops run sharded: {len(self.decisions)}")
+        if self.sequence_parallel:
+            lines.append(f"  sequence parallel: {len(self.sequence_ops)} ops between the regions run on 1/{self.t} "
+                         "of the sequence")
         kinds: Dict[str, int] = {}
         for r in self.reshards:
             for s in r.steps:
@@ -318,11 +323,12 @@ def _batch_size(graph: ShardGraph) -> Optional[int]:
 
 
 def _sequence_splits(graph: ShardGraph, specs, decisions, readers, preferred: Dict[str, Decision], t: int,
-                     seq: Dict[str, ShardSpec]) -> bool:
+                     seq: Dict[str, ShardSpec], on_pieces: List[str]) -> bool:
     """Sequence parallelism (module doc, 3): adds to `preferred` the ops
     that run whole downstream of a partial sum read whole and that their
     rule computes from sequence pieces with no gather; whether any was.
-    `seq`: the tensors made sequence pieces so far (updated).
+    `seq`: the tensors made sequence pieces so far, `on_pieces` the ops
+    that run on them (both updated).
 
     Raises:
         SequenceLengthError: such a partial sum's sequence dimension has a
@@ -352,6 +358,7 @@ def _sequence_splits(graph: ShardGraph, specs, decisions, readers, preferred: Di
             new = dec or Decision(tuple(_replicated_like(s) for s in op.info.input_shapes),
                                   tuple(_replicated_like(s) for s in op.info.output_shapes))
         else:
+            on_pieces.append(op.name)
             for x, s in zip(op.outputs, new.outputs):
                 if s.split_dim is not None:
                     seq[x] = s
@@ -451,14 +458,15 @@ def complete(graph: ShardGraph, variables: Mapping[str, ShardSpec], t: int, max_
     """
     preferred: Dict[str, Decision] = {}
     seq: Dict[str, ShardSpec] = {}
+    on_pieces: List[str] = []
     for _ in range(max_rounds):
         specs, decisions, whole = _forward(graph, variables, preferred)
         readers = _readers(graph, specs, decisions)
         if _moves_back(graph, readers, decisions, preferred):
             continue
-        if not (sequence_parallel and _sequence_splits(graph, specs, decisions, readers, preferred, t, seq)):
+        if not (sequence_parallel and _sequence_splits(graph, specs, decisions, readers, preferred, t, seq, on_pieces)):
             break
     # Decisions that change nothing (whole in, whole out) are not kept.
     kept = {n: d for n, d in decisions.items() if any(not s.is_replicated for s in d.inputs + d.outputs)}
     return ShardPlan(t, dict(variables), specs, kept, _reshards(graph, specs, readers), whole,
-                     sequence_parallel=sequence_parallel)
+                     sequence_parallel=sequence_parallel, sequence_ops=on_pieces)

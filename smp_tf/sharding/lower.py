@@ -181,6 +181,8 @@ class _Writer:
     def _reshard(self, tensor: str, have: ShardSpec, need: ShardSpec, again: str = "") -> List[str]:
         if have == need:
             return self._copies(tensor)
+        if have.partial:
+            return self._reduce_scatter(tensor, need)
         whole = self._whole(tensor, have, again)
         dtype = self.dtype_of(tensor)
         base = tensor.replace(":", "_") + again
@@ -198,6 +200,33 @@ class _Writer:
             self.shapes[f"{moved.name}:0"] = local
             out.append(moved.name)
         self.shapes[f"{node.name}:0"] = local
+        return out
+
+    def _reduce_scatter(self, tensor: str, need: ShardSpec) -> List[str]:
+        """Reduce-scatter of a partial sum: each device splits its addend
+        where it is, and device ``k`` adds the ``k``-th pieces in device
+        order, the same sum as the all-reduce's for those elements; no
+        device makes the whole sum."""
+        dtype = self.dtype_of(tensor)
+        base = tensor.replace(":", "_")
+        d = need.split_dim
+        local = self.local_shape(self.shape_of.get(tensor), need)
+        pieces = []
+        for j, part in enumerate(self._copies(tensor)):
+            axis = self._const(f"{base}{MARK}_rs{j}_axis", d, shard=j)
+            node = self._node(f"{base}{MARK}_rs{j}", "Split", [axis, part], dtype, shard=j)
+            node.attr["num_split"].i = self.t
+            names = [f"{node.name}:{k}" if k else node.name for k in range(self.t)]
+            for name in names:
+                self.shapes[name if ":" in name else f"{name}:0"] = local
+            pieces.append(names)
+        out = []
+        for k in range(self.t):
+            acc = pieces[0][k]
+            for j in range(1, self.t):
+                acc = self._node(f"{base}{MARK}_rs_s{k}_sum{j}", "AddV2", [acc, pieces[j][k]], dtype, shard=k).name
+                self.shapes[f"{acc}:0"] = local
+            out.append(acc)
         return out
 
     # -- ops -------------------------------------------------------------------
