@@ -684,6 +684,28 @@ def test_a_row_that_fits_only_with_its_optimizer_state_sharded_is_chosen_with_it
     assert "opt" in str(tight) and "shard" in str(tight)
 
 
+def test_a_row_that_fits_only_with_sequence_parallelism_is_chosen_with_it():
+    """A GPT-2 at P=2 x t=2: sequence parallelism divides the norms' and
+    residuals' activations, so its predicted peak is lower. Under a budget
+    between the two peaks its row is the one that fits; with room for both
+    the plain row is chosen and the variant not predicted."""
+    lm = _tiny_gpt_lm()
+    tokens = {"token_ids": np.zeros((8, 8), "int32"), "padding_mask": np.ones((8, 8), "int32")}
+    y = np.zeros((8, 8), "int32")
+    dims = dict(partitions=[2], tensor_parallel_degrees=[2], replicas=[1], microbatches=[2],
+                pipelines=["interleaved"], virtual_stages=[1], recompute=["never"], headroom=0.0)
+    smp.init({"partitions": 1})
+    roomy = smp.plan(lm, tokens, y, cluster=_cluster(devices=4), **dims)
+    assert not roomy.best.candidate.sequence_parallel
+    assert any(s.candidate.sequence_parallel and s.kind == "recompute" for s in roomy.skipped)
+    peak = roomy.best.max_peak
+    tight = smp.plan(lm, tokens, y, cluster=_cluster(devices=4, memory=int(peak) - 1), **dims)
+    assert tight.best.candidate.sequence_parallel and tight.best.config["sequence_parallel"] is True
+    assert tight.best.fits and tight.best.max_peak < peak
+    assert not next(r for r in tight.rows if not r.candidate.sequence_parallel).fits
+    assert " seq " in str(tight)
+
+
 def test_a_cluster_declared_by_the_config_key_is_searched_with_replicas_as_the_argument_is():
     # The same declared cluster, given to smp.init or to smp.plan, gives the
     # same rows, data-parallel ones included; this process's own devices

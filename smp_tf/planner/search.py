@@ -1243,7 +1243,7 @@ def search(
             continue
         if row.fits:
             rows.append(row)
-            skip.extend(Skipped(v, "fits without recomputation or a divided optimizer state", "recompute")
+            skip.extend(Skipped(v, "fits without recomputation, a divided optimizer state or sequence parallelism", "recompute")
                         for v in variants.pop(row.candidate, []))
             continue
         misfits.append(row)
