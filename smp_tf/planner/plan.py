@@ -32,6 +32,7 @@ from smp_tf.planner.search import (
     Skipped,
     candidates,
     predict_time,
+    scale_sharded,
     search,
 )
 
@@ -407,8 +408,10 @@ class _Tracer:
     (`smp_tf.planner.search.interpolate_graph`), or traced where that is
     not possible. (At the largest sizes a graph is most alike to others: at
     a micro-batch of 1 or 2 TensorFlow may fold a constant it keeps at 32,
-    which costs nothing.) With ``t > 1`` the anchors are sharded and
-    extrapolated likewise.
+    which costs nothing.) With ``t > 1`` only the larger anchor is
+    sharded; every other size scales it as the unsharded graphs scale
+    (`smp_tf.planner.search.scale_sharded`), or is sharded where that is
+    not possible.
     """
 
     def __init__(self, step: Any, args: tuple, kwargs: dict, batch_size: int, layout_map: Any,
@@ -460,14 +463,21 @@ class _Tracer:
         self._depth = getattr(self, "_depth", 0) + 1
         try:
             info = None
-            if self.anchors is not None and b == self.anchors[0]:
+            if self.anchors is not None and t > 1 and b != self.anchors[1]:
+                # Sharded once, at the larger anchor: the other sizes scale
+                # it as the unsharded graphs scale (`scale_sharded`).
+                hi = self(self.anchors[1], t)
+                graph = scale_sharded(hi.graph, self(self.anchors[1], 1).graph, self(b, 1).graph)
+                if graph is not None:
+                    info = GraphInfo(graph, hi.outputs, hi.shard_of_op, hi.split_variables, structure=hi.graph)
+            if info is None and self.anchors is not None and b == self.anchors[0]:
                 # The smaller anchor shares the larger one's split and tasks
                 # when their ops are the same.
                 lo, hi = self._traced_info(b, t), self(self.anchors[1], t)
                 same = len(lo.graph.ops) == len(hi.graph.ops) and all(
                     x.name == y.name and x.type == y.type for x, y in zip(lo.graph.ops, hi.graph.ops))
                 info = dataclasses.replace(lo, structure=hi.graph) if same and lo.outputs == hi.outputs else lo
-            elif self.anchors is not None and b not in self.anchors:
+            elif info is None and self.anchors is not None and b not in self.anchors:
                 lo, hi = (self(a, t) for a in self.anchors)
                 graph = interpolate_graph(lo.graph, self.anchors[0], hi.graph, self.anchors[1], b)
                 if graph is not None and lo.outputs == hi.outputs and lo.shard_of_op == hi.shard_of_op:

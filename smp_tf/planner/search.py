@@ -79,6 +79,7 @@ __all__ = [
     "SearchResult",
     "candidates",
     "interpolate_graph",
+    "scale_sharded",
     "predict_memory",
     "predict_time",
     "search",
@@ -439,6 +440,128 @@ def interpolate_graph(g1: OpGraph, b1: int, g2: OpGraph, b2: int, b: int) -> Opt
             return None
         ops.append(dataclasses.replace(o1, flops=max(o1.flops + (o2.flops - o1.flops) * w, 0.0), static_value=static))
     return OpGraph(ops, tensors, g1.variable_bytes, g1.trainable)
+
+
+#: What the names of the nodes sharding adds carry after their op's name
+#: (`smp_tf.sharding.read.MARK`; this module imports no TensorFlow).
+_SHARD_MARK = "__smp"
+#: A tensor of the sharded graph with no counterpart in the plain one (a
+#: reshard's axis, a piece's shape) is kept as it is only up to this size.
+_UNMATCHED_BYTES = 1024
+
+
+def _plain_tensor(name: str, port: int, plain: OpGraph) -> Optional[int]:
+    """The tensor of the unsharded graph that output `port` of sharded op
+    `name` is (a piece of): the same output of the op it copies, or the
+    tensor a reshard node was made for (``<op>_<port>[_again]__smp...``)."""
+    origin = name.split(_SHARD_MARK, 1)[0]
+    if origin in plain.op_index:
+        outs = plain.ops[plain.op_index[origin]].outputs
+        return outs[port] if port < len(outs) else None
+    if origin.endswith("_again"):
+        origin = origin[: -len("_again")]
+    op, _, index = origin.rpartition("_")
+    if op in plain.op_index and index.isdigit():
+        outs = plain.ops[plain.op_index[op]].outputs
+        return outs[int(index)] if int(index) < len(outs) else None
+    return None
+
+
+def _batch_sizes(origin: str, plain_at: OpGraph, plain: OpGraph) -> Optional[Dict[int, int]]:
+    """The sizes of the dimensions that change with the batch among the
+    tensors op `origin` reads and makes (size at `plain_at` -> size at
+    `plain`), leaving out a size that some dimension keeps too (it could be
+    either); None if `origin` is not an op of the graphs."""
+    k = plain_at.op_index.get(origin)
+    if k is None or plain.ops[k].name != origin:
+        return None
+    changes: Dict[int, set] = {}
+    kept = set()
+    op_at, op = plain_at.ops[k], plain.ops[k]
+    for a, b in zip(op_at.inputs + op_at.outputs, op.inputs + op.outputs):
+        s0, s1 = plain_at.tensors[a].shape, plain.tensors[b].shape
+        if s0 is None or s1 is None or len(s0) != len(s1):
+            continue
+        for d0, d1 in zip(s0, s1):
+            if d0 is None or d1 is None:
+                continue
+            if d0 == d1:
+                kept.add(d0)
+            else:
+                changes.setdefault(d0, set()).add(d1)
+    return {d0: next(iter(d1)) for d0, d1 in changes.items() if len(d1) == 1 and d0 not in kept}
+
+
+def _scaled_shape(t: Any, sharded: OpGraph, plain_at: OpGraph, plain: OpGraph) -> Optional[Tuple[Any, ...]]:
+    """Tensor `t` of `sharded`'s shape at the other size (`scale_sharded`)."""
+    producer = sharded.ops[t.producer]
+    ref = _plain_tensor(producer.name, t.index, plain_at)
+    if ref is not None and t.shape is not None:
+        before, after = plain_at.tensors[ref].shape, plain.tensors[ref].shape
+        if before is not None and after is not None and len(before) == len(t.shape) == len(after):
+            shape = []
+            for d, b0, b1 in zip(t.shape, before, after):
+                if b0 == b1 or d is None:
+                    shape.append(d)
+                elif b0 is None or b1 is None or (d * b1) % b0:
+                    break
+                else:
+                    shape.append(d * b1 // b0)
+            else:
+                return tuple(shape)
+    # A node a special lowering added inside one op (a vocabulary-parallel
+    # cross-entropy's pieces): the sizes that op's tensors change.
+    sizes = _batch_sizes(producer.name.split(_SHARD_MARK, 1)[0], plain_at, plain)
+    if sizes is None or t.shape is None:
+        return None
+    return tuple(sizes.get(d, d) if d is not None else d for d in t.shape)
+
+
+def scale_sharded(sharded: OpGraph, plain_at: OpGraph, plain: OpGraph) -> Optional[OpGraph]:
+    """The sharded graph at another micro-batch size, from `sharded` (at
+    the size of `plain_at`) and the unsharded graphs at both sizes
+    (`plain_at`, `plain`), without sharding again; None where it cannot
+    tell (sharding again is then needed).
+
+    Every tensor of a sharded graph is a tensor of the unsharded one, or a
+    piece of it along one dimension: the dimensions that change with the
+    batch change by the same factor in the piece. A node that a special
+    lowering adds inside one op takes the sizes that op's own tensors
+    change. Each op's flops scale with those of the op it copies. None
+    when the unsharded graphs differ in structure, a dimension would not
+    be a whole number, or a tensor larger than `_UNMATCHED_BYTES` matches
+    nothing.
+    """
+    if len(plain_at.ops) != len(plain.ops):
+        return None
+    tensors: List[Any] = []
+    for t in sharded.tensors:
+        shape = _scaled_shape(t, sharded, plain_at, plain)
+        if shape is None:
+            if t.bytes > _UNMATCHED_BYTES:
+                return None
+            tensors.append(dataclasses.replace(t, consumers=list(t.consumers)))
+            continue
+        elements = math.prod(x or 1 for x in t.shape)
+        nbytes = t.bytes * math.prod(x or 1 for x in shape) // elements if elements else t.bytes
+        tensors.append(dataclasses.replace(t, shape=tuple(shape), bytes=nbytes, consumers=list(t.consumers)))
+    ops: List[Any] = []
+    for op in sharded.ops:
+        origin, _, tail = op.name.partition(_SHARD_MARK)
+        flops = op.flops
+        copy = not tail or (tail.startswith("_s") and tail[2:].isdigit())
+        if flops:
+            if copy and origin in plain_at.op_index and plain_at.ops[plain_at.op_index[origin]].flops:
+                k = plain_at.op_index[origin]
+                if plain.ops[k].name != origin:
+                    return None
+                flops = flops * plain.ops[k].flops / plain_at.ops[k].flops
+            elif op.outputs and tensors[op.outputs[0]].bytes != sharded.tensors[op.outputs[0]].bytes:
+                # A reshard's sum or split, a special lowering's node: as
+                # its output's size.
+                flops = flops * tensors[op.outputs[0]].bytes / sharded.tensors[op.outputs[0]].bytes
+        ops.append(dataclasses.replace(op, flops=flops))
+    return OpGraph(ops, tensors, sharded.variable_bytes, sharded.trainable)
 
 
 # ---------------------------------------------------------------------------
