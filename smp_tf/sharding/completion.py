@@ -70,6 +70,7 @@ class ShardOp:
         constraint: the spec `smp.shard_tensor` asks of its output.
         stateful: whether it changes state (never moved by the backward pass).
         argument: it is an argument of the step (a placeholder of the batch).
+        gradient: it belongs to the backward pass.
     """
 
     info: OpInfo
@@ -79,6 +80,7 @@ class ShardOp:
     constraint: Optional[ShardSpec] = None
     stateful: bool = False
     argument: bool = False
+    gradient: bool = False
 
     @property
     def name(self) -> str:
@@ -425,17 +427,22 @@ def returned_in_pieces(spec: ShardSpec) -> bool:
     return not spec.partial and spec.split_dim is not None
 
 
-def _reshards(graph: ShardGraph, specs, readers) -> List[Reshard]:
+def _reshards(graph: ShardGraph, specs, readers, sequence_parallel: bool = False) -> List[Reshard]:
     """One reshard per tensor and target layout its readers need (module
-    doc, 3); the step's outputs are read whole, but for the gradients
-    returned in pieces (`returned_in_pieces`)."""
+    doc, 4); the step's outputs are read whole, but for the gradients
+    returned in pieces (`returned_in_pieces`). With `sequence_parallel`,
+    the backward's readers of a forward tensor made in pieces have their
+    own (they gather it again, `smp_tf.sharding.lower`)."""
+    by_name = {op.name: op for op in graph.ops}
     reshards: List[Reshard] = []
     for x, (have, reads) in readers.items():
-        groups: Dict[ShardSpec, List[Tuple[str, int]]] = {}
+        producer = by_name.get(x.rpartition(":")[0])
+        again = sequence_parallel and have.split_dim is not None and producer is not None and not producer.gradient
+        groups: Dict[Tuple[ShardSpec, bool], List[Tuple[str, int]]] = {}
         for name, k, need in reads:
             if need != have:
-                groups.setdefault(need, []).append((name, k))
-        for need, who in groups.items():
+                groups.setdefault((need, again and by_name[name].gradient), []).append((name, k))
+        for (need, _), who in groups.items():
             reshards.append(Reshard(x, have, need, tuple(who), graph.bytes_of.get(x, 0)))
     for k, x in enumerate(graph.outputs):
         have = specs.get(x)
@@ -468,5 +475,5 @@ def complete(graph: ShardGraph, variables: Mapping[str, ShardSpec], t: int, max_
             break
     # Decisions that change nothing (whole in, whole out) are not kept.
     kept = {n: d for n, d in decisions.items() if any(not s.is_replicated for s in d.inputs + d.outputs)}
-    return ShardPlan(t, dict(variables), specs, kept, _reshards(graph, specs, readers), whole,
+    return ShardPlan(t, dict(variables), specs, kept, _reshards(graph, specs, readers, sequence_parallel), whole,
                      sequence_parallel=sequence_parallel, sequence_ops=on_pieces)

@@ -168,6 +168,7 @@ def shard_graph_of(graph_def: Any, op_graph: OpGraph, outputs: Sequence[str], t:
             constraint=constraint,
             stateful=op.stateful,
             argument=op.kind == "arg",
+            gradient=op.is_gradient,
         ))
         for x in op.outputs:
             bytes_of[g.tensor_name(x)] = g.tensors[x].bytes
