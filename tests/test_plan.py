@@ -159,8 +159,8 @@ def test_a_graph_at_another_micro_batch_size_is_interpolated_exactly():
     assert interpolate_graph(lo, 8, mid.__class__(mid.ops[:-1], mid.tensors, {}), 4, 2) is None
 
 
-@pytest.mark.parametrize("t", [2, 4])
-def test_a_sharded_graph_scaled_to_another_micro_batch_size_equals_sharding_it_there(t):
+@pytest.mark.parametrize("t, sequence_parallel", [(2, False), (4, False), (2, True)])
+def test_a_sharded_graph_scaled_to_another_micro_batch_size_equals_sharding_it_there(t, sequence_parallel):
     """The planner shards a step once per degree, at the larger anchor
     size: the graph at another size, scaled as the unsharded graphs scale,
     has every op's flops and every tensor's shape and bytes of the step
@@ -175,15 +175,16 @@ def test_a_sharded_graph_scaled_to_another_micro_batch_size_equals_sharding_it_t
     tokens = {"token_ids": np.zeros((32, 8), "int32"), "padding_mask": np.ones((32, 8), "int32")}
     for fn, args in ((step, (x, y)), (lm, (tokens, np.zeros((32, 8), "int32")))):
         tracer = _Tracer(fn, args, {}, 32, None, sizes=[8, 32])
-        real = tracer._traced_info(8, t).graph
-        got = scale_sharded(tracer._traced_info(32, t).graph, tracer(32, 1).graph, tracer(8, 1).graph)
+        real = tracer._traced_info(8, t, sequence_parallel).graph
+        got = scale_sharded(tracer._traced_info(32, t, sequence_parallel).graph, tracer(32, 1).graph,
+                            tracer(8, 1).graph)
         assert got is not None and [op.name for op in got.ops] == [op.name for op in real.ops]
         assert [op.flops for op in got.ops] == pytest.approx([op.flops for op in real.ops], rel=1e-12)
         assert [(x.shape, x.bytes) for x in got.tensors] == [(x.shape, x.bytes) for x in real.tensors]
         # The tracer itself scales rather than shards again.
         sharded, shard = [], tracer._traced_info
         tracer._traced_info = lambda b, t, *a: sharded.append((b, t)) or shard(b, t, *a)
-        assert tracer(8, t).graph.total_flops == pytest.approx(real.total_flops, rel=1e-12)
+        assert tracer(8, t, sequence_parallel).graph.total_flops == pytest.approx(real.total_flops, rel=1e-12)
         assert (8, t) not in sharded and (32, t) in sharded
     # Unsharded graphs that differ in structure are not scaled.
     plain = tracer(8, 1).graph

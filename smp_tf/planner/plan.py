@@ -454,11 +454,6 @@ class _Tracer:
         key = (b, t, True) if sequence_parallel else (b, t)
         if key in self._infos:
             return self._infos[key]
-        if sequence_parallel:  # traced at each size: the layouts depend on the sequence pieces
-            t0 = time.perf_counter()
-            info = self._infos[key] = self._traced_info(b, t, True)
-            self.seconds += time.perf_counter() - t0
-            return info
         t0 = time.perf_counter()
         self._depth = getattr(self, "_depth", 0) + 1
         try:
@@ -466,11 +461,13 @@ class _Tracer:
             if self.anchors is not None and t > 1 and b != self.anchors[1]:
                 # Sharded once, at the larger anchor: the other sizes scale
                 # it as the unsharded graphs scale (`scale_sharded`).
-                hi = self(self.anchors[1], t)
+                hi = self(self.anchors[1], t, sequence_parallel)
                 graph = scale_sharded(hi.graph, self(self.anchors[1], 1).graph, self(b, 1).graph)
                 if graph is not None:
                     info = GraphInfo(graph, hi.outputs, hi.shard_of_op, hi.split_variables, structure=hi.graph)
-            if info is None and self.anchors is not None and b == self.anchors[0]:
+            if info is None and sequence_parallel:
+                info = self._traced_info(b, t, True)
+            elif info is None and self.anchors is not None and b == self.anchors[0]:
                 # The smaller anchor shares the larger one's split and tasks
                 # when their ops are the same.
                 lo, hi = self._traced_info(b, t), self(self.anchors[1], t)
