@@ -243,7 +243,7 @@ def _host_devices() -> int:
 #: with oneDNN (the default on x86 CPUs) its graph optimiser fuses
 #: ``x * sigmoid(x)`` into one kernel in some places of a pipeline's task
 #: where it does not in the single-device step, and EfficientNetB0's
-#: gradients came out up to 2.0 apart (docs/exactness.md).
+#: gradients came out up to 2.0 apart (docs/notes/exactness.md).
 MIN_TENSORFLOW = (2, 17)
 MIN_KERAS = (3, 7)
 
@@ -283,7 +283,7 @@ def init(config: Optional[Mapping[str, Any]] = None) -> Config:
     under the previous config are discarded on their next call).
 
     Args:
-        config: a dict with the keys documented in `docs/api.md` (for example
+        config: a dict with the keys documented in `docs/config.md` (for example
             ``{"partitions": 2, "microbatches": 4}``). The JSON in the
             environment variable ``SM_HP_MP_PARAMETERS``, if set, overrides it.
 

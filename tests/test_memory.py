@@ -1185,7 +1185,7 @@ def test_onednn_cpu_kernels_leave_the_im2col_scratch_out(onednn):
     assert len(rows) == (2 if mkl else 0)
     for _, p, total, measured in rows:
         # 1.03 and 1.24 on an AVX-512 machine: oneDNN's reordered copies of
-        # some tensors go through TensorFlow's allocator (docs/memory.md).
+        # some tensors go through TensorFlow's allocator (docs/memory_measurement.md).
         assert 0.6 * int(measured) <= int(total) <= 1.15 * int(measured), (p, total, measured)
 
 

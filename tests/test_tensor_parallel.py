@@ -5,7 +5,7 @@ devices. Per micro-batch, the loss and every gradient are compared with
 the same body run on one device in a loop: bit for bit where only splits,
 gathers and column-parallel products are involved, within float32
 rounding scaled by the contracted size where a row-parallel product's
-partial sums are added (docs/exactness.md, "Tensor parallelism").
+partial sums are added (docs/exactness_features.md, "Tensor parallelism").
 """
 
 import keras
