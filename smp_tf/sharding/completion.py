@@ -101,6 +101,7 @@ class ShardGraph:
     #: The outputs that are floating-point gradients: returned in pieces
     #: where their layout allows (`returned_in_pieces`), not gathered.
     gradient_outputs: FrozenSet[str] = frozenset()
+    _shapes: Dict[str, Any] = field(default_factory=dict, init=False, repr=False, compare=False)
 
     @classmethod
     def from_spec(cls, spec: Sequence[Mapping[str, Any]], outputs: Sequence[str] = (), t: int = 2) -> "ShardGraph":
@@ -128,8 +129,8 @@ class ShardGraph:
 
     def shape_of(self, tensor: str) -> Any:
         """The static shape of `tensor` (None if unknown)."""
-        if not hasattr(self, "_shapes"):
-            self._shapes = {x: s for op in self.ops for x, s in zip(op.outputs, op.info.output_shapes)}
+        if not self._shapes:
+            self._shapes.update((x, s) for op in self.ops for x, s in zip(op.outputs, op.info.output_shapes))
         return self._shapes.get(tensor)
 
 
