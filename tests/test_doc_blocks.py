@@ -8,7 +8,9 @@ A block is marked by an HTML comment on the line before its fence:
   ``outputs``, data ``x``/``y`` and ``x_train``/``y_train``/``x_test``/
   ``y_test``, ``MyModel``, ``loss_fn``, ``optimizer``), defined right after
   the block's ``smp.init`` call (smp_tf is initialised before any
-  TensorFlow op, as the docs ask);
+  TensorFlow op, as the docs ask), or after `INIT` for a block without
+  one; ``<!-- run: step -->`` adds a compiled ``model``, an ``smp.step``
+  ``train_step`` and the ``tf.function`` ``train`` that applies it;
 * ``<!-- not on CPU: <reason> -->``: it needs what this machine does not
   have; it is listed here, skipped with its reason.
 
@@ -61,6 +63,29 @@ optimizer = keras.optimizers.Adam(1e-3)
 ''',
 }
 
+FIXTURES["step"] = FIXTURES["keras"] + '''
+model = MyModel()
+model.compile(optimizer="adam", loss=loss_fn)
+
+
+@smp.step
+def train_step(x, y):
+    with tf.GradientTape() as tape:
+        loss = loss_fn(y, model(x, training=True))
+    return loss, tape.gradient(loss, model.trainable_variables)
+
+
+@tf.function
+def train(x, y):
+    loss, grads = train_step(x, y)
+    optimizer.apply_gradients(zip([g.accumulate() for g in grads], model.trainable_variables))
+    return loss.reduce_mean()
+'''
+
+#: What a block run with a fixture but without its own ``smp.init`` (a
+#: fragment of a program that called it before) is given first.
+INIT = 'smp.init({"partitions": 2, "microbatches": 4})'
+
 _MARK = re.compile(r"<!--\s*(run(?::\s*(\w+))?|not on CPU:\s*(.+?))\s*-->")
 
 
@@ -87,9 +112,11 @@ def _program(code: str, fixture: str) -> str:
     """`code` with the fixture's names defined right after its ``smp.init``
     (and ``smp`` imported first, as the pages' earlier blocks do)."""
     lines = ["import smp_tf as smp"] + code.splitlines()
-    at = next((k for k, line in enumerate(lines) if "smp.init(" in line), None)
-    if at is None:
-        raise AssertionError("a block run with a fixture calls smp.init first (the fixture makes TensorFlow ops)")
+    # The block's own smp.init, if it comes before anything but imports.
+    at = next((k for k, line in enumerate(lines)
+               if line.strip() and not line.startswith(("import ", "from ", "#"))), None)
+    if at is None or "smp.init(" not in lines[at]:
+        lines, at = [lines[0], INIT] + lines[1:], 1
     while lines[at].count("(") > lines[at].count(")"):  # a call over several lines
         at += 1
     return "\n".join(lines[:at + 1] + [FIXTURES[fixture]] + lines[at + 1:])
