@@ -83,14 +83,7 @@ def _case(args) -> dict:
             return loss
     else:
         step = smp.step(body)
-
-        # Without AutoGraph, a MemoryBudgetError raised while tracing
-        # reaches the caller as itself (AutoGraph re-raises a StagingError).
-        @tf.function(autograph=False)
-        def train(x, y):
-            loss, grads = step(x, y)
-            opt.apply_gradients(zip([g.accumulate() for g in grads], model.trainable_variables))
-            return loss.reduce_mean()
+        train = _trainer(step, opt, model)
 
     for _ in range(args.warmup):
         float(train(x, y))
@@ -182,22 +175,28 @@ def _lm_trainer(model):
     step is called: eagerly, every micro-batch's outputs are held).
     Returns (the `smp.step`, the optimizer, the training function)."""
     import keras
-    import tensorflow as tf
 
     import smp_tf as smp
 
     step = smp.step(_lm_body(model))
     opt = keras.optimizers.Adam(1e-3)
+    return step, opt, _trainer(step, opt, model)
 
-    # Without AutoGraph, a MemoryBudgetError raised while tracing reaches
-    # the caller as itself (AutoGraph re-raises a StagingError).
+
+def _trainer(step, opt, model):
+    """The pipeline and the optimizer's update of the accumulated gradients
+    in one `tf.function`; returns the mean loss. Without AutoGraph, a
+    MemoryBudgetError raised while tracing reaches the caller as itself
+    (AutoGraph re-raises a StagingError)."""
+    import tensorflow as tf
+
     @tf.function(autograph=False)
     def train(x, y):
         loss, grads = step(x, y)
         opt.apply_gradients(zip([g.accumulate() for g in grads], model.trainable_variables))
         return loss.reduce_mean()
 
-    return step, opt, train
+    return train
 
 
 def _budget_case(args) -> dict:
@@ -300,12 +299,7 @@ def _gradients_case(args) -> dict:
     body = _mse_body(model)
 
     step = smp.step(body)
-
-    @tf.function(autograph=False)
-    def train(x, y):
-        loss, grads = step(x, y)
-        opt.apply_gradients(zip([g.accumulate() for g in grads], model.trainable_variables))
-        return loss.reduce_mean()
+    train = _trainer(step, opt, model)
 
     losses = [float(train(x, y)) for _ in range(2)]
 
@@ -355,12 +349,7 @@ def _sequence_case(args) -> dict:
     y = tf.constant(rng.normal(size=(batch, seq, width)).astype("float32"))
     opt = keras.optimizers.SGD(1e-3)
     step = smp.step(_mse_body(model))
-
-    @tf.function(autograph=False)
-    def train(x, y):
-        loss, grads = step(x, y)
-        opt.apply_gradients(zip([g.accumulate() for g in grads], model.trainable_variables))
-        return loss.reduce_mean()
+    train = _trainer(step, opt, model)
 
     losses = [float(train(x, y)) for _ in range(max(args.warmup, 2))]
     times = []

@@ -226,6 +226,12 @@ def _replicated_like(shape: Any) -> ShardSpec:
     return ShardSpec.replicated(len(shape) if shape is not None else 0)
 
 
+def _whole(info: OpInfo) -> Decision:
+    """Every input and output whole."""
+    return Decision(tuple(_replicated_like(s) for s in info.input_shapes),
+                    tuple(_replicated_like(s) for s in info.output_shapes))
+
+
 def _forward(graph: ShardGraph, variables: Mapping[str, ShardSpec], preferred: Mapping[str, Decision]):
     specs: Dict[str, ShardSpec] = {}
     decisions: Dict[str, Decision] = {}
@@ -255,8 +261,7 @@ def _forward(graph: ShardGraph, variables: Mapping[str, ShardSpec], preferred: M
             dec = rule(info, ins) if rule is not None else None
             if dec is None:
                 whole.append((op.name, op.type))
-                dec = Decision(tuple(_replicated_like(s) for s in info.input_shapes),
-                               tuple(_replicated_like(s) for s in info.output_shapes))
+                dec = _whole(info)
         if dec is not None:
             decisions[op.name] = dec
             for x, s in zip(op.outputs, dec.outputs):
@@ -358,8 +363,7 @@ def _sequence_splits(graph: ShardGraph, specs, decisions, readers, preferred: Di
             # It keeps the layout it has (the forward pass would otherwise
             # ask its rule again with the sequence pieces arriving, and a
             # product could gather its weight instead of its input).
-            new = dec or Decision(tuple(_replicated_like(s) for s in op.info.input_shapes),
-                                  tuple(_replicated_like(s) for s in op.info.output_shapes))
+            new = dec or _whole(op.info)
         else:
             on_pieces.append(op.name)
             for x, s in zip(op.outputs, new.outputs):

@@ -165,12 +165,7 @@ class _Writer:
         parts = self._copies(tensor)
         shape = self.shape_of.get(tensor)
         if have.partial:
-            # Added in device order, so that a run repeats itself bit for bit.
-            acc = parts[0]
-            for k in range(1, self.t):
-                acc = self._node(f"{base}{MARK}_sum{k}", "AddV2", [acc, parts[k]], dtype).name
-                self.shapes[f"{acc}:0"] = shape
-            return acc
+            return self._sum_in_order(parts, f"{base}{MARK}_sum", dtype, shape)
         axis = self._const(f"{base}{MARK}_gather_axis", have.split_dim)
         node = self._node(f"{base}{MARK}_gather", "ConcatV2", parts + [axis], dtype)
         node.attr["N"].i = self.t
@@ -220,14 +215,19 @@ class _Writer:
             for name in names:
                 self.shapes[name if ":" in name else f"{name}:0"] = local
             pieces.append(names)
-        out = []
-        for k in range(self.t):
-            acc = pieces[0][k]
-            for j in range(1, self.t):
-                acc = self._node(f"{base}{MARK}_rs_s{k}_sum{j}", "AddV2", [acc, pieces[j][k]], dtype, shard=k).name
-                self.shapes[f"{acc}:0"] = local
-            out.append(acc)
-        return out
+        return [self._sum_in_order([p[k] for p in pieces], f"{base}{MARK}_rs_s{k}_sum", dtype, local, shard=k)
+                for k in range(self.t)]
+
+    def _sum_in_order(self, parts: Sequence[str], prefix: str, dtype: int, shape: Any,
+                      shard: Optional[int] = None) -> str:
+        """``((parts[0] + parts[1]) + parts[2]) + ...``: the addends of a
+        partial sum added in device order, so that a run repeats itself bit
+        for bit (on device `shard`; None: the stage's first)."""
+        acc = parts[0]
+        for j in range(1, len(parts)):
+            acc = self._node(f"{prefix}{j}", "AddV2", [acc, parts[j]], dtype, shard=shard).name
+            self.shapes[f"{acc}:0"] = shape
+        return acc
 
     # -- ops -------------------------------------------------------------------
     def write(self) -> None:
