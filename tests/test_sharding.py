@@ -320,6 +320,31 @@ def test_sequence_parallelism_splits_the_ops_between_the_regions_along_the_seque
     assert plan.reshard_bytes() == plain.reshard_bytes()
 
 
+def test_sequence_parallelism_never_asks_a_partial_sum_of_pieces():
+    # A linear op on the row-parallel output (an Identity) runs on sequence
+    # pieces; the product after it makes a step output, so it is not moved
+    # to pieces, and the layout it had (a partial sum in, a partial sum out)
+    # cannot stand: it runs whole, its input gathered.
+    g = ShardGraph.from_spec([
+        dict(name="x", type="Placeholder", shape=(8, 16), argument=True),
+        dict(name="h1", type="Placeholder", shape=()),
+        dict(name="w1", type="ReadVariableOp", inputs=["h1"], shape=(16, 64), variable="w1"),
+        dict(name="h2", type="Placeholder", shape=()),
+        dict(name="w2", type="ReadVariableOp", inputs=["h2"], shape=(64, 16), variable="w2"),
+        dict(name="h5", type="Placeholder", shape=()),
+        dict(name="w5", type="ReadVariableOp", inputs=["h5"], shape=(16, 4), variable="w5"),
+        dict(name="mm1", type="MatMul", inputs=["x", "w1"], shape=(8, 64)),
+        dict(name="mm2", type="MatMul", inputs=["mm1", "w2"], shape=(8, 16)),
+        dict(name="relu", type="Relu", inputs=["mm2"], shape=(8, 16)),
+        dict(name="ident", type="Identity", inputs=["mm2"], shape=(8, 16)),
+        dict(name="mm5", type="MatMul", inputs=["ident", "w5"], shape=(8, 4)),
+    ], outputs=["relu", "mm5"])
+    plan = complete(g, {"w1": S1, "w2": S0}, 2, sequence_parallel=True)
+    assert str(plan.specs["ident:0"]) == "S(0)" and "mm5" not in plan.decisions  # it runs whole
+    assert not any(r.dst.partial for r in plan.reshards)
+    assert ("all_gather",) in [r.steps for r in plan.reshards if r.tensor == "ident:0"]
+
+
 def test_sequence_parallelism_refuses_a_sequence_t_does_not_divide():
     from smp_tf.sharding.completion import SequenceLengthError, sequence_dim
 

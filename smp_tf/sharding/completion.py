@@ -342,8 +342,12 @@ def _sequence_splits(graph: ShardGraph, specs, decisions, readers, preferred: Di
         SequenceLengthError: such a partial sum's sequence dimension has a
             size `t` does not divide.
     """
+    by_name = {op.name: op for op in graph.ops}
     batch = _batch_size(graph)
     outputs = set(graph.outputs)
+    # The tensors whose producer runs on sequence pieces (not the partial
+    # sums `seq` starts from, which are still made as partial sums).
+    made = {x: seq[x] for name in on_pieces for x in by_name[name].outputs if x in seq}
     for x, (have, reads) in readers.items():
         if any(need.is_replicated for _, _, need in reads):
             piece = _sequence_piece(graph, x, have, batch, t)
@@ -362,13 +366,17 @@ def _sequence_splits(graph: ShardGraph, specs, decisions, readers, preferred: Di
         if new is None:
             # It keeps the layout it has (the forward pass would otherwise
             # ask its rule again with the sequence pieces arriving, and a
-            # product could gather its weight instead of its input).
-            new = dec or _whole(op.info)
+            # product could gather its weight instead of its input), unless
+            # that layout takes as a partial sum an input now made in pieces
+            # (no reshard makes a partial sum): then it runs whole.
+            now_pieces = [x in made for x in op.inputs]
+            keeps = dec is not None and not any(p and need.partial for p, need in zip(now_pieces, dec.inputs))
+            new = dec if keeps else _whole(op.info)
         else:
             on_pieces.append(op.name)
             for x, s in zip(op.outputs, new.outputs):
                 if s.split_dim is not None:
-                    seq[x] = s
+                    seq[x] = made[x] = s
         preferred[op.name] = new
         moved = True
     return moved
